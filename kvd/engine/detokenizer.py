@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop strings: streamed pieces concatenate to the full decoded text."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+# Tokens of context decoded before the new ones, so that a token's leading space or merged bytes come out right.
+_CONTEXT_TOKENS = 6
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text, never emitting half of a multi-byte UTF-8 character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.stop = stop
+        # Text that could still turn out to be the start of a stop string is held back from streaming.
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Decode newly generated tokens; sets `stopped` and truncates `text` when a stop string appears."""
+        if self.stopped:
+            return
+        self.token_ids.extend(token_ids)
+        new_text = self._decode_new(final=False)
+        if new_text:
+            self._append(new_text)
+
+    def finish(self) -> None:
+        """Flush tokens still held for an incomplete character (the sequence ended)."""
+        if not self.stopped:
+            rest = self._decode_new(final=True)
+            if rest:
+                self._append(rest)
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not yet handed out; while unfinished, keep back what may begin a stop string."""
+        end = len(self.text) if finished or self.stopped else max(self.emitted, len(self.text) - self.holdback)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def _decode_new(self, final: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        if not final and (len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        self.prefix_offset = max(self.read_offset, len(self.token_ids) - _CONTEXT_TOKENS)
+        self.read_offset = len(self.token_ids)
+        # Keep the decode window short: drop ids before the context window.
+        if self.prefix_offset > 4 * _CONTEXT_TOKENS:
+            del self.token_ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+        return full[len(prefix) :]
+
+    def _append(self, new_text: str) -> None:
+        start = max(0, len(self.text) - self.holdback)
+        self.text += new_text
+        for s in self.stop:
+            pos = self.text.find(s, start)
+            if pos != -1:
+                self.text = self.text[:pos]
+                self.stopped = True
+                return

@@ -1,0 +1,41 @@
+"""Engine settings, with the defaults kvd runs with and the validation of each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineArgsError(ValueError):
+    """An engine setting is invalid; the message names it."""
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # folder, .gguf file or hub id; None = the bundled SmolLM2-135M-Instruct
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = kv_cache_memory_fraction of free memory
+    kv_cache_memory_fraction: float = 0.1
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's context length, capped by the pool
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # CPU threads for torch; None = all cores
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
+            raise EngineArgsError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+        if self.max_num_seqs < 1:
+            raise EngineArgsError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineArgsError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs}) "
+                "so that every running sequence can decode in one step"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise EngineArgsError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,101 @@
+"""The embeddable offline API: `kvd.LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from kvd.engine.engine_args import EngineArgs
+from kvd.engine.llm_engine import LLMEngine
+from kvd.engine.outputs import CompletionOutput, RequestOutput
+from kvd.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Complete every prompt; results come back in the prompts' order."""
+        prompts = _as_list(prompts)
+        results = {i: CompletionOutput(prompt=p) for i, p in enumerate(prompts)}
+        ids = self._submit(prompts, params)
+        index = {rid: i for i, rid in enumerate(ids)}
+        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            started = time.perf_counter()
+            generated = 0
+            for out in self._drain():
+                results[index[out.request_id]].add(out)
+                generated += len(out.new_token_ids)
+                if out.finished:
+                    bar.update(1)
+                    bar.set_postfix_str(f"{generated / (time.perf_counter() - started):.0f} tok/s")
+        return [results[i] for i in range(len(prompts))]
+
+    def chat(
+        self,
+        conversations: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Apply the tokenizer's chat template to each conversation and generate the assistant's reply."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
+    def stream(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, increment) as tokens are produced; abandoning the iterator aborts what is left."""
+        ids = self._submit(_as_list(prompts), params)
+        index = {rid: i for i, rid in enumerate(ids)}
+        try:
+            for out in self._drain():
+                yield index[out.request_id], out
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)
+
+    def _submit(self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None) -> list[int]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one each")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = next(self._ids)
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return ids
+
+    def _drain(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished():
+            yield from self.engine.step()
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -1,0 +1,268 @@
+"""The engine: admits requests, steps the scheduler and model, samples, detokenizes and reports increments."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from kvd.engine.block_manager import BlockManager
+from kvd.engine.detokenizer import IncrementalDetokenizer
+from kvd.engine.engine_args import EngineArgs
+from kvd.engine.metrics import EngineMetrics
+from kvd.engine.model_runner import ModelRunner
+from kvd.engine.outputs import RequestOutput
+from kvd.engine.sampler import SampledToken, SamplingRow, sample
+from kvd.engine.sampling_params import SamplingParams
+from kvd.engine.scheduler import Scheduler
+from kvd.engine.sequence import Sequence
+from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+from kvd.model.loader import load_model
+
+logger = logging.getLogger("kvd.engine")
+
+
+class RequestRejectedError(ValueError):
+    """A request cannot be admitted; the message says why and what to change."""
+
+
+class RequestTooLongError(RequestRejectedError):
+    """The prompt does not fit in max_model_len or in the KV pool."""
+
+
+@dataclass
+class _Request:
+    request_id: Hashable
+    seq: Sequence
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_cached_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, **kwargs: object) -> None:
+        self.args = args = args or EngineArgs(**kwargs)
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        self.device = torch.device(args.device)
+        loaded = load_model(args.model, dtype=args.dtype, device=self.device)
+        self.model_name = loaded.name
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = loaded.dtype
+        self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
+        self.num_blocks = self._pool_blocks()
+        pool_tokens = self.num_blocks * args.block_size
+        self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings, pool_tokens)
+        self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(
+            loaded.model, self.config, self.num_blocks, args.block_size, self.dtype, self.device
+        )
+        self.metrics = EngineMetrics()
+        self.requests: dict[Hashable, _Request] = {}
+        self._by_seq_id: dict[int, _Request] = {}
+        logger.info(
+            "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d",
+            self.num_blocks,
+            args.block_size,
+            pool_tokens,
+            self.num_blocks * kv_cache_bytes_per_block(self.config, args.block_size, self.dtype) / 2**20,
+            self.dtype,
+            self.max_model_len,
+        )
+
+    def _pool_blocks(self) -> int:
+        per_block = kv_cache_bytes_per_block(self.config, self.args.block_size, self.dtype)
+        budget = self.args.kv_cache_memory
+        if budget is None:
+            budget = int(_free_memory_bytes(self.device) * self.args.kv_cache_memory_fraction)
+        num_blocks = budget // per_block
+        if num_blocks < 2:
+            raise RequestRejectedError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
+                "raise kv_cache_memory"
+            )
+        return num_blocks
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        return list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def add_request(
+        self,
+        request_id: Hashable,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise RequestRejectedError(f"request id {request_id!r} is already in flight; use a new id")
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt)
+        self._check_prompt(token_ids)
+        seq = Sequence(token_ids, self.args.block_size, cache_salt=cache_salt)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        request = _Request(request_id, seq, params, detok, generator)
+        self.requests[request_id] = request
+        self._by_seq_id[seq.seq_id] = request
+        self.scheduler.add(seq)
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestRejectedError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestTooLongError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token); shorten the prompt"
+            )
+        vocab = self.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab})")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Drop a request in any state and free its blocks at once; False if it is unknown or finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request)
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        out = self.scheduler.schedule()
+        prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
+        outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
+        forward_s = 0.0
+        if out.chunks:
+            sampling = [c for c in out.chunks if c.samples]
+            forward_started = time.perf_counter()
+            logits = self.runner.run(out.chunks)
+            forward_s = time.perf_counter() - forward_started
+            requests = [self._by_seq_id[c.seq.seq_id] for c in sampling]
+            tokens = sample(logits, [self._sampling_row(r) for r in requests]) if requests else []
+            self.scheduler.postprocess(out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)})
+            outputs.extend(self._on_token(r, t) for r, t in zip(requests, tokens, strict=True))
+        self.metrics.record_step(
+            num_prefill_tokens=prefill_tokens,
+            num_generated=sum(1 for o in outputs if o.new_token_ids),
+            step_s=time.perf_counter() - started,
+            forward_s=forward_s,
+        )
+        return outputs
+
+    def _sampling_row(self, request: _Request) -> SamplingRow:
+        seq = request.seq
+        return SamplingRow(request.params, request.generator, seq.prompt_token_ids, seq.output_token_ids)
+
+    def _on_token(self, request: _Request, token: SampledToken) -> RequestOutput:
+        seq = request.seq
+        if seq.num_output_tokens == 1:
+            request.num_cached_tokens = seq.num_cached_tokens
+        request.detokenizer.add_tokens([token.token_id])
+        reason = self._stop_reason(request, token.token_id)
+        if reason is not None:
+            self._finish(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[token.token_id],
+            new_text=request.detokenizer.take_delta(finished=reason is not None),
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=[token] if request.params.logprobs is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _stop_reason(self, request: _Request, token_id: int) -> str | None:
+        params, seq = request.params, request.seq
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return "stop"
+        if request.detokenizer.stopped:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: _Request) -> None:
+        self.scheduler.finish(request.seq)
+        request.detokenizer.finish()
+        del self.requests[request.request_id]
+        del self._by_seq_id[request.seq.seq_id]
+
+    def _finish_with(self, request: _Request, reason: str) -> RequestOutput:
+        self._finish(request)
+        seq = request.seq
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            new_text=request.detokenizer.take_delta(finished=True),
+            finished=True,
+            finish_reason=reason,
+            logprobs=None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def stats(self) -> dict:
+        usage = self.block_manager.usage()
+        cache = self.block_manager.prefix_cache_stats()
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "kv_cache": vars(usage) | {"total_blocks": self.num_blocks},
+            "prefix_cache": vars(cache),
+            **self.metrics.summary(),
+        }
+
+    def info(self) -> dict:
+        return {
+            "model": self.model_name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "max_model_len": self.max_model_len,
+            "block_size": self.args.block_size,
+            "num_blocks": self.num_blocks,
+            "max_num_seqs": self.args.max_num_seqs,
+            "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "vocab_size": self.config.vocab_size,
+        }
+
+
+def _eos_token_ids(config: object, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory explicitly")

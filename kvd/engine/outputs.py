@@ -1,0 +1,45 @@
+"""What the engine hands back: per-step increments and whole completions."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvd.engine.sampler import SampledToken
+
+
+@dataclass
+class RequestOutput:
+    """One step's increment of one request."""
+
+    request_id: Hashable
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    logprobs: list[SampledToken] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    """A whole generated completion (the offline API's result)."""
+
+    prompt: str | list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[SampledToken] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + out.logprobs
+        self.finish_reason = out.finish_reason
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = out.num_cached_tokens

@@ -1,0 +1,131 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds and logprobs on tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvd.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one sequence that samples this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # log_softmax of the raw logits at the sampled token
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """Sample one token per row of `logits` ([N, V], float32)."""
+    logprobs = _logprobs(logits, rows)
+    if any(r.params.has_penalties for r in rows):
+        logits = _apply_penalties(logits.clone(), rows)
+    greedy_ids = logits.argmax(dim=-1)
+    if all(r.params.greedy for r in rows):
+        token_ids = greedy_ids
+    else:
+        token_ids = torch.where(_greedy_mask(rows, logits.device), greedy_ids, _random_sample(logits, rows))
+    ids = token_ids.tolist()
+    if logprobs is None:
+        return [SampledToken(t) for t in ids]
+    return _with_logprobs(ids, logprobs, rows)
+
+
+def _greedy_mask(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    return torch.tensor([r.params.greedy for r in rows], device=device)
+
+
+def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    # Greedy rows get temperature 1 here; their sample is discarded.
+    temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device).unsqueeze(1)
+    logits = logits / temps
+    if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+        logits = _top_k_top_p(logits, rows)
+    probs = logits.softmax(dim=-1)
+    if any(r.params.min_p > 0.0 for r in rows):
+        min_p = torch.tensor([r.params.min_p for r in rows], device=device).unsqueeze(1)
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    # argmax(p / q) with q ~ Exp(1) draws from p; a seeded row draws q from its own generator, so its tokens do
+    # not depend on what else shares the batch.
+    noise = torch.empty_like(probs).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i] = torch.empty(probs.shape[1], device=device).exponential_(generator=row.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    device = logits.device
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).clamp(max=vocab)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    drop = ranks >= top_k.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Drop a token when the mass before it already reaches top_p; the first token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.unsqueeze(1)
+    drop[:, 0] = False
+    return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    device = logits.device
+    vocab = logits.shape[1]
+    outputs = _padded([r.output_token_ids for r in rows], vocab, device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
+    if (rep != 1.0).any():
+        prompts = _padded([r.prompt_token_ids for r in rows], vocab, device)
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalized, logits)
+    presence = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
+    frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
+    return logits - presence * (counts > 0) - frequency * counts
+
+
+def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Rows of token ids padded with `pad` (an extra column that callers slice off)."""
+    width = max(1, max(len(x) for x in lists))
+    out = torch.full((len(lists), width), pad, dtype=torch.long)
+    for i, ids in enumerate(lists):
+        if ids:
+            out[i, : len(ids)] = torch.tensor(ids)
+    return out.to(device)
+
+
+def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+    if all(r.params.logprobs is None for r in rows):
+        return None
+    return logits.log_softmax(dim=-1)
+
+
+def _with_logprobs(ids: list[int], logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    top_n = max(r.params.logprobs or 0 for r in rows)
+    chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    out = []
+    for i, (token, row) in enumerate(zip(ids, rows, strict=True)):
+        n = row.params.logprobs
+        if n is None:
+            out.append(SampledToken(token))
+            continue
+        top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist(), strict=True)) if n else []
+        out.append(SampledToken(token, chosen[i], top))
+    return out

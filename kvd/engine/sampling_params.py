@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated at construction with errors that name the field at fault."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range or of the wrong type; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives per sampled token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _number("temperature", self.temperature, 0.0, 100.0)
+        _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _integer("top_k", self.top_k, 0, 2**31 - 1)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, 2**63 - 1)
+        _integer("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise SamplingParamsError("stop", "each stop sequence must be a non-empty string")
+        for t in self.stop_token_ids:
+            _integer("stop_token_ids", t, 0, 2**31 - 1)
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError("ignore_eos", "must be a boolean")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _number(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise SamplingParamsError(name, f"must be a number, got {type(value).__name__}")
+    if value != value or value > high or value < low or (low_open and value == low):
+        bracket = "(" if low_open else "["
+        raise SamplingParamsError(name, f"must be in {bracket}{low}, {high}], got {value}")
+
+
+def _integer(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SamplingParamsError(name, f"must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise SamplingParamsError(name, f"must be in [{low}, {high}], got {value}")

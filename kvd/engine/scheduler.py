@@ -1,0 +1,140 @@
+"""Continuous batching: decodes first, then chunked prefills, within a token budget; preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvd.engine.block_manager import BlockManager
+from kvd.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq` computed this step, starting at `seq.num_computed_tokens`."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so its last position yields the next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that hit the pool's capacity while running alone; they finish with reason "length".
+    out_of_memory: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget -= self._schedule_decodes(out, budget)
+        budget -= self._schedule_running_prefills(out, budget)
+        self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
+        used = 0
+        for seq in list(self.running):
+            if used == budget:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:
+                continue  # preempted earlier in this loop, or still in prefill
+            if not self._make_room_to_append(seq, out):
+                continue
+            self.block_manager.may_append(seq)
+            out.chunks.append(ScheduledChunk(seq, 1))
+            used += 1
+        return used
+
+    def _make_room_to_append(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the most recently admitted sequences until `seq` can take a new block; False if `seq` went."""
+        while not self.block_manager.can_append(seq):
+            if len(self.running) == 1:
+                # Alone and still no block: the sequence has outgrown the whole pool; the engine finishes it.
+                out.out_of_memory.append(seq)
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
+        used = 0
+        for seq in self.running:
+            if used == budget:
+                break
+            if seq.is_prefilling:
+                n = min(len(seq) - seq.num_computed_tokens, budget - used)
+                out.chunks.append(ScheduledChunk(seq, n))
+                used += n
+        return used
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Strict FCFS: when the head does not fit, nothing behind it jumps ahead, so no request starves.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.num_admitted_tokens = len(seq)
+            self.running.append(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+
+    def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Advance computed counts; append the token sampled for each sequence whose chunk finished it."""
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.cache_computed_blocks(seq)
+            token = sampled.get(seq.seq_id)
+            if token is not None:
+                seq.append_token(token)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) from its queue and free its blocks at once."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,1 @@
+"""The kvd daemon: protocol, sockets and the serving loop."""

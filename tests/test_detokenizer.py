@@ -1,0 +1,85 @@
+"""Incremental detokenization: no half characters, streamed pieces add up to the whole, stop strings cut."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from kvd.engine.detokenizer import IncrementalDetokenizer
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Ünïcödé text: naïve café, 日本語のテキスト, emoji 🦊🐶 and ### markers.",
+    "def f(x):\n    return x * 2  # doubled",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    # Byte-level BPE with a tiny vocabulary, so multi-byte characters split across several tokens.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+    )
+    tok.train_from_iterator(CORPUS * 5, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def _stream(tokenizer, prompt_ids, output_ids, stop=()):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, list(stop))
+    pieces = []
+    for i, token in enumerate(output_ids):
+        detok.add_tokens([token])
+        last = i == len(output_ids) - 1 or detok.stopped
+        if last:
+            detok.finish()
+        pieces.append(detok.take_delta(finished=last))
+        if detok.stopped:
+            break
+    return pieces, detok
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_streamed_pieces_concatenate_to_the_full_decode(tokenizer, text):
+    ids = tokenizer(text)["input_ids"]
+    prompt, output = ids[:3], ids[3:]
+    pieces, _ = _stream(tokenizer, prompt, output)
+    assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_multibyte_character_split_across_tokens_is_held_until_complete(tokenizer):
+    ids = tokenizer("🦊")["input_ids"]
+    assert len(ids) > 1, "the test needs an emoji that spans several tokens"
+    pieces, _ = _stream(tokenizer, [], ids)
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "🦊"
+
+
+def test_random_token_streams_match_full_decode(tokenizer):
+    # Random ids make invalid UTF-8 too: whatever the bytes, the stream must add up to the whole decode.
+    rng = random.Random(0)
+    prompt = tokenizer("The quick")["input_ids"]
+    for _ in range(200):
+        output = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))]
+        pieces, _ = _stream(tokenizer, prompt, output)
+        assert "".join(pieces) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_stop_string_split_across_tokens_is_cut_and_never_streamed(tokenizer):
+    text = "emoji 🦊🐶 and ### markers."
+    ids = tokenizer(text)["input_ids"]
+    pieces, detok = _stream(tokenizer, [], ids, stop=["###"])
+    assert detok.stopped
+    assert "".join(pieces) == "emoji 🦊🐶 and "
+    assert all("#" not in p for p in pieces)
+
+
+def test_held_back_prefix_of_a_stop_string_is_released_when_it_does_not_complete(tokenizer):
+    ids = tokenizer("a ## b")["input_ids"]
+    pieces, detok = _stream(tokenizer, [], ids, stop=["###"])
+    assert not detok.stopped
+    assert "".join(pieces) == "a ## b"
