@@ -3,29 +3,14 @@
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from tiny_models import CORPUS, byte_level_tokenizer
 
 from kvd.engine.detokenizer import IncrementalDetokenizer
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Ünïcödé text: naïve café, 日本語のテキスト, emoji 🦊🐶 and ### markers.",
-    "def f(x):\n    return x * 2  # doubled",
-]
-
 
 @pytest.fixture(scope="module")
-def tokenizer() -> PreTrainedTokenizerFast:
-    # Byte-level BPE with a tiny vocabulary, so multi-byte characters split across several tokens.
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
-    )
-    tok.train_from_iterator(CORPUS * 5, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+def tokenizer():
+    return byte_level_tokenizer()
 
 
 def _stream(tokenizer, prompt_ids, output_ids, stop=()):

@@ -9,7 +9,9 @@ from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
 VOCAB = 50
 
 
-def _row(seed: int | None = None, prompt: list[int] | None = None, output: list[int] | None = None, **kw) -> SamplingRow:
+def _row(
+    seed: int | None = None, prompt: list[int] | None = None, output: list[int] | None = None, **kw
+) -> SamplingRow:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     return SamplingRow(SamplingParams(seed=seed, **kw), generator, prompt or [1, 2, 3], output or [])
 
@@ -75,7 +77,11 @@ def test_top_k_keeps_k_most_likely():
 
 def test_logprobs_are_log_softmax_of_raw_logits():
     logits = _logits(3, seed=6)
-    rows = [_row(temperature=0.0, logprobs=5), _row(temperature=0.0), _row(seed=1, temperature=0.8, logprobs=2)]
+    rows = [
+        _row(temperature=0.0, logprobs=5),
+        _row(temperature=0.0),
+        _row(seed=1, temperature=0.8, logprobs=2),
+    ]
     out = sample(logits, rows)
     ref = logits.log_softmax(-1)
     for i in (0, 2):

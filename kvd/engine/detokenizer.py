@@ -12,7 +12,9 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns generated token ids into text, never emitting half of a multi-byte UTF-8 character."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]
+    ) -> None:
         self.tokenizer = tokenizer
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
@@ -42,7 +44,9 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """The text not yet handed out; while unfinished, keep back what may begin a stop string."""
-        end = len(self.text) if finished or self.stopped else max(self.emitted, len(self.text) - self.holdback)
+        end = (
+            len(self.text) if finished or self.stopped else max(self.emitted, len(self.text) - self.holdback)
+        )
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

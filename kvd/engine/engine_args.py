@@ -15,7 +15,9 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = kv_cache_memory_fraction of free memory
+    kv_cache_memory: int | None = (
+        None  # bytes for the KV pool; None = kv_cache_memory_fraction of free memory
+    )
     kv_cache_memory_fraction: float = 0.1
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -27,9 +29,13 @@ class EngineArgs:
         if self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise EngineArgsError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+            raise EngineArgsError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
+            )
         if not 0.0 < self.kv_cache_memory_fraction <= 0.95:
-            raise EngineArgsError(f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
+            raise EngineArgsError(
+                f"kv_cache_memory_fraction must be in (0, 0.95], got {self.kv_cache_memory_fraction}"
+            )
         if self.max_num_seqs < 1:
             raise EngineArgsError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:

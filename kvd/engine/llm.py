@@ -23,7 +23,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):
         return self.engine.tokenizer
 
     def generate(
@@ -61,7 +61,9 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def stream(
-        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yield (prompt index, increment) as tokens are produced; abandoning the iterator aborts what is left."""
         ids = self._submit(_as_list(prompts), params)
@@ -73,11 +75,15 @@ class LLM:
             for rid in ids:
                 self.engine.abort(rid)
 
-    def _submit(self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None) -> list[int]:
+    def _submit(
+        self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[int]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one each")
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one each"
+            )
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -156,7 +156,9 @@ class LLMEngine:
             forward_s = time.perf_counter() - forward_started
             requests = [self._by_seq_id[c.seq.seq_id] for c in sampling]
             tokens = sample(logits, [self._sampling_row(r) for r in requests]) if requests else []
-            self.scheduler.postprocess(out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)})
+            self.scheduler.postprocess(
+                out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)}
+            )
             outputs.extend(self._on_token(r, t) for r, t in zip(requests, tokens, strict=True))
         self.metrics.record_step(
             num_prefill_tokens=prefill_tokens,

@@ -18,7 +18,9 @@ class EngineMetrics:
     forward_s: float = 0.0
     _recent: deque[tuple[float, int]] = field(default_factory=deque)  # (time, tokens generated in that step)
 
-    def record_step(self, num_prefill_tokens: int, num_generated: int, step_s: float, forward_s: float) -> None:
+    def record_step(
+        self, num_prefill_tokens: int, num_generated: int, step_s: float, forward_s: float
+    ) -> None:
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill_tokens
         self.num_generated_tokens += num_generated

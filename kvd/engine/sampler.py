@@ -86,7 +86,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     device = logits.device
     vocab = logits.shape[1]
     outputs = _padded([r.output_token_ids for r in rows], vocab, device)
-    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))[:, :vocab]
+    counts = torch.zeros(len(rows), vocab + 1, device=device).scatter_add_(
+        1, outputs, torch.ones_like(outputs, dtype=torch.float32)
+    )[:, :vocab]
     rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device).unsqueeze(1)
     if (rep != 1.0).any():
         prompts = _padded([r.prompt_token_ids for r in rows], vocab, device)

@@ -1,0 +1,1 @@
+"""The engine: sequences, the paged-KV block manager, the scheduler, the model runner and the request loop."""

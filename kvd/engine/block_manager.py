@@ -1,0 +1,456 @@
+"""Paged-KV block manager: ref-counted blocks, prefix caching with verified hits, LRU reuse of cached blocks.
+
+Every physical block is in exactly one state:
+  used         ref_count > 0, listed in the block table of each sequence that holds it;
+  cached-free  ref_count 0, full and registered in the hash map: findable until its memory is needed;
+  free         ref_count 0, holds nothing anyone can find.
+New blocks come from `free` first, then from `cached-free`, least recently used first (an eviction).
+
+A full block is registered under a chained hash of its parent's hash and its token ids (for a first block the
+parent hash comes from the request's cache salt). Prompt blocks are registered once the engine reports their
+K/V computed (`cache_computed_blocks`); a decoding sequence's block is registered by `may_append` as it fills.
+A hit is never trusted on the hash alone: the candidate must hold the same token ids and have been computed
+after exactly the parent content this sequence has (compared by content id), so hits are exact at any hash
+width.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import count
+
+from xxhash import xxh3_64_intdigest
+
+from kvd.engine.sequence import Sequence
+
+HashFn = Callable[[bytes, int], int]
+"""hash_fn(token_bytes, parent_hash): a full block's hash from its token ids (little-endian int64) and its
+parent's hash. The default, xxh3_64 seeded with the parent hash, chains without building a buffer; see
+docs/block_manager.md for why 64 bits suffice."""
+
+ROOT_HASH = 0
+"""The parent hash of an unsalted sequence's first block."""
+
+
+class BlockManagerError(Exception):
+    """Base class of the block manager's errors."""
+
+
+class NoFreeBlocksError(BlockManagerError):
+    """Not enough free blocks; ask `can_allocate` / `can_append` first, or free (preempt) other sequences."""
+
+
+class SequenceNotAllocatedError(BlockManagerError):
+    """The sequence holds no blocks in this manager."""
+
+
+class DoubleFreeError(SequenceNotAllocatedError):
+    """`deallocate` on a sequence that is not allocated: freed twice, or never allocated."""
+
+
+class SequenceAlreadyAllocatedError(BlockManagerError):
+    """`allocate` on a sequence that already has a block table."""
+
+
+class BlockSizeMismatchError(BlockManagerError, ValueError):
+    """The sequence was built with another block size than the manager's."""
+
+
+class EmptySequenceError(BlockManagerError, ValueError):
+    """A sequence without tokens cannot be allocated."""
+
+
+class ComputedTokensError(BlockManagerError, ValueError):
+    """`num_computed_tokens` counts more tokens than the sequence has."""
+
+
+class InvariantError(BlockManagerError):
+    """`check_invariants` found the manager's state inconsistent (a bug, never a usage error)."""
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set once the block is full and hashed; None while it holds a partial block or nothing.
+    hash: int | None = None
+    token_bytes: bytes | None = None
+    # What this block's K/V was computed after: the parent block's `uid`, or the cache salt for a first block.
+    parent_key: int | str | None = None
+    # Identity of the content: equal uids mean identical K/V (same tokens after the same prefix).
+    uid: int = -1
+
+
+@dataclass(frozen=True)
+class BlockUsage:
+    used_blocks: int
+    free_blocks: int  # includes the cached-free ones: free_blocks + used_blocks == total
+    cached_blocks: int  # free but findable by the prefix cache
+    allocated_tokens: int  # token slots holding a token, in used blocks (a shared block counts once)
+    reserved_tokens: int  # used_blocks * block_size
+    internal_fragmentation_tokens: int  # reserved_tokens - allocated_tokens
+    block_utilization: float  # allocated_tokens / reserved_tokens (0.0 when nothing is used)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int  # prompt tokens looked up by `allocate`
+    hit_tokens: int  # of those, tokens whose K/V came from the cache
+    hit_rate: float  # hit_tokens / queried_tokens (0.0 before any query)
+    evictions: int  # cached-free blocks reused for new content
+
+
+class BlockManager:
+    """The blocks of one paged KV pool and which sequences hold them (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_fn: HashFn | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn: HashFn = hash_fn or xxh3_64_intdigest
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
+        self._cached_free: OrderedDict[int, Block] = OrderedDict()  # least recently used first
+        self._cached: dict[int, Block] = {}  # hash -> the block registered under it
+        self._seqs: dict[int, Sequence] = {}  # id(seq) -> each allocated sequence
+        self._uids = count()
+        self._pack_block = struct.Struct(f"<{block_size}q").pack
+        self._queried_tokens = 0
+        self._hit_tokens = 0
+        self._evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_ids) + len(self._cached_free)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Whether `allocate(seq)` would succeed: cached prefix blocks in use cost nothing."""
+        self._check_block_size(seq)
+        free = self.num_free_blocks
+        if free >= seq.num_blocks:  # never needs more than num_blocks, so skip the lookup
+            return True
+        if not self.enable_prefix_caching:
+            return False
+        return free >= self._blocks_needed(seq, self._find_hits(seq))
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` a block table for its tokens, reusing cached prefix blocks; sets `num_cached_tokens`."""
+        self._check_block_size(seq)
+        if id(seq) in self._seqs or seq.block_table:
+            raise SequenceAlreadyAllocatedError(
+                "allocate: the sequence already has a block table; deallocate it before allocating again"
+            )
+        if not seq.token_ids:
+            raise EmptySequenceError("allocate: the sequence has no tokens")
+        hits = self._find_hits(seq) if self.enable_prefix_caching else []
+        needed = self._blocks_needed(seq, hits)
+        if needed > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"allocate: {len(seq)} tokens need {needed} free blocks but {self.num_free_blocks} are free; "
+                "check can_allocate(seq) first, or free other sequences"
+            )
+        table = seq.block_table
+        for block in hits:
+            if block.ref_count == 0:  # revive a cached-free block
+                del self._cached_free[block.block_id]
+            block.ref_count += 1
+            table.append(block.block_id)
+        table += self._take_free_blocks(seq.num_blocks - len(hits))
+        num_cached = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens = num_cached
+        self._seqs[id(seq)] = seq
+        self._queried_tokens += len(seq)
+        self._hit_tokens += num_cached
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register the full blocks whose K/V are now computed (`seq.num_computed_tokens`) for reuse.
+
+        Call after each forward pass. Blocks are not offered at `allocate` time: a chunked prefill would
+        otherwise let another request read K/V that nobody has written yet.
+        """
+        table = seq.block_table
+        if not table:
+            raise SequenceNotAllocatedError(
+                "cache_computed_blocks: the sequence holds no blocks; allocate it first"
+            )
+        if self.enable_prefix_caching:
+            num_full = seq.num_computed_tokens // self.block_size
+            if num_full > len(table) or num_full * self.block_size > len(seq.token_ids):
+                raise ComputedTokensError(
+                    f"cache_computed_blocks: num_computed_tokens {seq.num_computed_tokens} exceeds the "
+                    f"{len(seq.token_ids)} tokens or the {len(table)} blocks of the sequence"
+                )
+            if num_full and self.blocks[table[num_full - 1]].hash is None:
+                self._hash_blocks(seq, num_full)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether `may_append(seq)` would succeed (it needs a block when len(seq) % block_size == 1)."""
+        missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)
+        return missing <= 0 or len(self._free_ids) + len(self._cached_free) >= missing
+
+    def may_append(self, seq: Sequence) -> None:
+        """Cover the tokens appended since the last call: take a block for a token that starts one (len(seq) %
+        block_size == 1), and hash and register the block that the last token filled.
+
+        The seed's one-step lag: the last token's K/V is written by the coming forward pass, the same pass as
+        any request that could hit the block from now on, so registering it now is safe. Call it for decoding
+        sequences only (every token but the last computed).
+        """
+        table = seq.block_table
+        if not table:
+            raise SequenceNotAllocatedError("may_append: the sequence holds no blocks; allocate it first")
+        num_tokens, bs = len(seq.token_ids), self.block_size
+        if num_tokens > len(table) * bs:
+            missing = -(-num_tokens // bs) - len(table)
+            if missing > self.num_free_blocks:
+                raise NoFreeBlocksError(
+                    f"may_append: needs {missing} free block(s) but {self.num_free_blocks} are free; "
+                    "check can_append(seq) first, or preempt another sequence"
+                )
+            table += self._take_free_blocks(missing)
+        elif num_tokens % bs:
+            return  # the tokens stayed inside a partial last block: no block became full
+        # Hashed blocks are a prefix of the table, so checking the last full one is enough.
+        num_full = num_tokens // bs
+        if self.enable_prefix_caching and self.blocks[table[num_full - 1]].hash is None:
+            self._hash_blocks(seq, num_full)
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release the sequence's blocks; full registered blocks stay findable (cached-free)."""
+        if self._seqs.pop(id(seq), None) is None:
+            raise DoubleFreeError(
+                "deallocate: the sequence holds no blocks here (freed twice, or never allocated); "
+                "call deallocate exactly once per allocate"
+            )
+        blocks, cached, cached_free, free_ids = self.blocks, self._cached, self._cached_free, self._free_ids
+        # Tail first: of one sequence's blocks the LRU then evicts the tail before the prefix others share.
+        for block_id in reversed(seq.block_table):
+            block = blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None and cached.get(block.hash) is block:
+                    cached_free[block_id] = block
+                else:
+                    block.hash = block.token_bytes = block.parent_key = None
+                    free_ids.append(block_id)
+        seq.block_table.clear()
+        seq.num_cached_tokens = seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while any block is in use."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for block in self._cached_free.values():
+            block.hash = block.token_bytes = block.parent_key = None
+            self._free_ids.append(block.block_id)
+        self._cached_free.clear()
+        self._cached.clear()
+        return True
+
+    def usage(self) -> BlockUsage:
+        used = self.num_blocks - self.num_free_blocks
+        reserved = used * self.block_size
+        # Only a sequence's last block can be partial, and a partial block is never shared.
+        empty_slots = sum(max(0, len(s.block_table) * self.block_size - len(s)) for s in self._seqs.values())
+        allocated = reserved - empty_slots
+        return BlockUsage(
+            used_blocks=used,
+            free_blocks=self.num_free_blocks,
+            cached_blocks=len(self._cached_free),
+            allocated_tokens=allocated,
+            reserved_tokens=reserved,
+            internal_fragmentation_tokens=empty_slots,
+            block_utilization=allocated / reserved if reserved else 0.0,
+        )
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            queried_tokens=self._queried_tokens,
+            hit_tokens=self._hit_tokens,
+            hit_rate=self._hit_tokens / self._queried_tokens if self._queried_tokens else 0.0,
+            evictions=self._evictions,
+        )
+
+    def _check_block_size(self, seq: Sequence) -> None:
+        if seq.block_size != self.block_size:
+            raise BlockSizeMismatchError(
+                f"sequence block_size {seq.block_size} != manager block_size {self.block_size}; "
+                "build the Sequence with the engine's block size"
+            )
+
+    def _root_hash(self, cache_salt: str | None) -> int:
+        return ROOT_HASH if cache_salt is None else self.hash_fn(cache_salt.encode(), ROOT_HASH)
+
+    def _find_hits(self, seq: Sequence) -> list[Block]:
+        """The verified cached blocks of the longest cached prefix, leaving the last token to compute."""
+        hash_fn, cached = self.hash_fn, self._cached
+        parent_hash = self._root_hash(seq.cache_salt)
+        parent_key: int | str | None = seq.cache_salt
+        hits: list[Block] = []
+        # At most (len - 1) // bs blocks: the last token must be computed for the prompt to yield logits.
+        num_blocks = (len(seq.token_ids) - 1) // self.block_size
+        # Probe the first block alone: most lookups stop there, and packing a long prompt costs more.
+        for first, last in ((0, min(1, num_blocks)), (1, num_blocks)):
+            for token_bytes in self._pack_blocks(seq.token_ids, first, last):
+                parent_hash = hash_fn(token_bytes, parent_hash)
+                block = cached.get(parent_hash)
+                if block is None or block.token_bytes != token_bytes or block.parent_key != parent_key:
+                    return hits
+                hits.append(block)
+                parent_key = block.uid
+        return hits
+
+    def _pack_blocks(self, tokens: list[int], first: int, last: int) -> list[bytes]:
+        """The token ids of blocks [first, last), each as little-endian int64 bytes, packed in one call (the
+        packing, not the hashing, is the costly part)."""
+        bs = self.block_size
+        if last - first == 1:
+            return [self._pack_block(*tokens[first * bs : last * bs])]
+        if last <= first:
+            return []
+        data = struct.pack(f"<{(last - first) * bs}q", *tokens[first * bs : last * bs])
+        step = 8 * bs
+        return [data[offset : offset + step] for offset in range(0, len(data), step)]
+
+    def _blocks_needed(self, seq: Sequence, hits: list[Block]) -> int:
+        """Free blocks `allocate` takes: one per miss, plus one per revived cached-free hit."""
+        revived = sum(1 for block in hits if block.ref_count == 0)
+        return seq.num_blocks - len(hits) + revived
+
+    def _take_free_blocks(self, n: int) -> list[int]:
+        """`n` blocks for new content: plain free ones first, then the least recently used cached ones."""
+        free_ids, blocks = self._free_ids, self.blocks
+        keep = max(0, len(free_ids) - n)
+        taken = free_ids[keep:]
+        del free_ids[keep:]
+        taken.reverse()  # in pop order
+        num_evicted = n - len(taken)
+        if num_evicted:
+            popitem, cached = self._cached_free.popitem, self._cached
+            for _ in range(num_evicted):
+                block_id, block = popitem(last=False)
+                del cached[block.hash]
+                block.hash = block.token_bytes = block.parent_key = None
+                taken.append(block_id)
+            self._evictions += num_evicted
+        for block_id in taken:
+            blocks[block_id].ref_count = 1
+        return taken
+
+    def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
+        """Hash the sequence's not yet hashed blocks below `num_full` (all full) and register them."""
+        blocks, table = self.blocks, seq.block_table
+        first = num_full - 1
+        while first and blocks[table[first - 1]].hash is None:
+            first -= 1
+        if first:
+            parent = blocks[table[first - 1]]
+            parent_hash, parent_key = parent.hash, parent.uid
+        else:
+            parent_hash, parent_key = self._root_hash(seq.cache_salt), seq.cache_salt
+        hash_fn, cached, uids = self.hash_fn, self._cached, self._uids
+        for i, token_bytes in enumerate(self._pack_blocks(seq.token_ids, first, num_full), first):
+            block = blocks[table[i]]
+            parent_hash = hash_fn(token_bytes, parent_hash)
+            block.hash, block.token_bytes, block.parent_key = parent_hash, token_bytes, parent_key
+            registered = cached.setdefault(parent_hash, block)
+            if (
+                registered is not block
+                and registered.token_bytes == token_bytes
+                and registered.parent_key == parent_key
+            ):
+                # The same content computed twice (e.g. by two requests admitted together): this copy stays
+                # unregistered, but its children chain on the registered copy's identity, so stay findable.
+                block.uid = registered.uid
+            else:  # new content, or a hash collision (then this block stays unregistered)
+                block.uid = next(uids)
+            parent_key = block.uid
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError unless the state is consistent (for tests; O(blocks + tokens))."""
+        free_ids = set(self._free_ids)
+        _require(len(free_ids) == len(self._free_ids), "a block id is twice in the free list")
+        cached_free_ids = set(self._cached_free)
+        _require(
+            not free_ids & cached_free_ids, f"blocks both free and cached-free: {free_ids & cached_free_ids}"
+        )
+        holders = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            self._check_sequence(seq)
+            for block_id in seq.block_table:
+                holders[block_id] += 1
+        num_used = 0
+        for block in self.blocks:
+            bid = block.block_id
+            _require(
+                block.ref_count == holders[bid],
+                f"block {bid}: ref_count {block.ref_count} but {holders[bid]} block tables hold it",
+            )
+            registered = block.hash is not None and self._cached.get(block.hash) is block
+            if block.ref_count > 0:
+                num_used += 1
+                _require(bid not in free_ids and bid not in cached_free_ids, f"used block {bid} is also free")
+                _require(block.ref_count == 1 or block.hash is not None, f"shared block {bid} is not hashed")
+            elif bid in cached_free_ids:
+                _require(registered, f"cached-free block {bid} is not findable by its hash")
+                _require(self._cached_free[bid] is block, f"cached-free entry {bid} points at another block")
+            else:
+                _require(bid in free_ids, f"block {bid} is neither used, cached-free nor free")
+                _require(block.hash is None, f"free block {bid} still holds a hash")
+        for h, block in self._cached.items():
+            _require(
+                block.hash == h, f"hash map entry {h} points at block {block.block_id} holding {block.hash}"
+            )
+            _require(block.token_bytes is not None, f"registered block {block.block_id} has no token ids")
+        _require(
+            len(free_ids) + len(cached_free_ids) + num_used == self.num_blocks,
+            f"free {len(free_ids)} + cached-free {len(cached_free_ids)} + used {num_used} != total",
+        )
+
+    def _check_sequence(self, seq: Sequence) -> None:
+        bs, table = self.block_size, seq.block_table
+        _require(bool(table), "an allocated sequence has an empty block table")
+        _require(len(set(table)) == len(table), f"a block table lists a block twice: {table}")
+        _require(len(table) <= seq.num_blocks, f"{len(table)} blocks for {len(seq)} tokens")
+        _require(
+            0 <= seq.num_cached_tokens < len(seq) and seq.num_cached_tokens % bs == 0,
+            f"num_cached_tokens {seq.num_cached_tokens} for a sequence of {len(seq)} tokens",
+        )
+        parent_hash, parent_key = self._root_hash(seq.cache_salt), seq.cache_salt
+        hashed = True
+        for i, block_id in enumerate(table):
+            block = self.blocks[block_id]
+            if block.hash is None:
+                hashed = False
+                _require(block.ref_count == 1, f"unhashed block {block_id} is shared")
+                continue
+            _require(
+                hashed and (i + 1) * bs <= len(seq), f"block {block_id} is hashed out of order, or not full"
+            )
+            token_bytes = self._pack_block(*seq.block(i))
+            parent_hash = self.hash_fn(token_bytes, parent_hash)
+            _require(
+                block.hash == parent_hash
+                and block.token_bytes == token_bytes
+                and block.parent_key == parent_key,
+                f"block {block_id} (position {i}) does not hold this sequence's block {i}",
+            )
+            parent_key = block.uid
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvariantError(message)

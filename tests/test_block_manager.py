@@ -1,0 +1,573 @@
+"""Block manager: one test (or more) per rule of the spec, the Sequence, and the seed benchmark's figures."""
+
+from __future__ import annotations
+
+import ast
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from xxhash import xxh3_64_intdigest
+
+from benchmarks.block_manager import fragmentation_report, main, shared_prefix_report, speed_report
+from kvd.engine import block_manager as block_manager_module
+from kvd.engine import sequence as sequence_module
+from kvd.engine.block_manager import (
+    BlockManager,
+    BlockManagerError,
+    BlockSizeMismatchError,
+    ComputedTokensError,
+    DoubleFreeError,
+    EmptySequenceError,
+    InvariantError,
+    NoFreeBlocksError,
+    SequenceAlreadyAllocatedError,
+    SequenceNotAllocatedError,
+)
+from kvd.engine.sequence import Sequence
+
+BS = 4
+PREFIX = list(range(100, 112))  # three full blocks of BS tokens
+
+
+def seq_of(tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(tokens, BS, cache_salt=salt)
+
+
+def prefill(bm: BlockManager, seq: Sequence) -> Sequence:
+    """Admit the sequence and compute its whole prompt, as the engine does."""
+    bm.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_computed_blocks(seq)
+    bm.check_invariants()
+    return seq
+
+
+def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
+    """One decode step: the sampled token joins the sequence, gets a slot, and the forward computes it."""
+    seq.append_token(token)
+    bm.may_append(seq)
+    seq.num_computed_tokens = len(seq)
+    bm.cache_computed_blocks(seq)
+    bm.check_invariants()
+
+
+# Sequence
+
+
+def test_sequence_blocks():
+    seq = Sequence(list(range(10)), block_size=4, cache_salt="t")
+    assert (len(seq), seq.num_tokens, seq.num_blocks, seq.last_block_num_tokens) == (10, 10, 3, 2)
+    assert seq.block(0) == [0, 1, 2, 3] and seq.block(2) == [8, 9]
+    assert seq.block_table == [] and seq.num_cached_tokens == 0 and seq.cache_salt == "t"
+    with pytest.raises(IndexError):
+        seq.block(3)
+    seq.append_token(10)
+    seq.append_token(11)
+    assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 4)
+    seq.append_token(12)
+    assert (seq.num_blocks, seq.last_block_num_tokens) == (4, 1)
+
+
+def test_sequence_defaults_and_copies_tokens():
+    tokens = [1, 2, 3]
+    seq = Sequence(tokens)
+    seq.append_token(4)
+    assert seq.block_size == 16 and seq.cache_salt is None and tokens == [1, 2, 3]
+    with pytest.raises(ValueError, match="block_size"):
+        Sequence([1], block_size=0)
+
+
+# Rule 1: ref-counted blocks
+
+
+def test_two_sequences_share_a_three_block_prefix_with_ref_count_2():
+    bm = BlockManager(16, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1, 2]))
+    b = seq_of([*PREFIX, 3])
+    bm.allocate(b)
+    bm.check_invariants()
+    assert b.block_table[:3] == a.block_table[:3]
+    assert [bm.blocks[i].ref_count for i in b.block_table[:3]] == [2, 2, 2]
+    assert a.block_table[3] != b.block_table[3]
+    assert b.num_cached_tokens == 12
+    assert bm.usage().used_blocks == 5
+
+
+def test_shared_block_is_released_by_its_last_holder():
+    bm = BlockManager(16, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1, 2]))
+    b = prefill(bm, seq_of([*PREFIX, 3]))
+    shared = a.block_table[:3]
+    bm.deallocate(a)
+    bm.check_invariants()
+    assert [bm.blocks[i].ref_count for i in shared] == [1, 1, 1]
+    assert bm.usage().used_blocks == 4
+    bm.deallocate(b)
+    bm.check_invariants()
+    assert [bm.blocks[i].ref_count for i in shared] == [0, 0, 0]
+    assert bm.usage().used_blocks == 0
+    assert a.block_table == [] and b.block_table == [] and a.num_cached_tokens == 0
+
+
+# Rule 2: prefix caching with a verified chained hash
+
+
+def test_third_sequence_hits_all_three_cached_blocks_after_both_free():
+    bm = BlockManager(16, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1, 2]))
+    shared = a.block_table[:3]
+    b = prefill(bm, seq_of([*PREFIX, 3]))
+    bm.deallocate(a)
+    bm.deallocate(b)
+    assert bm.usage().cached_blocks == 3
+    c = seq_of([*PREFIX, 4, 5, 6])
+    bm.allocate(c)
+    bm.check_invariants()
+    assert c.num_cached_tokens == 12 and c.num_computed_tokens == 12
+    assert c.block_table[:3] == shared
+    assert bm.usage().cached_blocks == 0  # the three were revived
+
+
+def test_same_tokens_after_a_different_prefix_do_not_hit():
+    bm = BlockManager(16, BS)
+    prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    b = seq_of([9, 9, 9, 9, 5, 6, 7, 8, 0])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_salted_request_never_hits_unsalted_or_other_salt_blocks():
+    bm = BlockManager(32, BS)
+    unsalted = prefill(bm, seq_of([*PREFIX, 1]))
+    tenant_a = prefill(bm, seq_of([*PREFIX, 1], salt="tenant-a"))
+    assert tenant_a.num_cached_tokens == 0
+    assert not set(tenant_a.block_table) & set(unsalted.block_table)
+    tenant_b = prefill(bm, seq_of([*PREFIX, 1], salt="tenant-b"))
+    assert tenant_b.num_cached_tokens == 0
+    assert not set(tenant_b.block_table) & (set(unsalted.block_table) | set(tenant_a.block_table))
+    again_a = prefill(bm, seq_of([*PREFIX, 2], salt="tenant-a"))
+    assert again_a.num_cached_tokens == 12 and again_a.block_table[:3] == tenant_a.block_table[:3]
+    again_unsalted = prefill(bm, seq_of([*PREFIX, 2]))
+    assert again_unsalted.block_table[:3] == unsalted.block_table[:3]
+
+
+def test_forced_hash_collision_is_caught_by_token_verification():
+    bm = BlockManager(16, BS, hash_fn=lambda token_bytes, parent_hash: 42)  # every block collides
+    a = prefill(bm, seq_of([1, 2, 3, 4, 5]))
+    b = seq_of([9, 9, 9, 9, 5])
+    bm.allocate(b)
+    bm.check_invariants()
+    assert b.num_cached_tokens == 0
+    assert b.block_table[0] != a.block_table[0]
+    c = seq_of([1, 2, 3, 4, 6])  # a true hit still works under the colliding hash
+    bm.allocate(c)
+    assert c.num_cached_tokens == 4 and c.block_table[0] == a.block_table[0]
+
+
+def test_collision_on_a_parent_block_is_caught_by_the_parent_identity():
+    # Blocks [1,2,3,4] and [5,6,7,8] hash alike; every other hash is honest and chained.
+    def colliding(token_bytes: bytes, parent_hash: int) -> int:
+        if token_bytes == struct.pack("<4q", 5, 6, 7, 8):
+            token_bytes = struct.pack("<4q", 1, 2, 3, 4)
+        return xxh3_64_intdigest(token_bytes, parent_hash)
+
+    bm = BlockManager(16, BS, hash_fn=colliding)
+    x = prefill(bm, seq_of([1, 2, 3, 4, 0]))  # registers block [1,2,3,4]
+    # [5,6,7,8] misses (token check), its copy stays unregistered; its child [10..13] is registered under the
+    # same hash as a child of [1,2,3,4] would be.
+    y = prefill(bm, seq_of([5, 6, 7, 8, 10, 11, 12, 13, 0]))
+    assert y.num_cached_tokens == 0
+    z = seq_of([1, 2, 3, 4, 10, 11, 12, 13, 0])
+    bm.allocate(z)
+    bm.check_invariants()
+    # Block 0 is a true hit; block 1 matches by hash and tokens but was computed after [5,6,7,8]: rejected.
+    assert z.num_cached_tokens == 4
+    assert z.block_table[0] == x.block_table[0]
+    assert z.block_table[1] != y.block_table[1]
+
+
+def test_duplicate_content_keeps_its_children_findable():
+    bm = BlockManager(16, BS)
+    # Admitted together, both miss and compute the same first block; the second copy is not registered.
+    a, b = seq_of([1, 2, 3, 4, 5]), seq_of([1, 2, 3, 4, 5])
+    bm.allocate(a)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and a.block_table[0] != b.block_table[0]
+    for seq in (a, b):
+        seq.num_computed_tokens = len(seq)
+        bm.cache_computed_blocks(seq)
+    for token in (6, 7, 8, 9):  # b decodes a second full block, chained on its unregistered copy
+        decode(bm, b, token)
+    c = seq_of([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8
+    assert c.block_table[:2] == [a.block_table[0], b.block_table[1]]
+
+
+# Rule 3: cached-free blocks, plain free first, LRU eviction, revival
+
+
+def test_freed_full_blocks_stay_cached_and_partial_ones_become_free():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1, 2]))
+    bm.deallocate(a)
+    bm.check_invariants()
+    usage = bm.usage()
+    assert (usage.used_blocks, usage.free_blocks, usage.cached_blocks) == (0, 8, 3)
+
+
+def test_new_blocks_come_from_plain_free_blocks_before_evicting_cached_ones():
+    bm = BlockManager(5, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1]))  # 3 full blocks + 1 partial
+    bm.deallocate(a)  # 3 cached-free, 2 plain free
+    b = seq_of([50, 51, 52, 53, 54])  # 2 fresh blocks: the plain free ones
+    bm.allocate(b)
+    bm.check_invariants()
+    assert bm.prefix_cache_stats().evictions == 0 and bm.usage().cached_blocks == 3
+    c = seq_of([60, 61])  # no plain block left: evicts the least recently used cached block
+    bm.allocate(c)
+    bm.check_invariants()
+    assert bm.prefix_cache_stats().evictions == 1 and bm.usage().cached_blocks == 2
+    # a was freed tail first, so its third block went first and its first two blocks still hit.
+    bm.deallocate(b)
+    bm.deallocate(c)
+    d = seq_of([*PREFIX, 7])
+    bm.allocate(d)
+    assert d.num_cached_tokens == 8
+
+
+def test_eviction_order_is_least_recently_used_and_removes_the_hash_entry():
+    bm = BlockManager(4, BS)
+    a = prefill(bm, seq_of([1, 2, 3, 4, 100]))
+    b = prefill(bm, seq_of([5, 6, 7, 8, 100]))
+    bm.deallocate(a)
+    bm.deallocate(b)  # cached-free, least recently used first: a's block, b's block
+    a_again = prefill(bm, seq_of([1, 2, 3, 4, 101]))  # revives a's block: now b's is the LRU one
+    assert a_again.num_cached_tokens == 4
+    bm.deallocate(a_again)
+    x = seq_of([50, 51, 52, 53, 54, 55, 56, 57, 58])  # 3 blocks: 2 plain free + 1 eviction
+    bm.allocate(x)
+    bm.check_invariants()
+    assert bm.prefix_cache_stats().evictions == 1
+    bm.deallocate(x)  # never computed: nothing of x is cached
+    assert bm.usage().cached_blocks == 1
+    b_again = seq_of([5, 6, 7, 8, 100])
+    bm.allocate(b_again)
+    assert b_again.num_cached_tokens == 0  # b's block was evicted and its hash entry removed
+    a_third = seq_of([1, 2, 3, 4, 100])
+    bm.allocate(a_third)
+    assert a_third.num_cached_tokens == 4
+    bm.check_invariants()
+
+
+def test_prompt_blocks_are_offered_only_once_computed():
+    bm = BlockManager(16, BS)
+    a = seq_of([*PREFIX, 1])
+    bm.allocate(a)  # not computed yet: nothing to share
+    b = seq_of([*PREFIX, 2])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+    a.num_computed_tokens = 9  # a chunked prefill computed two full blocks and a bit
+    bm.cache_computed_blocks(a)
+    bm.check_invariants()
+    c = seq_of([*PREFIX, 3])
+    bm.allocate(c)
+    assert c.num_cached_tokens == 8 and c.block_table[:2] == a.block_table[:2]
+
+
+def test_preempted_prefill_caches_only_its_computed_blocks():
+    bm = BlockManager(16, BS)
+    a = seq_of([*PREFIX, 1])
+    bm.allocate(a)
+    a.num_computed_tokens = 4
+    bm.cache_computed_blocks(a)
+    bm.deallocate(a)
+    assert bm.usage().cached_blocks == 1
+    bm.allocate(a)  # re-admitted: recomputes what was never written
+    assert a.num_cached_tokens == 4
+
+
+# Rule 4: can_allocate counts hits
+
+
+def test_can_allocate_counts_hits_on_blocks_in_use():
+    bm = BlockManager(5, BS)
+    prefill(bm, seq_of([*PREFIX, 1]))  # 4 of 5 blocks used
+    b = seq_of([*PREFIX, 2])  # 4 blocks, 3 of them hits in use: needs 1
+    assert bm.num_free_blocks == 1 and b.num_blocks == 4
+    assert bm.can_allocate(b)
+    bm.allocate(b)
+    bm.check_invariants()
+    assert not bm.can_allocate(seq_of([*PREFIX, 3]))  # pool full now
+
+
+def test_can_allocate_counts_revived_cached_blocks():
+    bm = BlockManager(4, BS)
+    bm.deallocate(prefill(bm, seq_of([*PREFIX, 1])))  # 3 cached-free + 1 free
+    too_long = seq_of([*PREFIX, *range(5)])  # 3 revived + 2 new = 5 > 4
+    assert not bm.can_allocate(too_long)
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate(too_long)
+    fits = seq_of([*PREFIX, 2])  # 3 revived + 1 new = 4
+    assert bm.can_allocate(fits)
+    bm.allocate(fits)
+    bm.check_invariants()
+    assert fits.num_cached_tokens == 12 and bm.num_free_blocks == 0
+
+
+# Rule 5: the last prompt token is always computed
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    bm = BlockManager(16, BS)
+    a = prefill(bm, seq_of(PREFIX))  # exactly three full blocks
+    a_blocks = list(a.block_table)
+    bm.deallocate(a)
+    b = seq_of(PREFIX)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 8 < len(b)
+    assert b.block_table[:2] == a_blocks[:2] and b.block_table[2] != a_blocks[2]
+    b.num_computed_tokens = len(b)
+    bm.cache_computed_blocks(b)  # the recomputed copy of block 2 is a duplicate, not registered
+    bm.check_invariants()
+    bm.deallocate(b)
+    assert bm.usage().cached_blocks == 3
+    c = seq_of([*PREFIX, 1])
+    bm.allocate(c)
+    assert c.num_cached_tokens == 12
+
+
+def test_one_token_prompt_caches_nothing():
+    bm = BlockManager(4, 1)
+    a = Sequence([7], block_size=1)
+    bm.allocate(a)
+    assert a.num_cached_tokens == 0
+
+
+# Rule 6: the decode lag of the seed
+
+
+def test_may_append_takes_a_block_exactly_when_len_mod_block_size_is_1():
+    bm = BlockManager(4, BS)
+    seq = prefill(bm, seq_of([1, 2, 3, 4]))
+    for token in range(5, 17):
+        seq.append_token(token)
+        before = len(seq.block_table)
+        assert bm.can_append(seq)
+        bm.may_append(seq)
+        assert len(seq.block_table) - before == (1 if len(seq) % BS == 1 else 0), len(seq)
+        assert len(seq.block_table) == seq.num_blocks
+        seq.num_computed_tokens = len(seq)
+        bm.check_invariants()
+    seq.append_token(17)  # needs a fifth block: none left
+    assert not bm.can_append(seq)
+    with pytest.raises(NoFreeBlocksError, match="can_append"):
+        bm.may_append(seq)
+    bm.check_invariants()
+
+
+def test_may_append_registers_the_block_that_just_filled():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, seq_of([1, 2, 3]))
+    a.append_token(4)
+    bm.may_append(a)  # len 4: block 0 is full; hashed and registered now, no new block
+    assert len(a.block_table) == 1 and bm.blocks[a.block_table[0]].hash is not None
+    b = seq_of([1, 2, 3, 4, 9])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 4 and b.block_table[0] == a.block_table[0]
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    bm.check_invariants()
+
+
+def test_block_size_one_decodes_and_caches():
+    bm = BlockManager(8, 1)
+    a = Sequence([5], block_size=1)
+    prefill(bm, a)
+    for token in (6, 7):
+        decode(bm, a, token)
+    assert len(a.block_table) == 3
+    b = Sequence([5, 6, 7, 8], block_size=1)
+    bm.allocate(b)
+    assert b.num_cached_tokens == 3 and b.block_table[:3] == a.block_table
+
+
+# Rule 7: metrics
+
+
+def test_usage_counts_a_shared_block_once():
+    bm = BlockManager(16, BS)
+    prefill(bm, seq_of([*PREFIX, 1, 2]))  # 14 tokens
+    prefill(bm, seq_of([*PREFIX, 3]))  # 13 tokens, 12 of them shared
+    usage = bm.usage()
+    assert usage.used_blocks == 5 and usage.free_blocks == 11 and usage.cached_blocks == 0
+    assert usage.reserved_tokens == 20
+    assert usage.allocated_tokens == 12 + 2 + 1
+    assert usage.internal_fragmentation_tokens == 5
+    assert usage.block_utilization == pytest.approx(15 / 20)
+
+
+def test_usage_while_a_decode_waits_for_may_append():
+    bm = BlockManager(4, BS)
+    seq = prefill(bm, seq_of([1, 2, 3, 4]))
+    seq.append_token(5)  # no slot yet: the token is not counted until may_append gives it one
+    assert bm.usage().allocated_tokens == 4
+    bm.may_append(seq)
+    assert bm.usage().allocated_tokens == 5 and bm.usage().internal_fragmentation_tokens == 3
+
+
+def test_prefix_cache_stats():
+    bm = BlockManager(4, BS)
+    assert bm.prefix_cache_stats().hit_rate == 0.0
+    bm.deallocate(prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 9])))  # 9 queried, 0 hit; 2 cached
+    bm.deallocate(prefill(bm, seq_of([1, 2, 3, 4, 5, 6, 7, 8, 10])))  # 9 queried, 8 hit
+    prefill(bm, seq_of(list(range(20, 36))))  # 16 queried, 0 hit; 4 blocks: evicts the 2 cached
+    stats = bm.prefix_cache_stats()
+    assert (stats.queried_tokens, stats.hit_tokens, stats.evictions) == (34, 8, 2)
+    assert stats.hit_rate == pytest.approx(8 / 34)
+
+
+# Rule 8: misuse raises typed exceptions
+
+
+def test_allocate_without_room_raises_and_changes_nothing():
+    bm = BlockManager(2, BS)
+    prefill(bm, seq_of([1, 2, 3, 4, 5]))
+    seq = seq_of([9] * 5)
+    before = bm.usage()
+    with pytest.raises(NoFreeBlocksError, match="can_allocate"):
+        bm.allocate(seq)
+    assert seq.block_table == [] and bm.usage() == before
+    bm.check_invariants()
+
+
+def test_misuse_raises_typed_errors():
+    bm = BlockManager(8, BS)
+    seq = seq_of([1, 2, 3])
+    with pytest.raises(SequenceNotAllocatedError, match="allocate it first"):
+        bm.may_append(seq)
+    with pytest.raises(SequenceNotAllocatedError):
+        bm.cache_computed_blocks(seq)
+    with pytest.raises(DoubleFreeError, match="never allocated"):
+        bm.deallocate(seq)
+    bm.allocate(seq)
+    with pytest.raises(SequenceAlreadyAllocatedError):
+        bm.allocate(seq)
+    bm.deallocate(seq)
+    with pytest.raises(DoubleFreeError, match="freed twice"):
+        bm.deallocate(seq)
+    with pytest.raises(BlockSizeMismatchError, match="block_size"):
+        bm.allocate(Sequence([1, 2], block_size=8))
+    with pytest.raises(EmptySequenceError):
+        bm.allocate(seq_of([]))
+    bm.allocate(seq)
+    seq.num_computed_tokens = 4
+    with pytest.raises(ComputedTokensError, match="exceeds"):
+        bm.cache_computed_blocks(seq)
+    for error in (NoFreeBlocksError, DoubleFreeError, SequenceAlreadyAllocatedError, InvariantError):
+        assert issubclass(error, BlockManagerError)
+    assert issubclass(DoubleFreeError, SequenceNotAllocatedError)
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0)])
+def test_constructor_validates(num_blocks, block_size):
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, block_size)
+
+
+@pytest.mark.parametrize("module", [block_manager_module, sequence_module])
+def test_no_assert_and_no_torch(module):
+    """Validation must survive `python -O`, and the block manager stays torch-free."""
+    tree = ast.parse(Path(module.__file__).read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not {name for name in imported if name.split(".")[0] == "torch"}
+
+
+# reset, caching off, invariant checker
+
+
+def test_reset_prefix_cache():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1]))
+    assert bm.reset_prefix_cache() is False  # blocks in use
+    bm.deallocate(a)
+    assert bm.usage().cached_blocks == 3
+    assert bm.reset_prefix_cache() is True
+    bm.check_invariants()
+    assert bm.usage().cached_blocks == 0
+    b = seq_of([*PREFIX, 1])
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0
+
+
+def test_prefix_caching_disabled():
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    bm.deallocate(prefill(bm, seq_of([*PREFIX, 1])))
+    assert bm.usage().cached_blocks == 0
+    b = prefill(bm, seq_of([*PREFIX, 1]))
+    assert b.num_cached_tokens == 0
+    decode(bm, b, 5)
+    assert all(block.hash is None for block in bm.blocks)
+
+
+def test_check_invariants_detects_corruption():
+    bm = BlockManager(8, BS)
+    a = prefill(bm, seq_of([*PREFIX, 1]))
+    bm.blocks[a.block_table[0]].ref_count += 1
+    with pytest.raises(InvariantError, match="ref_count"):
+        bm.check_invariants()
+    bm.blocks[a.block_table[0]].ref_count -= 1
+    bm.blocks[a.block_table[1]].hash = 12345
+    with pytest.raises(InvariantError):
+        bm.check_invariants()
+
+
+# The benchmark reproduces the seed's published figures
+
+
+def test_benchmark_reproduces_the_seed_figures():
+    report = fragmentation_report(16, 64, [9, 17, 33, 5, 41, 12])
+    usage = report["block_usage"]
+    assert (usage["allocated_tokens"], usage["reserved_tokens"], usage["internal_fragmentation_tokens"]) == (
+        117,
+        176,
+        59,
+    )
+    assert round(usage["block_utilization"], 4) == 0.6648
+    assert (usage["used_blocks"], usage["free_blocks"]) == (11, 53)
+    baseline = report["contiguous_fixed_slot_baseline"]
+    assert (baseline["reserved_tokens"], baseline["internal_fragmentation_tokens"]) == (246, 129)
+    assert round(baseline["utilization"], 4) == 0.4756
+    assert report["fragmentation_tokens_saved_vs_contiguous"] == 70
+    assert report["block_size"] == 16 and report["request_tokens"] == [9, 17, 33, 5, 41, 12]
+
+
+def test_benchmark_cli_json_and_table():
+    argv = ["--block-size", "16", "--total-blocks", "64", "--request-tokens", "9,17,33,5,41,12"]
+    printed: list[str] = []
+    main([*argv, "--json"], out=printed.append)
+    assert json.loads(printed[0]) == fragmentation_report(16, 64, [9, 17, 33, 5, 41, 12])
+    main(argv, out=printed.append)
+    total = next(line for line in printed[1].splitlines() if line.strip().startswith("total"))
+    assert total.split() == ["total", "117", "|", "11", "176", "59", "66.5%", "|", "246", "129", "47.6%"]
+    assert "70 tokens saved" in printed[1]
+
+
+def test_benchmark_shared_prefix():
+    report = shared_prefix_report(4, prefix_tokens=64, suffix_tokens=8, block_size=16)
+    assert (report["queried_tokens"], report["hit_tokens"]) == (4 * 72, 3 * 64)
+    assert (report["used_blocks"], report["blocks_without_prefix_cache"], report["blocks_saved"]) == (
+        8,
+        20,
+        12,
+    )
+
+
+def test_benchmark_speed_runs():
+    report = speed_report(block_size=16, prompt_tokens=256, num_seqs=8, repeats=2)
+    assert all(t["total"] > 0 for t in report["prompt_us"].values())
+    assert all(t > 0 for t in report["decode_step_us"].values())

@@ -1,0 +1,162 @@
+"""Stateful property test: random interleavings of admit / prefill chunk / decode / preempt / free / reset.
+
+Besides `check_invariants()` after every step, the machine keeps its own model of what each physical block
+holds (the salt and the whole token prefix whose K/V were computed into it) and checks that every prefix-cache
+hit hands out exactly the K/V the sequence would have computed itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from xxhash import xxh3_64_intdigest
+
+from kvd.engine.block_manager import BlockManager, DoubleFreeError, HashFn, NoFreeBlocksError
+from kvd.engine.sequence import Sequence
+
+BS = 4
+NUM_BLOCKS = 16
+# Prompts start with a slice of one of these, so that prefixes are shared partly, wholly or not at all.
+PREFIXES = (tuple(range(100, 112)), (*range(100, 108), 7, 7, 7, 7), tuple(range(200, 212)))
+SALTS = (None, None, "tenant-a", "tenant-b")
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    hash_fn: HashFn | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.running: list[Sequence] = []
+        self.stopped: list[Sequence] = []  # preempted or finished: their blocks are freed
+        self.content: dict[int, tuple] = {}  # block id -> (salt, token prefix) computed into it
+
+    def _admit(self, seq: Sequence) -> None:
+        before = self.bm.usage()
+        if not self.bm.can_allocate(seq):
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.allocate(seq)
+            assert seq.block_table == [] and self.bm.usage() == before
+            return
+        self.bm.allocate(seq)
+        num_hit_blocks, rem = divmod(seq.num_cached_tokens, BS)
+        assert rem == 0 and seq.num_cached_tokens < len(seq)
+        for i, block_id in enumerate(seq.block_table):
+            if i < num_hit_blocks:
+                assert self.content.get(block_id) == (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
+            else:
+                self.content.pop(block_id, None)  # a new block: whatever it held is overwritten
+        self.running.append(seq)
+
+    def _compute(self, seq: Sequence, num_tokens: int) -> None:
+        """A forward pass writes the K/V of the next `num_tokens` tokens."""
+        end = seq.num_computed_tokens + num_tokens
+        for i in range(seq.num_computed_tokens // BS, end // BS):
+            self.content[seq.block_table[i]] = (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
+        seq.num_computed_tokens = end
+        self.bm.cache_computed_blocks(seq)
+
+    def _stop(self, seq: Sequence) -> None:
+        self.bm.deallocate(seq)
+        assert seq.block_table == [] and seq.num_cached_tokens == 0
+        self.running.remove(seq)
+        self.stopped.append(seq)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        prefix_len=st.integers(0, 12),
+        suffix=st.lists(st.integers(0, 3), max_size=9),
+        salt=st.sampled_from(SALTS),
+    )
+    def admit(self, prefix, prefix_len, suffix, salt):
+        tokens = [*prefix[:prefix_len], *suffix] or [0]
+        self._admit(Sequence(tokens, BS, cache_salt=salt))
+
+    @precondition(lambda self: self.stopped)
+    @rule(i=st.integers(0, 1000))
+    def readmit(self, i):
+        """A preempted sequence comes back and recomputes what the cache no longer holds."""
+        self._admit(self.stopped.pop(i % len(self.stopped)))
+
+    @precondition(lambda self: any(s.num_computed_tokens < len(s) for s in self.running))
+    @rule(i=st.integers(0, 1000), chunk=st.integers(1, 8))
+    def prefill_chunk(self, i, chunk):
+        prefilling = [s for s in self.running if s.num_computed_tokens < len(s)]
+        seq = prefilling[i % len(prefilling)]
+        self._compute(seq, min(chunk, len(seq) - seq.num_computed_tokens))
+
+    @precondition(lambda self: any(s.num_computed_tokens == len(s) for s in self.running))
+    @rule(i=st.integers(0, 1000), token=st.integers(0, 3))
+    def decode(self, i, token):
+        decoding = [s for s in self.running if s.num_computed_tokens == len(s)]
+        seq = decoding[i % len(decoding)]
+        seq.append_token(token)
+        if not self.bm.can_append(seq):
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.may_append(seq)
+            self._stop(seq)  # the scheduler would preempt it
+            return
+        num_blocks = len(seq.block_table)
+        self.bm.may_append(seq)
+        assert len(seq.block_table) == seq.num_blocks
+        for block_id in seq.block_table[num_blocks:]:
+            self.content.pop(block_id, None)
+        self._compute(seq, 1)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 1000))
+    def free(self, i):
+        self._stop(self.running[i % len(self.running)])
+
+    @precondition(lambda self: self.stopped)
+    @rule(i=st.integers(0, 1000))
+    def double_free(self, i):
+        with pytest.raises(DoubleFreeError):
+            self.bm.deallocate(self.stopped[i % len(self.stopped)])
+
+    @rule()
+    def reset_prefix_cache(self):
+        assert self.bm.reset_prefix_cache() == (not self.running)
+        if not self.running:
+            assert self.bm.usage().cached_blocks == 0
+
+    @invariant()
+    def consistent(self):
+        self.bm.check_invariants()
+        usage = self.bm.usage()
+        assert usage.used_blocks == len({b for s in self.running for b in s.block_table})
+        assert usage.used_blocks + usage.free_blocks == NUM_BLOCKS
+        assert usage.allocated_tokens + usage.internal_fragmentation_tokens == usage.reserved_tokens
+
+    def teardown(self):
+        for seq in list(self.running):
+            self._stop(seq)
+        self.bm.check_invariants()
+        usage = self.bm.usage()
+        assert usage.used_blocks == 0 and usage.free_blocks == NUM_BLOCKS
+        assert all(block.ref_count == 0 for block in self.bm.blocks)
+
+
+class CollidingHashMachine(BlockManagerMachine):
+    """Three hash values in all: nearly every lookup collides, and token plus parent checks must catch it."""
+
+    @staticmethod
+    def hash_fn(token_bytes: bytes, parent_hash: int) -> int:
+        return xxh3_64_intdigest(token_bytes, parent_hash) % 3
+
+
+TestBlockManagerProperties = BlockManagerMachine.TestCase
+TestBlockManagerProperties.settings = SETTINGS
+TestBlockManagerPropertiesWithCollisions = CollidingHashMachine.TestCase
+TestBlockManagerPropertiesWithCollisions.settings = SETTINGS
