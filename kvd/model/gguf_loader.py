@@ -1,0 +1,420 @@
+"""Read a GGUF file straight into kvd: the Hugging Face config dict, the tokenizer, and dequantized tensors.
+
+The metadata and tensor table are parsed here in one pass with `struct` (gguf.GGUFReader builds a numpy view
+per token string and spends ~5 s on SmolLM2's 100k-entry vocabulary); tensor types, block sizes and the
+dequantization kernels come from the `gguf` package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from kvd.model.config import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+# GGUF architecture -> Hugging Face class. llama.cpp also writes Mistral checkpoints as "llama".
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
+}
+# Tensor types stored as plain numbers; every other type is stored as blocks of bytes.
+_PLAIN_TYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
+_SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
+# Llama 3.1+ rope scaling: llama.cpp keeps only the per-frequency factors (tensor rope_freqs.weight).
+_ROPE_FACTORS = "rope_freqs.weight"
+# gguf.quants.dequantize works 16 rows at a time; its per-type kernels are ~3x faster on bigger slabs.
+_DEQUANT_ROWS = 256
+
+
+class GGUFError(ValueError):
+    """The file is not a GGUF file kvd can read (truncated, wrong magic, unknown tensor type or name)."""
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # torch order: rows first
+    qtype: GGMLQuantizationType
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table; tensor data stays memory-mapped until dequantized."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.metadata, self.tensors = self._parse()
+        except (struct.error, UnicodeDecodeError, ValueError) as e:
+            raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The stored data as gguf.GGUFReader exposes it: numbers, or bytes shaped [rows, row_bytes]."""
+        plain = _PLAIN_TYPES.get(info.qtype)
+        if plain is not None:
+            count = info.nbytes // np.dtype(plain).itemsize
+            return np.frombuffer(self._map, plain, count, info.offset).reshape(info.shape)
+        block, type_size = GGML_QUANT_SIZES[info.qtype]
+        byte_shape = (*info.shape[:-1], info.shape[-1] // block * type_size)
+        return np.frombuffer(self._map, np.uint8, info.nbytes, info.offset).reshape(byte_shape)
+
+    def dequantize(self, name: str) -> torch.Tensor:
+        """The named tensor as float32, in torch layout."""
+        info = self.tensors[name]
+        return torch.from_numpy(dequantize(self.raw(info), info.qtype))
+
+    def _parse(self) -> tuple[dict[str, Any], dict[str, GGUFTensorInfo]]:
+        cursor = _Cursor(self._map)
+        magic, version, tensor_count, kv_count = cursor.unpack("IIQQ")
+        if magic != gguf.GGUF_MAGIC:
+            raise ValueError("wrong magic number")
+        if version not in (2, 3):
+            raise ValueError(
+                f"GGUF version {version} is not supported (2 and 3 are; big-endian files are not)"
+            )
+        metadata = {}
+        for _ in range(kv_count):
+            key = cursor.string()
+            metadata[key] = cursor.value(cursor.unpack("I")[0])
+        if "general.architecture" not in metadata:
+            raise ValueError("no general.architecture in the metadata")
+        entries = []
+        for _ in range(tensor_count):
+            name = cursor.string()
+            dims = cursor.unpack(f"{cursor.unpack('I')[0]}Q")
+            qtype, offset = cursor.unpack("IQ")
+            entries.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
+        alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+        data_start = -(-cursor.pos // alignment) * alignment
+        tensors = {}
+        for name, shape, qtype, offset in entries:
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            nbytes = math.prod(shape) // block * type_size
+            if data_start + offset + nbytes > len(self._map):
+                raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
+            tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + offset, nbytes)
+        return metadata, tensors
+
+
+class _Cursor:
+    """Reads GGUF's little-endian header values one after another."""
+
+    def __init__(self, buffer: mmap.mmap):
+        self.buffer = buffer
+        self.pos = 0
+
+    def unpack(self, fmt: str) -> tuple[Any, ...]:
+        values = struct.unpack_from("<" + fmt, self.buffer, self.pos)
+        self.pos += struct.calcsize("<" + fmt)
+        return values
+
+    def string(self) -> str:
+        (length,) = self.unpack("Q")
+        start = self.pos
+        self.pos += length
+        return self.buffer[start : self.pos].decode("utf-8")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == GGUFValueType.STRING:
+            return self.string()
+        if value_type == GGUFValueType.ARRAY:
+            item_type, count = self.unpack("IQ")
+            if item_type == GGUFValueType.STRING:
+                return [self.string() for _ in range(count)]
+            if item_type in _SCALAR_FORMATS:
+                return list(self.unpack(f"{count}{_SCALAR_FORMATS[item_type]}"))
+            return [self.value(item_type) for _ in range(count)]
+        if value_type not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown metadata value type {value_type}")
+        return self.unpack(_SCALAR_FORMATS[value_type])[0]
+
+
+def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """Float32 values equal to gguf.quants.dequantize(raw, qtype), in a new writable array."""
+    kernel = getattr(gguf.quants, qtype.name, None)  # the per-type class (Q4_K, BF16, ...); none for F32/F16
+    if kernel is None:
+        try:
+            values = gguf.quants.dequantize(raw, qtype)
+        except NotImplementedError as e:
+            raise GGUFError(
+                f"tensor type {qtype.name} cannot be dequantized by the installed gguf package"
+            ) from e
+        return values if values.flags.owndata else values.copy()  # F32 comes back as a view of the file
+    kernel.init_grid()  # lookup tables of the IQ types; a no-op for the others
+    rows = raw.reshape(-1, raw.shape[-1])
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((rows.shape[0], rows.shape[1] // type_size * block), np.float32)
+    for start in range(0, rows.shape[0], _DEQUANT_ROWS):
+        out[start : start + _DEQUANT_ROWS] = kernel.dequantize_rows(rows[start : start + _DEQUANT_ROWS])
+    return out.reshape(*raw.shape[:-1], out.shape[-1])
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    return None
+
+
+def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (rotary pairs interleaved per head) back to HF's (two halves)."""
+    rows = weight.shape[0]
+    per_head = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
+    """The config.json dict Hugging Face would have for this file (llama / qwen2 / qwen3 metadata keys)."""
+    arch = file.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    md = file.metadata
+
+    def key(name: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{name}", default)
+
+    hidden_size, num_heads = key("embedding_length"), key("attention.head_count")
+    config = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": key("vocab_size") or len(md["tokenizer.ggml.tokens"]),
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": key("attention.key_length") or hidden_size // num_heads,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(file, arch),
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "torch_dtype": _checkpoint_dtype(file),
+    }
+    for name in ("bos", "pad"):
+        if f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}_token_id" in md:
+            config[f"{name}_token_id"] = md[f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}_token_id"]
+    # End of generation: eos, and the end-of-turn / end-of-message tokens chat models stop on.
+    stop = [
+        md[f"tokenizer.ggml.{k}_token_id"]
+        for k in ("eos", "eot", "eom")
+        if f"tokenizer.ggml.{k}_token_id" in md
+    ]
+    stop = list(dict.fromkeys(stop))
+    if stop:
+        config["eos_token_id"] = stop[0] if len(stop) == 1 else stop
+    return config
+
+
+def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
+    md = file.metadata
+    if _ROPE_FACTORS in file.tensors:
+        return _llama3_rope_scaling(file, arch)
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    factor = md.get(f"{arch}.rope.scaling.factor") or md.get(f"{arch}.rope.scale_linear")
+    if kind == "none" and factor in (None, 1.0):
+        return None
+    scaling = {"rope_type": "linear" if kind == "none" else kind, "factor": factor}
+    if f"{arch}.rope.scaling.original_context_length" in md:
+        scaling["original_max_position_embeddings"] = md[f"{arch}.rope.scaling.original_context_length"]
+    for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{gguf_key}" in md:
+            scaling[hf_key] = md[f"{arch}.rope.scaling.{gguf_key}"]
+    return scaling
+
+
+def llama3_rope_factors(scaling: dict[str, Any], head_dim: int, rope_theta: float) -> np.ndarray:
+    """Per-frequency divisors of Llama 3 rope scaling (what llama.cpp stores as rope_freqs.weight)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * np.pi * rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    return 1.0 / ((1.0 - smooth) / factor + smooth)
+
+
+def _llama3_rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any]:
+    """Recover Hugging Face's llama3 rope parameters from the stored factors; the Llama 3.x releases share all
+    but the factor, and the result is checked against the file."""
+    md = file.metadata
+    factors = dequantize(file.raw(file.tensors[_ROPE_FACTORS]), file.tensors[_ROPE_FACTORS].qtype)
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    head_dim = md.get(f"{arch}.rope.dimension_count") or factors.size * 2
+    expected = llama3_rope_factors(scaling, head_dim, md.get(f"{arch}.rope.freq_base", 10000.0))
+    if not np.allclose(expected, factors, rtol=1e-4):
+        raise UnsupportedModelError(f"{file.path}: rope_freqs.weight does not match Llama 3 rope scaling")
+    return scaling
+
+
+def _checkpoint_dtype(file: GGUFFile) -> str:
+    """bfloat16 / float16 if every matrix is stored so; else float32 (quantized weights dequantize to it)."""
+    matrix_types = {info.qtype for info in file.tensors.values() if len(info.shape) > 1}
+    if matrix_types == {GGMLQuantizationType.BF16}:
+        return "bfloat16"
+    if matrix_types == {GGMLQuantizationType.F16}:
+        return "float16"
+    return "float32"
+
+
+def iter_gguf_weights(file: GGUFFile, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight, dequantized to float32, q/k rows put back in HF order for
+    llama (llama.cpp permutes only that architecture)."""
+    permuted = file.architecture == "llama"
+    heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+    for name in file.tensors:
+        if name == _ROPE_FACTORS:
+            continue  # folded into hf_config["rope_scaling"]
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            raise GGUFError(
+                f"{file.path}: tensor {name!r} has no counterpart in kvd's {file.architecture} model"
+            )
+        tensor = file.dequantize(name)
+        kind = name.split(".")[2] if name.startswith("blk.") else None
+        if permuted and kind in heads:
+            tensor = unpermute_qk(tensor, heads[kind])
+        yield hf_name, tensor
+
+
+def load_gguf_tokenizer(file: GGUFFile, cache_dir: Path | None = None) -> PreTrainedTokenizerFast:
+    """A PreTrainedTokenizerFast with the file's vocabulary, special tokens and chat template.
+
+    Converted the way transformers converts a GGUF tokenizer (so the ids match its), then cached as
+    tokenizer.json under cache_dir keyed by the file's path, size and mtime and the transformers version:
+    the conversion costs ~1 s, reading the cached file a third of that.
+    """
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    stat = file.path.stat()
+    identity = f"{file.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:32]
+    cached = (cache_dir or tokenizer_cache_dir()) / key
+    if (cached / "tokenizer.json").is_file() and (cached / "kvd_tokenizer_config.json").is_file():
+        init_kwargs = json.loads((cached / "kvd_tokenizer_config.json").read_text())
+        return PreTrainedTokenizerFast(tokenizer_file=str(cached / "tokenizer.json"), **init_kwargs)
+
+    backend, init_kwargs = _convert_gguf_tokenizer(file)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **init_kwargs)
+    _write_cache(cached, backend, init_kwargs)
+    return tokenizer
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where converted GGUF tokenizers are kept: $XDG_CACHE_HOME/kvd/tokenizers (~/.cache/kvd/tokenizers)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvd" / "tokenizers"
+
+
+def _convert_gguf_tokenizer(file: GGUFFile) -> tuple[Any, dict[str, Any]]:
+    """(tokenizers.Tokenizer, PreTrainedTokenizerFast kwargs) built by transformers' GGUF converter."""
+    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    md = file.metadata
+    tokenizer_dict, init_kwargs = (
+        {
+            hf: md[f"tokenizer.{key}"]
+            for key, hf in GGUF_TOKENIZER_MAPPING[group].items()
+            if f"tokenizer.{key}" in md
+        }
+        for group in ("tokenizer", "tokenizer_config")
+    )
+    if "tokens" not in tokenizer_dict:
+        raise GGUFError(f"{file.path} has no tokenizer.ggml.tokens: it does not carry a tokenizer")
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        init_kwargs.setdefault("add_bos_token", True)  # llama.cpp adds BOS to sentencepiece vocabularies
+    tokens = tokenizer_dict["tokens"]
+    for name, gguf_name in _SPECIAL_TOKENS.items():
+        token_id = md.get(f"tokenizer.ggml.{gguf_name}_token_id")
+        init_kwargs[f"{name}_token"] = tokens[token_id] if token_id is not None else None
+    try:
+        backend, _ = convert_gguf_tokenizer(file.architecture, tokenizer_dict)
+    except ValueError as e:
+        raise GGUFError(f"{file.path}: cannot build its tokenizer: {e}") from e
+    return backend, init_kwargs
+
+
+def _write_cache(target: Path, backend: Any, init_kwargs: dict[str, Any]) -> None:
+    """Write a temporary folder and rename it into place, so a concurrent reader never sees half a file;
+    a cache that cannot be written is skipped, not an error."""
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        backend.save(str(tmp / "tokenizer.json"))
+        (tmp / "kvd_tokenizer_config.json").write_text(json.dumps(init_kwargs))
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)

