@@ -14,11 +14,12 @@ class EngineArgs:
     model: str | None = None  # folder, .gguf file or hub id; None = the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"
     device: str = "cpu"
-    block_size: int = 16
-    kv_cache_memory: int | None = (
-        None  # bytes for the KV pool; None = kv_cache_memory_fraction of free memory
-    )
-    kv_cache_memory_fraction: float = 0.1
+    block_size: int | None = None  # tokens per KV block; None = the attention backend's default
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = sized from the two settings below
+    kv_cache_memory_fraction: float = 0.1  # CPU: this fraction of available memory
+    gpu_memory_utilization: float = 0.9  # CUDA: this process's share of the device memory
+    attention_backend: str = "auto"  # auto | torch | triton | flash-attn (kvd.model.layers.selector)
+    enforce_eager: bool = False  # CUDA: no torch.compile and no CUDA graphs
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's context length, capped by the pool
@@ -26,8 +27,12 @@ class EngineArgs:
     num_threads: int | None = None  # CPU threads for torch; None = all cores
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineArgsError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise EngineArgsError(
                 f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"

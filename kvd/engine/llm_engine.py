@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kvd.engine.block_manager import BlockManager
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs
+from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
 from kvd.engine.outputs import RequestOutput
@@ -20,6 +21,8 @@ from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.scheduler import Scheduler
 from kvd.engine.sequence import Sequence
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+from kvd.model.layers.selector import resolve_block_size
+from kvd.model.llama import CausalLM
 from kvd.model.loader import load_model
 
 logger = logging.getLogger("kvd.engine")
@@ -49,43 +52,71 @@ class LLMEngine:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         self.device = torch.device(args.device)
-        loaded = load_model(args.model, dtype=args.dtype, device=self.device)
+        baseline = DeviceMemory.read(self.device) if self.device.type == "cuda" else None
+        loaded = load_model(
+            args.model, dtype=args.dtype, device=self.device, attention_backend=args.attention_backend
+        )
+        self.attention_backend = loaded.model.attention_backend.name
+        # Unset, the block size is the backend's default (flash-attn reads 256-token pages).
+        self.args = args = replace(
+            args, block_size=resolve_block_size(self.attention_backend, args.block_size)
+        )
         self.model_name = loaded.name
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
-        self.num_blocks = self._pool_blocks()
+        self.num_blocks = self._pool_blocks(loaded.model, baseline)
         pool_tokens = self.num_blocks * args.block_size
         self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings, pool_tokens)
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(
-            loaded.model, self.config, self.num_blocks, args.block_size, self.dtype, self.device
+            loaded.model,
+            self.config,
+            self.num_blocks,
+            args.block_size,
+            self.dtype,
+            self.device,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=self.max_model_len,
+            enforce_eager=args.enforce_eager,
         )
         self.metrics = EngineMetrics()
         self.requests: dict[Hashable, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d",
+            "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d; %s attention",
             self.num_blocks,
             args.block_size,
             pool_tokens,
             self.num_blocks * kv_cache_bytes_per_block(self.config, args.block_size, self.dtype) / 2**20,
             self.dtype,
             self.max_model_len,
+            self.attention_backend,
         )
 
-    def _pool_blocks(self) -> int:
-        per_block = kv_cache_bytes_per_block(self.config, self.args.block_size, self.dtype)
-        budget = self.args.kv_cache_memory
-        if budget is None:
-            budget = int(_free_memory_bytes(self.device) * self.args.kv_cache_memory_fraction)
+    def _pool_blocks(self, model: CausalLM, baseline: DeviceMemory | None) -> int:
+        args = self.args
+        per_block = kv_cache_bytes_per_block(self.config, args.block_size, self.dtype)
+        budget = args.kv_cache_memory
+        if budget is None and baseline is not None:
+            budget = profile_kv_cache_budget(
+                model,
+                args.block_size,
+                args.max_num_batched_tokens,
+                args.max_num_seqs,
+                args.max_model_len or self.config.max_position_embeddings,
+                args.gpu_memory_utilization,
+                baseline,
+            )
+        elif budget is None:
+            budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction)
         num_blocks = budget // per_block
         if num_blocks < 2:
             raise RequestRejectedError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-                "raise kv_cache_memory"
+                "raise kv_cache_memory (on CUDA: gpu_memory_utilization)"
             )
         return num_blocks
 
@@ -242,6 +273,7 @@ class LLMEngine:
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "block_size": self.args.block_size,
+            "attention_backend": self.attention_backend,
             "num_blocks": self.num_blocks,
             "max_num_seqs": self.args.max_num_seqs,
             "max_num_batched_tokens": self.args.max_num_batched_tokens,
@@ -259,10 +291,7 @@ def _eos_token_ids(config: object, tokenizer: object) -> set[int]:
     return ids
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+def _available_memory_bytes() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):

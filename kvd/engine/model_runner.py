@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
+from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
 from kvd.model.layers.attention import build_attention_metadata
+from kvd.model.layers.graph_decode import GraphDecodeBackend
 from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.llama import CausalLM
 
@@ -20,12 +23,21 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        enforce_eager: bool,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
         model.bind_kv_cache(self.kv_caches)
+        self.graphs: DecodeGraphRunner | None = None
+        if device.type == "cuda" and not enforce_eager:
+            compile_hot_paths(model)
+            if isinstance(model.attention_backend, GraphDecodeBackend):
+                self.graphs = DecodeGraphRunner(model, block_size, max_num_seqs, max_model_len, device)
+                self.graphs.capture()
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -40,18 +52,32 @@ class ModelRunner:
             positions.extend(range(start, end))
             if chunk.samples:
                 logits_indices.append(len(input_ids) - 1)
-        attn = build_attention_metadata(
-            block_tables=[c.seq.block_table for c in chunks],
-            context_lens=[c.seq.num_computed_tokens + c.num_new_tokens for c in chunks],
-            query_lens=[c.num_new_tokens for c in chunks],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            attn,
-        )
+        block_tables = [c.seq.block_table for c in chunks]
+        context_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]
+        if self._replays(chunks):
+            hidden = self.graphs.run(input_ids, block_tables, context_lens)
+        else:
+            attn = build_attention_metadata(
+                block_tables=block_tables,
+                context_lens=context_lens,
+                query_lens=[c.num_new_tokens for c in chunks],
+                block_size=self.block_size,
+                device=self.device,
+                backend=self.model.attention_backend,
+            )
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                attn,
+            )
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
+
+    def _replays(self, chunks: list[ScheduledChunk]) -> bool:
+        """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""
+        return (
+            self.graphs is not None
+            and all(c.num_new_tokens == 1 for c in chunks)
+            and self.graphs.can_run(len(chunks))
+        )

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU check, for a CUDA host such as an H200, from the repository root; each step has a time limit
+# (180 + 120 + 270 s) so that the whole stays under 10 minutes:
+#   1. the kernel and backend tests on CUDA (tests/test_kernels.py, tests/test_backends.py),
+#   2. greedy parity against transformers on a small random Qwen3, every backend that runs there,
+#      with CUDA graphs + torch.compile and with --enforce-eager,
+#   3. nano-vllm's throughput workload on a random Qwen3-0.6B: output tokens/s, then the same with --enforce-eager.
+#
+#   benchmarks/gpu_check.sh                 run it (PYTHON=python3 by default; KVD_BACKEND=auto for step 3)
+#   benchmarks/gpu_check.sh --fetch-wheels  where pip can download: put the wheels the H200 image lacks
+#                                           (gguf, pyzmq, transformers 5.24) into build/gpu-wheels/
+#
+# The host needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, xxhash, msgpack, tqdm,
+# pytest and hypothesis; flash-attn is optional (without it, auto picks triton). No network is used: wheels
+# found in build/gpu-wheels/ (ignored by git; carry it to the host) are installed into a scratch folder first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=build/gpu-wheels
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+  # The H200 image runs Python 3.12; gguf is pure Python, pyzmq ships manylinux wheels.
+  "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$WHEELS" gguf==0.19.0 pyzmq==27.3.0 transformers==5.24.0
+  exit 0
+fi
+
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET  # kernels must compile for the GPU, not run in the interpreter
+started=$SECONDS
+step() { echo; echo "== $1 (at $((SECONDS - started)) s)"; }
+
+step "environment"
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for a GPU host')"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvd-wheels "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/kvd-wheels${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}  # kvd_client, for the tests' conftest
+# kernels/ is the package kvd.kernels only through pyproject's package-dir mapping: install kvd in place.
+"$PY" -c "import kvd.kernels" 2>/dev/null || "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+"$PY" - <<'EOF'
+import importlib.util, sys
+import torch
+missing = [m for m in ("triton", "transformers", "gguf", "zmq", "xxhash", "msgpack", "pytest") if not importlib.util.find_spec(m)]
+if missing:
+    sys.exit(f"missing packages: {missing}; run benchmarks/gpu_check.sh --fetch-wheels where pip can download")
+import triton
+flash = importlib.util.find_spec("flash_attn") is not None
+print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, flash-attn {'yes' if flash else 'no'}")
+EOF
+
+# Each check runs under its own time limit and the next one runs even if it fails; the exit status tells.
+failed=()
+check() {  # check SECONDS NAME COMMAND...
+  local limit=$1 name=$2
+  shift 2
+  step "$name"
+  timeout "$limit" "$@" || failed+=("$name (exit $?)")
+}
+# The CPU smoke run of gpu_bench is left out: the real runs follow.
+check 180 "kernel and backend tests on CUDA" \
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_backends.py -k "not smoke_run"
+check 120 "greedy parity against transformers" "$PY" -m benchmarks.gpu_bench parity --device cuda
+check 270 "throughput: nano-vllm workload (256 sequences, 100-1024 tokens in and out), random Qwen3-0.6B" \
+  "$PY" -m benchmarks.gpu_bench throughput --device cuda --attention-backend "${KVD_BACKEND:-auto}"
+
+step "done"
+if ((${#failed[@]})); then
+  printf 'FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi

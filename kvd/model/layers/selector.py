@@ -1,0 +1,133 @@
+"""--attention-backend auto|torch|triton|flash-attn: which backend runs, and the block size it wants.
+
+auto = flash-attn on CUDA when it is installed and the dtype is 16-bit, else triton on CUDA, else torch.
+Asking for a backend whose package or device is missing is an error that says what to install or pick instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvd.model.layers.attention import AttentionBackend
+
+BACKEND_NAMES = ("auto", "torch", "triton", "flash-attn")
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class AttentionBackendError(ValueError):
+    """The attention backend or block size asked for cannot run with this device, dtype or block size."""
+
+
+class AttentionBackendUnavailableError(AttentionBackendError):
+    """The attention backend asked for needs a package that is not installed."""
+
+
+@dataclass(frozen=True)
+class BlockSizeRule:
+    default: int
+    multiple_of: int
+
+
+BLOCK_SIZE_RULES = {
+    "torch": BlockSizeRule(16, 1),
+    "triton": BlockSizeRule(16, 1),
+    "flash-attn": BlockSizeRule(256, 256),  # flash-attn's paged KV reads whole 256-token pages
+}
+
+
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def _interpreting() -> bool:
+    """Triton's interpreter runs kernels on CPU tensors (tests only)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The concrete backend for `name` on this device and dtype; raises if it cannot run here."""
+    device = torch.device(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return "torch"
+        if dtype in _HALF_DTYPES and _installed("flash_attn"):
+            return "flash-attn"
+        return "triton" if _installed("triton") else "torch"
+    if name == "triton":
+        if not _installed("triton"):
+            raise AttentionBackendUnavailableError(
+                "the triton attention backend needs triton: `pip install triton` (CUDA builds of torch bring "
+                "it), or pick --attention-backend torch"
+            )
+        if device.type != "cuda" and not _interpreting():
+            raise AttentionBackendError(
+                f"the triton attention backend runs on CUDA, not {device}; use --attention-backend torch "
+                "(TRITON_INTERPRET=1 runs it on CPU for testing only)"
+            )
+    elif name == "flash-attn":
+        if device.type != "cuda":
+            raise AttentionBackendError(f"the flash-attn backend runs on CUDA, not {device}; use torch")
+        if dtype not in _HALF_DTYPES:
+            raise AttentionBackendError(
+                f"flash-attn computes in float16 or bfloat16, not {dtype}; pass --dtype bfloat16 or pick "
+                "--attention-backend triton"
+            )
+        if not _installed("flash_attn"):
+            raise AttentionBackendUnavailableError(
+                "the flash-attn attention backend needs the flash-attn package: `pip install flash-attn "
+                "--no-build-isolation` (or kvd[cuda]) on a CUDA host, or pick --attention-backend triton"
+            )
+    elif name != "torch":
+        raise AttentionBackendError(
+            f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    return name
+
+
+def resolve_block_size(backend_name: str, block_size: int | None) -> int:
+    """The block size to run with: the backend's default when None, else checked against its rule."""
+    rule = BLOCK_SIZE_RULES[backend_name]
+    if block_size is None:
+        return rule.default
+    if block_size < 1 or block_size % rule.multiple_of:
+        raise AttentionBackendError(
+            f"the {backend_name} attention backend needs a block size that is a positive multiple of "
+            f"{rule.multiple_of}, got {block_size}; leave --block-size unset for its default ({rule.default})"
+        )
+    return block_size
+
+
+def create_attention_backend(backend_name: str) -> AttentionBackend:
+    """An instance of a resolved backend (see resolve_backend_name); imports its kernels only now."""
+    if backend_name == "torch":
+        from kvd.model.layers.torch_attention import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if backend_name == "triton":
+        from kvd.model.layers.triton_attention import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if backend_name == "flash-attn":
+        from kvd.model.layers.flash_attention import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    raise AttentionBackendError(f"{backend_name!r} is not a concrete backend; resolve it first")
+
+
+@dataclass(frozen=True)
+class AttentionSelection:
+    backend: AttentionBackend
+    block_size: int
+
+
+def select_attention_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype, block_size: int | None = None
+) -> AttentionSelection:
+    """Resolve `name` (auto|torch|triton|flash-attn), check the block size, build the backend."""
+    resolved = resolve_backend_name(name, device, dtype)
+    size = resolve_block_size(resolved, block_size)  # before building: a bad size fails without imports
+    return AttentionSelection(create_attention_backend(resolved), size)
