@@ -11,7 +11,9 @@ export HF_HUB_OFFLINE ?= 1
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt clients/python/pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt clients/python/pyproject.toml clients/js/package-lock.json
+	# C and JavaScript clients' build and test dependencies (apt and npm; skipped when present).
+	clients/install-deps.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"

@@ -1,0 +1,86 @@
+/* endpoint.c: the default endpoint and endpoint checks, as docs/protocol.md "Endpoints" says. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* sun_path holds 108 bytes including the terminating NUL. */
+#define MAX_IPC_PATH_BYTES 107
+
+static kvd_status check_ipc(const char *url, const char *path, kvd_error *error) {
+    if (path[0] == '@')
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "endpoint '%s': abstract sockets have no file permissions; use a filesystem path", url);
+    if (path[0] != '/')
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "endpoint '%s': the ipc path must be absolute (client and daemon cwd differ)", url);
+    if (strlen(path) > MAX_IPC_PATH_BYTES)
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "endpoint '%s': the socket path is longer than %d bytes, the limit of a unix socket "
+                        "address; choose a shorter path",
+                        url, MAX_IPC_PATH_BYTES);
+    return KVD_OK;
+}
+
+static kvd_status check_tcp(const char *url, const char *rest, kvd_error *error) {
+    const char *colon = strrchr(rest, ':');
+    if (colon == NULL || colon == rest)
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "endpoint '%s': expected tcp://HOST:PORT", url);
+    const char *port = colon + 1;
+    long value = 0;
+    for (const char *p = port; *p; p++) {
+        if (*p < '0' || *p > '9' || value > 65535) {
+            value = -1;
+            break;
+        }
+        value = value * 10 + (*p - '0');
+    }
+    if (*port == '\0' || value < 1 || value > 65535)
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "endpoint '%s': the port must be a number in [1, 65535]", url);
+    return KVD_OK;
+}
+
+static kvd_status check_endpoint(const char *url, kvd_error *error) {
+    const char *sep = strstr(url, "://");
+    if (sep == NULL)
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "endpoint '%s' has no scheme: use ipc://ABSOLUTE_PATH or tcp://HOST:PORT", url);
+    size_t scheme_len = (size_t)(sep - url);
+    if (scheme_len == 3 && strncmp(url, "ipc", 3) == 0) return check_ipc(url, sep + 3, error);
+    if (scheme_len == 3 && strncmp(url, "tcp", 3) == 0) return check_tcp(url, sep + 3, error);
+    return kvd_fail(error, KVD_ERR_ENDPOINT, "endpoint '%s': unsupported transport '%.*s'; use ipc:// or tcp://",
+                    url, (int)scheme_len, url);
+}
+
+kvd_status kvd_resolve_endpoint(const char *endpoint, char *url, size_t url_size, kvd_error *error) {
+    if (url == NULL || url_size == 0)
+        return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_resolve_endpoint: url must hold the result");
+    char fallback[4096 + 32];
+    const char *chosen = endpoint;
+    if (chosen == NULL || chosen[0] == '\0') chosen = getenv("KVD_ENDPOINT");
+    if (chosen == NULL || chosen[0] == '\0') {
+        const char *runtime = getenv("XDG_RUNTIME_DIR");
+        int n;
+        if (runtime != NULL && runtime[0] != '\0') {
+            size_t len = strlen(runtime);
+            while (len > 0 && runtime[len - 1] == '/') len--; /* "/run/user/1000/" is that directory */
+            n = snprintf(fallback, sizeof fallback, "ipc://%.*s/kvd.sock", (int)len, runtime);
+        } else {
+            /* Literally /tmp, not $TMPDIR: a client and the daemon must agree even when their environments
+             * differ. */
+            n = snprintf(fallback, sizeof fallback, "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
+        }
+        if (n < 0 || (size_t)n >= sizeof fallback)
+            return kvd_fail(error, KVD_ERR_ENDPOINT, "$XDG_RUNTIME_DIR is too long for a socket path");
+        chosen = fallback;
+    }
+    kvd_status status = check_endpoint(chosen, error);
+    if (status != KVD_OK) return status;
+    if (strlen(chosen) >= url_size)
+        return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_resolve_endpoint: url holds %zu bytes, %zu needed",
+                        url_size, strlen(chosen) + 1);
+    strcpy(url, chosen);
+    return KVD_OK;
+}

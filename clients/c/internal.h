@@ -1,0 +1,46 @@
+/* internal.h: what the library's files share; not installed. */
+#ifndef KVD_INTERNAL_H
+#define KVD_INTERNAL_H
+
+#include <msgpack.h>
+
+#include "kvd.h"
+
+/* Fill `error` (if not NULL) with a local failure; returns `status` for `return kvd_fail(...)`. */
+kvd_status kvd_fail(kvd_error *error, kvd_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* The status for a daemon error code string ("bad_request" -> KVD_ERR_BAD_REQUEST). */
+kvd_status kvd_status_from_code(const char *code, size_t len);
+
+/* Encoding requests (wire.c). Each returns 0, or -1 when out of memory. */
+int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *request, int stream);
+int kvd_pack_abort(msgpack_sbuffer *out, uint64_t id, uint64_t target);
+int kvd_pack_op(msgpack_sbuffer *out, uint64_t id, const char *op); /* an op without fields: health */
+
+/* A decoded reply. `id_kind` tells whether `id` is this library's kind of id. */
+typedef enum { KVD_ID_INT, KVD_ID_NIL, KVD_ID_OTHER } kvd_id_kind;
+
+typedef struct kvd_reply {
+    msgpack_unpacked unpacked; /* owns the decoded objects */
+    const msgpack_object *map;
+    kvd_id_kind id_kind;
+    uint64_t id;
+    const char *type;
+    size_t type_len;
+} kvd_reply;
+
+kvd_status kvd_decode_reply(const void *data, size_t size, kvd_reply *reply, kvd_error *error);
+void kvd_reply_destroy(kvd_reply *reply);
+int kvd_reply_is(const kvd_reply *reply, const char *type);
+
+/* Typed field access: KVD_OK, or KVD_ERR_PROTOCOL (missing or wrong type) with `error` filled. */
+const msgpack_object *kvd_reply_get(const kvd_reply *reply, const char *key);
+kvd_status kvd_reply_str(const kvd_reply *reply, const char *key, const char **str, size_t *len,
+                         kvd_error *error);
+kvd_status kvd_reply_int(const kvd_reply *reply, const msgpack_object *map, const char *key, int64_t *value,
+                         kvd_error *error);
+/* Copy a daemon `error` reply into `error`; returns its status. */
+kvd_status kvd_reply_error(const kvd_reply *reply, kvd_error *error);
+
+#endif /* KVD_INTERNAL_H */

@@ -1,0 +1,74 @@
+// The wire format on the client side: request maps out, typed results back (see docs/protocol.md).
+import { decode, encode } from "@msgpack/msgpack";
+
+import { DaemonError, ProtocolError } from "./errors.js";
+
+export const PROTOCOL_VERSION = 1;
+
+/** One request map; fields that are null or undefined are left out, so the daemon applies its defaults. */
+export function packRequest(op, id, fields) {
+  const message = { v: PROTOCOL_VERSION, id, op };
+  for (const [key, value] of Object.entries(fields)) {
+    if (value !== null && value !== undefined && !(key in message)) message[key] = value;
+  }
+  return encode(message);
+}
+
+export function unpackReply(data) {
+  let reply;
+  try {
+    reply = decode(data);
+  } catch (e) {
+    throw new ProtocolError(`the daemon sent a reply that is not msgpack: ${e.message}`);
+  }
+  if (reply === null || typeof reply !== "object" || Array.isArray(reply) || typeof reply.type !== "string") {
+    throw new ProtocolError(`the daemon sent a reply without a type: ${JSON.stringify(reply)?.slice(0, 200)}`);
+  }
+  return reply;
+}
+
+/** Throw the DaemonError of an error reply; return any other reply unchanged. */
+function checkError(reply) {
+  if (reply.type === "error") {
+    throw new DaemonError(String(reply.code), String(reply.message ?? ""), reply.field ?? null, reply.id ?? null);
+  }
+  return reply;
+}
+
+/** The payload of a `result` reply (everything but `id` and `type`). */
+export function toResult(reply) {
+  checkError(reply);
+  if (reply.type !== "result") throw new ProtocolError(`expected a result reply, got '${reply.type}'`);
+  const { id: _id, type: _type, ...fields } = reply;
+  return fields;
+}
+
+/**
+ * One streamed increment: {id, text, token_ids, logprobs, finish_reason, usage}. The last chunk of a stream
+ * has finish_reason ("stop", "length" or "abort") and usage set; the others have them null.
+ */
+export function toChunk(reply) {
+  checkError(reply);
+  if (reply.type !== "chunk" && reply.type !== "final") {
+    throw new ProtocolError(`expected a chunk or final reply, got '${reply.type}'`);
+  }
+  if (typeof reply.text !== "string" || !Array.isArray(reply.token_ids)) {
+    throw new ProtocolError(`the daemon sent a '${reply.type}' reply without text and token_ids`);
+  }
+  const final = reply.type === "final";
+  return {
+    id: reply.id,
+    text: reply.text,
+    token_ids: reply.token_ids,
+    logprobs: reply.logprobs ?? null,
+    finish_reason: final ? reply.finish_reason : null,
+    usage: final ? reply.usage : null,
+  };
+}
+
+/** A whole generation: {id, text, token_ids, logprobs, finish_reason, usage}. */
+export function toCompletion(reply) {
+  checkError(reply);
+  if (reply.type !== "final") throw new ProtocolError(`expected a final reply, got '${reply.type}'`);
+  return toChunk(reply);
+}

@@ -1,0 +1,110 @@
+"""The Node.js client (clients/js) against a real daemon: the Python client's greedy output, errors, no daemon.
+
+The node:test suites in clients/js/test run here too: endpoint resolution and a missing daemon without a
+daemon, and streaming, concurrency, abort and errors against the module's daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from client_parity import (
+    ERROR_REQUESTS,
+    GREEDY_REQUESTS,
+    NO_DAEMON_TIMEOUT_MS,
+    assert_error,
+    assert_same_completion,
+    assert_timed_out,
+    python_completion,
+    stale_socket,
+    too_long_prompt,
+)
+from daemon_fixtures import REPO, DaemonProcess
+
+JS_DIR = REPO / "clients" / "js"
+
+
+@pytest.fixture(scope="session")
+def js_client() -> Path:
+    """clients/js with its node_modules (clients/install-deps.sh installs them; npm ci here otherwise)."""
+    if not (JS_DIR / "node_modules" / ".package-lock.json").exists():
+        proc = subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund"], cwd=JS_DIR, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, f"npm ci failed (run clients/install-deps.sh):\n{proc.stderr}"
+    return JS_DIR
+
+
+def node(js_dir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["node", *args], cwd=js_dir, capture_output=True, text=True, timeout=120, env=env)
+
+
+def run_request(js_dir: Path, endpoint: str, mode: str, request: dict, timeout_ms: int = 30_000) -> dict:
+    """clients/js/tools/request.mjs: one call of the client, its outcome as JSON."""
+    proc = node(js_dir, "tools/request.mjs", endpoint, str(timeout_ms), mode, json.dumps(request))
+    result = json.loads(proc.stdout)
+    assert proc.returncode == (0 if result["status"] == "ok" else 1), proc.stderr
+    return result
+
+
+def test_node_suites_without_a_daemon(js_client: Path):
+    proc = node(js_client, "--test", "test/endpoint.test.mjs", "test/no_daemon.test.mjs")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_node_suite_against_the_daemon(js_client: Path, tiny_daemon: DaemonProcess):
+    env = {**os.environ, "KVD_ENDPOINT": tiny_daemon.endpoint}
+    proc = node(js_client, "--test", "test/daemon.test.mjs", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# fail 0" in proc.stdout
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("name", GREEDY_REQUESTS)
+def test_greedy_output_equals_the_python_clients(
+    js_client: Path, tiny_daemon: DaemonProcess, name: str, stream: bool
+):
+    request = GREEDY_REQUESTS[name]
+    mode = (
+        ("stream_chat" if stream else "chat")
+        if "messages" in request
+        else ("stream" if stream else "generate")
+    )
+    result = run_request(js_client, tiny_daemon.endpoint, mode, request)
+    assert_same_completion(result, python_completion(tiny_daemon, request), stream)
+    if stream:
+        finished = [c["finish_reason"] is not None for c in result["chunks"]]
+        assert finished == [False] * (len(finished) - 1) + [True]
+
+
+def test_the_example_streams_the_completion_to_stdout(js_client: Path, tiny_daemon: DaemonProcess):
+    reference = python_completion(
+        tiny_daemon, {"prompt": "Once upon a time", "temperature": 0.0, "max_tokens": 16}
+    )
+    args = ["--endpoint", tiny_daemon.endpoint, "--max-tokens", "16", "--temperature", "0"]
+    proc = node(js_client, "examples/generate.mjs", *args, "Once", "upon", "a", "time")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == reference["text"] + "\n"
+
+
+@pytest.mark.parametrize("name", [*ERROR_REQUESTS, "too_long_prompt"])
+def test_error_replies_surface_as_their_code(js_client: Path, tiny_daemon: DaemonProcess, name: str):
+    if name == "too_long_prompt":
+        request, error, field = too_long_prompt(tiny_daemon), "too_large", "prompt_token_ids"
+    else:
+        request, error, field = ERROR_REQUESTS[name]
+    for mode in ("generate", "stream"):
+        assert_error(run_request(js_client, tiny_daemon.endpoint, mode, request), error, field)
+
+
+def test_a_missing_daemon_is_a_clean_error_within_the_timeout(js_client: Path, tmp_path: Path):
+    missing = f"ipc://{tmp_path}/missing.sock"
+    result = run_request(js_client, missing, "stream", {"prompt": "Hi"}, NO_DAEMON_TIMEOUT_MS)
+    assert_timed_out(result, "no_daemon", missing)
+    stale = stale_socket(tmp_path / "stale.sock")
+    result = run_request(js_client, stale, "generate", {"prompt": "Hi"}, NO_DAEMON_TIMEOUT_MS)
+    assert_timed_out(result, "timeout", stale)
