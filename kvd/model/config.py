@@ -1,0 +1,154 @@
+"""ModelConfig: the decoder-family settings kvd needs, read from a Hugging Face config.json dict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# architectures[0] -> model_type; one implementation (kvd.model.llama) covers them through config switches.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+class UnsupportedModelError(ValueError):
+    """The config names an architecture or a feature this implementation does not cover."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE; else the scaling parameters with a "rope_type" key ("linear" or "llama3").
+    rope_scaling: dict[str, Any] | None
+    # The longest context served exactly: the config's value, capped by a sliding window if the model has one
+    # (full attention equals sliding-window attention while the context fits in the window).
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)
+    sliding_window: int | None = None
+    torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if the config says
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """From a config.json dict (transformers 4 or 5 layout); UnsupportedModelError if not covered."""
+        model_type = _model_type(d)
+        if d.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu' is")
+        num_heads = int(d["num_attention_heads"])
+        hidden_size = int(d["hidden_size"])
+        if num_heads % int(d.get("num_key_value_heads") or num_heads):
+            raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+        rope_theta, rope_scaling = _rope(d)
+        sliding_window = _sliding_window(d, model_type)
+        max_positions = int(d.get("max_position_embeddings", 2048))
+        if sliding_window is not None:
+            max_positions = min(max_positions, sliding_window)
+        # Qwen2 always has q/k/v bias and never says so; Llama's attention_bias covers o_proj too.
+        qkv_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
+        o_bias = model_type in ("llama", "qwen3") and bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=qkv_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+            architectures=tuple(d.get("architectures") or ()),
+            sliding_window=sliding_window,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+
+def _model_type(d: dict[str, Any]) -> str:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    architectures = d.get("architectures") or []
+    if architectures:
+        arch = architectures[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(f"architecture {arch!r} is not supported; supported: {supported}")
+        return SUPPORTED_ARCHITECTURES[arch]
+    model_type = d.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} (no architectures in config) is not supported; supported: {supported}"
+        )
+    return model_type
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    legacy_type = params.pop("type", None)  # transformers 4 wrote "type" before "rope_type"
+    rope_type = params.pop("rope_type", None) or legacy_type or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; only full rotary is")
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "llama3":
+        # transformers falls back to max_position_embeddings when the original length is not given.
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
+    window = d.get("sliding_window")
+    if window is None or model_type == "llama":
+        return None
+    if model_type == "mistral":
+        return int(window)
+    # Qwen2/3 keep a sliding_window value but use it only on the layers marked "sliding_attention".
+    uses_window = "sliding_attention" in (d.get("layer_types") or []) or bool(d.get("use_sliding_window"))
+    return int(window) if uses_window else None

@@ -1,0 +1,1 @@
+"""Model building blocks: attention backends over the paged KV pool, RoPE, RMSNorm, fused linears."""

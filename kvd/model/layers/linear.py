@@ -1,0 +1,52 @@
+"""Linear layers whose weight may stack several Hugging Face projections (fused q/k/v, fused gate/up)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). With several out_sizes, W stacks that many checkpoint matrices row-wise, in order.
+
+    A stacked weight carries `shard_sizes`, the rows each checkpoint tensor goes to.
+    Parameters are left uninitialized: the loader fills every one of them.
+    """
+
+    def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
+        super().__init__()
+        sizes = [out_sizes] if isinstance(out_sizes, int) else list(out_sizes)
+        self.out_sizes = sizes
+        self.weight = nn.Parameter(torch.empty(sum(sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(sizes)), requires_grad=False) if bias else None
+        if len(sizes) > 1:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.shard_sizes = sizes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One output per stacked matrix (q, k, v or gate, up)."""
+        if x.device.type != "cpu":
+            return list(F.linear(x, self.weight, self.bias).split(self.out_sizes, dim=-1))
+        # On CPU, MKL's sgemm runs the stacked matrices one by one 10-30% faster than their stack (measured
+        # on AVX2 for decode and prefill batch sizes); the views cost no copy.
+        weights = self.weight.split(self.out_sizes)
+        biases = [None] * len(weights) if self.bias is None else self.bias.split(self.out_sizes)
+        return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+
+class Embedding(nn.Module):
+    """Token embedding table [vocab, hidden]; tied models reuse it as the output projection."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)

@@ -1,0 +1,54 @@
+"""Rotary position embedding (neox layout) with default, linear and llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """float32 inverse frequencies, computed with the same operations as transformers so cos/sin match."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unknown rope_type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds cos|sin for every position up to max_positions; rows are looked up once per forward pass."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # A buffer, so model.to(dtype) casts it: transformers also casts float32 cos/sin to the model dtype.
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim / 2], broadcasting over heads."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

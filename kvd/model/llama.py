@@ -1,0 +1,200 @@
+"""The decoder family Llama / Mistral / Qwen2 / Qwen3 as one module, switched by ModelConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvd.model.config import ModelConfig
+from kvd.model.layers.activation import silu_and_mul
+from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
+from kvd.model.layers.linear import Embedding, Linear
+from kvd.model.layers.norm import RMSNorm
+from kvd.model.layers.rotary import RotaryEmbedding, apply_rotary
+from kvd.model.layers.torch_attention import TorchAttentionBackend
+
+# Hugging Face projection names that live stacked in one of our fused weights: (hf part, our part, shard).
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", 0),
+    (".k_proj.", ".qkv_proj.", 1),
+    (".v_proj.", ".qkv_proj.", 2),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class WeightLoadError(ValueError):
+    """Checkpoint tensors do not match the model: an unknown, missing or wrongly shaped weight."""
+
+
+class KVCacheNotBoundError(RuntimeError):
+    """forward ran before bind_kv_cache gave the layers their pool tensors."""
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        self.qkv_proj = Linear(
+            config.hidden_size, [config.q_size, config.kv_size, config.kv_size], bias=config.attention_bias
+        )
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise KVCacheNotBoundError("call model.bind_kv_cache(allocate_kv_cache(...)) before forward")
+        tokens = x.shape[0]
+        q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv_proj.forward_shards(x))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(*self.gate_up_proj.forward_shards(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
+        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, attn)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], attn) -> hidden [T, H]; compute_logits on the rows to sample."""
+
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attention_backend = attention_backend or TorchAttentionBackend()
+        self.model = DecoderModel(config, self.attention_backend)
+        self.lm_head = (
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
+        )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
+        residual = torch.zeros_like(hidden)
+        for layer in self.model.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, attn)
+        return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
+        """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(layers)} layers")
+        heads, head_dim = self.config.num_key_value_heads, self.config.head_dim
+        for layer, cache in zip(layers, kv_caches, strict=True):
+            if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[-2:] != (heads, head_dim):
+                raise ValueError(
+                    f"KV cache tensor of shape {tuple(cache.shape)} is not "
+                    f"[2, num_blocks, block_size, {heads}, {head_dim}]: use allocate_kv_cache"
+                )
+            layer.self_attn.kv_cache = cache
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters, casting to their dtype."""
+        params = dict(self.named_parameters())
+        pending = {
+            (name, shard)
+            for name, p in params.items()
+            for shard in range(len(getattr(p, "shard_sizes", [0])))
+        }
+        for hf_name, tensor in named_tensors:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy of the embeddings
+            name, shard = _our_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                raise WeightLoadError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.config.model_type} model"
+                )
+            target = param.data
+            if shard is not None:
+                sizes = param.shard_sizes
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if target.shape != tensor.shape:
+                raise WeightLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            pending.discard((name, shard or 0))
+        if pending:
+            missing = sorted(_hf_name(name, shard) for name, shard in pending)
+            raise WeightLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+
+
+def _our_name(hf_name: str) -> tuple[str, int | None]:
+    for hf_part, our_part, shard in _STACKED:
+        if hf_part in hf_name:
+            return hf_name.replace(hf_part, our_part), shard
+    return hf_name, None
+
+
+def _hf_name(name: str, shard: int) -> str:
+    for hf_part, our_part, index in _STACKED:
+        if our_part in name and index == shard:
+            return name.replace(our_part, hf_part)
+    return name

@@ -1,0 +1,169 @@
+"""Shared fixtures. Sections: model (tiny random Hugging Face checkpoints and a paged-pool driver)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model: tiny random checkpoints of each supported family, saved offline with transformers, and PagedRunner, which
+# drives a kvd CausalLM over a paged KV pool the way the engine does (flat varlen batches, block tables).
+# ---------------------------------------------------------------------------------------------------------------
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    # Larger than the 0.02 default so that logits are peaked enough for bf16 greedy comparisons to mean something.
+    initializer_range=0.1,
+)
+
+# family name -> (transformers config class name, extra config kwargs). Each exercises one config switch.
+TINY_FAMILIES: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),  # GQA, untied embeddings
+    "llama3_rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "linear_rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # head_dim 32 != hidden_size / heads (16), as in Mistral-Nemo and Qwen3: q/o projections are not square.
+    "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias, tied embeddings
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm
+}
+
+
+def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
+    """Save a random float32 model of `family` (see TINY_FAMILIES) and a tiny tokenizer; returns the folder."""
+    import transformers
+    from tiny_models import byte_level_tokenizer
+
+    class_name, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, class_name)(**_TINY, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # transformers initializes norms to 1 and biases to 0, which would leave qk-norm and qkv-bias untested.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.2)
+            elif name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    byte_level_tokenizer().save_pretrained(folder)  # load_model wants one; these tests feed token ids
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_checkpoint(family) -> folder with config.json + model.safetensors (built once per session)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = save_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny_{family}"))
+        return made[family]
+
+    return get
+
+
+def load_kvd_model(folder: Path, dtype: torch.dtype = torch.float32):
+    """kvd's CausalLM for a checkpoint folder, through the loader."""
+    from kvd.model.loader import load_model
+
+    return load_model(folder, dtype=dtype).model
+
+
+def load_hf_model(folder: Path, dtype: torch.dtype = torch.float32):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+class PagedRunner:
+    """Feeds token chunks of named sequences through a CausalLM over a paged pool, as the engine's runner does.
+
+    Blocks come from a free list (shuffled when `shuffle_seed` is set, so tables are non-contiguous); a
+    sequence can `share_prefix` another's full blocks, as a prefix-cache hit would.
+    """
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int = 128,
+        block_size: int = 4,
+        shuffle_seed: int | None = None,
+    ) -> None:
+        from kvd.model.layers.kv_cache import allocate_kv_cache
+
+        self.model = model
+        self.block_size = block_size
+        dtype = next(model.parameters()).dtype
+        model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu"))
+        self.free = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    def share_prefix(self, seq: str, source: str, num_tokens: int) -> None:
+        """Start `seq` with `source`'s first num_tokens (a whole number of blocks) already in the cache."""
+        num_blocks = num_tokens // self.block_size
+        if num_blocks * self.block_size != num_tokens:
+            raise ValueError("share whole blocks only")
+        self.tables[seq] = self.tables[source][:num_blocks]
+        self.lens[seq] = num_tokens
+
+    @torch.inference_mode()
+    def step(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> torch.Tensor:
+        """Run one flat batch; float32 logits of each chunk's last token [S, V] (or of every row, [T, V])."""
+        from kvd.model.layers.attention import build_attention_metadata
+
+        ids: list[int] = []
+        positions: list[int] = []
+        last_rows: list[int] = []
+        for seq, tokens in chunks:
+            start = self.lens.get(seq, 0)
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < start + len(tokens):
+                table.append(self.free.pop())
+            ids.extend(tokens)
+            positions.extend(range(start, start + len(tokens)))
+            last_rows.append(len(ids) - 1)
+        attn = build_attention_metadata(
+            block_tables=[self.tables[s] for s, _ in chunks],
+            context_lens=[self.lens.get(s, 0) + len(t) for s, t in chunks],
+            query_lens=[len(t) for _, t in chunks],
+            block_size=self.block_size,
+            device="cpu",
+        )
+        for seq, tokens in chunks:
+            self.lens[seq] = self.lens.get(seq, 0) + len(tokens)
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), attn)
+        return self.model.compute_logits(hidden if all_logits else hidden[last_rows])
+
+
+@pytest.fixture
+def paged_runner() -> type[PagedRunner]:
+    """The PagedRunner class: paged_runner(model, num_blocks=..., block_size=..., shuffle_seed=...)."""
+    return PagedRunner
+
+
+from daemon_fixtures import tiny_daemon, tiny_daemon_model  # noqa: E402, F401 - daemon e2e fixtures
