@@ -23,7 +23,7 @@ from kvd.engine.sampling_params import SamplingParams
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--question-tokens", type=int, default=32)

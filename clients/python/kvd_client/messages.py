@@ -1,0 +1,137 @@
+"""The wire format on the client side: request maps out, typed results back (see docs/protocol.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvd_client.errors import ProtocolMismatchError, error_from_reply
+
+PROTOCOL_VERSION = 1
+
+RequestId = int | str
+Message = dict[str, str]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]  # the most likely alternatives at this position, best first
+
+
+@dataclass
+class Chunk:
+    """One streamed increment. The last chunk of a stream has `finish_reason` and `usage` set."""
+
+    id: RequestId
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last chunk
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Completion:
+    """A whole generation: the reply to a non-streaming `generate` or `chat`."""
+
+    id: RequestId
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+
+def pack_request(op: str, request_id: RequestId, fields: dict[str, Any]) -> bytes:
+    """One request map; fields set to None are left out, so the daemon applies its defaults."""
+    message = {"v": PROTOCOL_VERSION, "id": request_id, "op": op}
+    message.update((k, v) for k, v in fields.items() if v is not None)
+    return msgpack.packb(message)
+
+
+def prompt_fields(prompt: str | Sequence[int], params: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(prompt, str):
+        return {"prompt": prompt, **params}
+    return {"prompt_token_ids": list(prompt), **params}
+
+
+def chat_fields(messages: Sequence[Message], params: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": [dict(m) for m in messages], **params}
+
+
+def unpack_reply(data: bytes) -> dict:
+    try:
+        reply = msgpack.unpackb(data, raw=False)
+    except Exception as e:
+        raise ProtocolMismatchError(f"the daemon sent a reply that is not msgpack: {e}") from None
+    if not isinstance(reply, dict) or not isinstance(reply.get("type"), str):
+        raise ProtocolMismatchError(f"the daemon sent a reply without a type: {reply!r:.200}")
+    return reply
+
+
+def check_error(reply: dict) -> dict:
+    """Raise the typed exception for an error reply; return any other reply unchanged."""
+    if reply["type"] == "error":
+        raise error_from_reply(reply)
+    return reply
+
+
+def to_result(reply: dict) -> dict:
+    """The payload of a `result` reply (everything but `id` and `type`)."""
+    reply = check_error(reply)
+    if reply["type"] != "result":
+        raise ProtocolMismatchError(f"expected a result reply, got {reply['type']!r}")
+    return {k: v for k, v in reply.items() if k not in ("id", "type")}
+
+
+def to_chunk(reply: dict) -> Chunk:
+    reply = check_error(reply)
+    if reply["type"] not in ("chunk", "final"):
+        raise ProtocolMismatchError(f"expected a chunk or final reply, got {reply['type']!r}")
+    final = reply["type"] == "final"
+    return Chunk(
+        id=reply["id"],
+        text=reply["text"],
+        token_ids=reply["token_ids"],
+        logprobs=_logprobs(reply.get("logprobs")),
+        finish_reason=reply["finish_reason"] if final else None,
+        usage=Usage(**reply["usage"]) if final else None,
+    )
+
+
+def to_completion(reply: dict) -> Completion:
+    reply = check_error(reply)
+    if reply["type"] != "final":
+        raise ProtocolMismatchError(f"expected a final reply, got {reply['type']!r}")
+    return Completion(
+        id=reply["id"],
+        text=reply["text"],
+        token_ids=reply["token_ids"],
+        finish_reason=reply["finish_reason"],
+        usage=Usage(**reply["usage"]),
+        logprobs=_logprobs(reply.get("logprobs")),
+    )
+
+
+def _logprobs(items: list[dict] | None) -> list[TokenLogprob] | None:
+    if items is None:
+        return None
+    return [
+        TokenLogprob(i["token_id"], i["logprob"], [(t, lp) for t, lp in i["top_logprobs"]]) for i in items
+    ]

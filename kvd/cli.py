@@ -1,0 +1,280 @@
+"""The `kvd` command: serve, generate, chat, stats, tokenize. Only `serve` imports the engine (and torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+
+from kvd.engine.engine_args import EngineArgs
+from kvd.server.config import ServerConfig
+from kvd_client import Client, KvdError
+from kvd_client.client import DEFAULT_TIMEOUT_S
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "512M", "2G", "1.5GiB" (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M, G or T")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except KvdError as e:
+        print(f"kvd {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Streams were closed (and aborted in the daemon) on the way out.
+        print(file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvd", description="A local LLM inference daemon and its client.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _serve_parser(commands.add_parser("serve", help="run the daemon (loads the model)"))
+
+    generate = commands.add_parser("generate", help="complete a prompt, streaming to stdout")
+    generate.add_argument("prompt")
+    _sampling_flags(generate)
+    _client_flags(generate, _generate)
+
+    chat = commands.add_parser("chat", help="an interactive chat with history (/reset, /exit)")
+    chat.add_argument("--system", help="a system message that starts the conversation")
+    _sampling_flags(chat)
+    _client_flags(chat, _chat)
+
+    stats = commands.add_parser("stats", help="KV usage, prefix hit rate, requests, tokens/s")
+    stats.add_argument("--json", action="store_true", help="print the raw stats map as JSON")
+    _client_flags(stats, _stats)
+
+    tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
+    tokenize.add_argument("text")
+    _client_flags(tokenize, _tokenize)
+    return parser
+
+
+def _serve_parser(p: argparse.ArgumentParser) -> None:
+    # Defaults come from the settings classes themselves, so the flags cannot drift from them.
+    e, c = EngineArgs, ServerConfig
+    model = p.add_argument_group("model and engine")
+    model.add_argument(
+        "--model", help="folder, .gguf file or Hugging Face id (default: bundled SmolLM2-135M)"
+    )
+    model.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16 or float16 (%(default)s)")
+    model.add_argument("--device", default=e.device, help="cpu or cuda[:N] (%(default)s)")
+    model.add_argument(
+        "--kv-cache-memory",
+        type=parse_size,
+        help=f"KV pool size, e.g. 512M or 2G (default: {e.kv_cache_memory_fraction:.0%}% of free)",
+    )
+    model.add_argument(
+        "--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences per batch (%(default)s)"
+    )
+    model.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=e.max_num_batched_tokens,
+        help="tokens per step (%(default)s)",
+    )
+    model.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
+    model.add_argument(
+        "--block-size", type=int, default=e.block_size, help="tokens per KV block (%(default)s)"
+    )
+    model.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    model.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+
+    server = p.add_argument_group("daemon")
+    server.add_argument(
+        "--listen", help="ipc://PATH or tcp://127.0.0.1:PORT (default: $KVD_ENDPOINT or per-user)"
+    )
+    server.add_argument("--socket-group", help="make the ipc socket 0660 with this group (default: 0600)")
+    server.add_argument("--allow-remote", action="store_true", help="permit a non-loopback tcp address")
+    server.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=c.drain_timeout,
+        help="seconds to finish on SIGTERM (%(default)s)",
+    )
+    server.add_argument(
+        "--client-timeout",
+        type=float,
+        default=c.client_timeout,
+        help="seconds a client may leave replies unread (%(default)s)",
+    )
+    server.add_argument(
+        "--max-message-bytes",
+        type=parse_size,
+        default=c.max_message_bytes,
+        help="request size limit (%(default)s)",
+    )
+    server.add_argument(
+        "--max-prompt-tokens", type=int, help="prompt length limit (default: max_model_len - 1)"
+    )
+    server.add_argument(
+        "--max-queued-per-client",
+        type=int,
+        default=c.max_queued_per_client,
+        help="requests in flight per client (%(default)s)",
+    )
+    server.add_argument(
+        "--max-queued", type=int, default=c.max_queued, help="requests in flight in total (%(default)s)"
+    )
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=_serve)
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: the daemon's, 1.0)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+
+
+def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
+    p.add_argument("--endpoint", help="the daemon's endpoint (default: $KVD_ENDPOINT or per-user)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds to wait on a silent daemon (%(default)s)",
+    )
+    p.set_defaults(run=run)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Imported here: every other command runs without torch.
+    from kvd.server.listener import ListenError
+    from kvd.server.serve import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        engine_args = EngineArgs(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_threads=args.threads,
+        )
+        config = ServerConfig(
+            listen=args.listen,
+            socket_group=args.socket_group,
+            allow_remote=args.allow_remote,
+            drain_timeout=args.drain_timeout,
+            client_timeout=args.client_timeout,
+            max_message_bytes=args.max_message_bytes,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_queued_per_client=args.max_queued_per_client,
+            max_queued=args.max_queued,
+        )
+        serve(engine_args, config)
+    except (ListenError, ValueError, FileNotFoundError) as e:
+        # Configuration and input mistakes: one clear line, no traceback.
+        print(f"kvd serve: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+    return {n: getattr(args, n) for n in names}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    with (
+        Client(args.endpoint, timeout=args.timeout) as client,
+        client.stream(args.prompt, **_sampling(args)) as s,
+    ):
+        for chunk in s:
+            print(chunk.text, end="", flush=True)
+    print()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("kvd chat: /reset clears the history, /exit (or Ctrl-D) quits", file=sys.stderr)
+    with Client(args.endpoint, timeout=args.timeout) as client:
+        while True:
+            try:
+                line = input("> ")
+            except (EOFError, KeyboardInterrupt):
+                print()
+                return 0
+            if line.strip() == "/exit":
+                return 0
+            if line.strip() == "/reset":
+                del history[1 if args.system else 0 :]
+                continue
+            if not line.strip():
+                continue
+            history.append({"role": "user", "content": line})
+            reply = _stream_reply(client, history, args)
+            history.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(client: Client, history: list[dict[str, str]], args: argparse.Namespace) -> str:
+    """Print the assistant's reply as it streams; Ctrl-C stops it (and aborts it in the daemon)."""
+    parts = []
+    with client.stream_chat(history, **_sampling(args)) as stream:
+        try:
+            for chunk in stream:
+                parts.append(chunk.text)
+                print(chunk.text, end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+    print()
+    return "".join(parts)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    with Client(args.endpoint, timeout=args.timeout) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
+    total = kv["total_blocks"]
+    print(f"KV cache      {kv['used_blocks']}/{total} blocks used ({100 * kv['used_blocks'] / total:.1f} %)")
+    print(f"prefix cache  {100 * prefix['hit_rate']:.1f} % hit rate ({prefix['hit_tokens']} tokens reused)")
+    print(f"requests      {stats['num_running']} running, {stats['num_waiting']} waiting")
+    print(f"throughput    {stats['generation_tokens_per_s_1m']:.1f} tokens/s (last minute)")
+    print(f"clients       {daemon['num_clients']} active; {daemon['requests_total']} requests since start")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    with Client(args.endpoint, timeout=args.timeout) as client:
+        token_ids = client.tokenize(args.text)
+    print(" ".join(map(str, token_ids)))
+    print(f"{len(token_ids)} tokens", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+"""The wire protocol: decoding with limits, validating requests, building replies. Spec: docs/protocol.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+BAD_REQUEST = "bad_request"
+UNSUPPORTED_VERSION = "unsupported_version"
+TOO_LARGE = "too_large"
+OVERLOADED = "overloaded"
+NOT_FOUND = "not_found"
+SHUTTING_DOWN = "shutting_down"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_REQUEST, UNSUPPORTED_VERSION, TOO_LARGE, OVERLOADED, NOT_FOUND, SHUTTING_DOWN, INTERNAL)
+
+MAX_ID = 2**63 - 1
+MAX_ID_CHARS = 128
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 256
+MAX_ROLE_CHARS = 64
+# No request needs more keys in one map; a bound keeps hostile maps cheap to reject.
+MAX_MAP_LEN = 64
+
+RequestId = int | str
+
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_COMMON_FIELDS = ("v", "id", "op")
+OP_FIELDS: dict[str, tuple[str, ...]] = {
+    "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
+    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS),
+    "tokenize": ("text", "messages"),
+    "detokenize": ("token_ids",),
+    "abort": ("target",),
+    "health": (),
+    "info": (),
+    "stats": (),
+}
+
+
+class ProtocolError(Exception):
+    """A request the daemon answers with an error reply; `field` names the request field at fault."""
+
+    def __init__(
+        self, code: str, message: str, field: str | None = None, request_id: RequestId | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+        self.request_id = request_id
+
+
+@dataclass
+class Request:
+    id: RequestId
+    op: str  # health, info or stats; the other ops have their own classes
+
+
+@dataclass
+class GenerateRequest(Request):
+    """`generate` (prompt or prompt_token_ids set) or `chat` (messages set)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+    stream: bool
+    cache_salt: str | None
+
+
+@dataclass
+class TokenizeRequest(Request):
+    text: str | None  # exactly one of text and messages is set
+    messages: list[dict[str, str]] | None
+
+
+@dataclass
+class DetokenizeRequest(Request):
+    token_ids: list[int]
+
+
+@dataclass
+class AbortRequest(Request):
+    target: RequestId
+
+
+def decode(frame: bytes, max_message_bytes: int) -> dict:
+    """Unpack one request frame into a map, or raise ProtocolError (too_large, bad_request)."""
+    if len(frame) > max_message_bytes:
+        raise ProtocolError(
+            TOO_LARGE,
+            f"the message has {len(frame)} bytes; this daemon accepts at most {max_message_bytes}",
+            request_id=_peek_id(frame),
+        )
+    msg = _unpack(frame)
+    if not isinstance(msg, dict):
+        raise ProtocolError(BAD_REQUEST, f"a request is a msgpack map, got {_type_name(msg)}")
+    return msg
+
+
+def _unpack(frame: bytes) -> Any:
+    try:
+        # Every length is also bounded by the frame size; ext types (timestamps included) are not part of it.
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, max_map_len=MAX_MAP_LEN, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ProtocolError(
+            BAD_REQUEST, f"the message is not valid msgpack ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _peek_id(frame: bytes) -> RequestId | None:
+    """The id of an oversized request, so that its too_large error reaches the right call."""
+    try:
+        msg = _unpack(frame)
+        return _request_id(msg) if isinstance(msg, dict) else None
+    except ProtocolError:
+        return None
+
+
+def parse_request(msg: dict) -> Request:
+    """Validate a decoded map against the op's schema; errors carry the request id once it is known."""
+    request_id = _request_id(msg)
+    try:
+        return _parse(msg, request_id)
+    except ProtocolError as e:
+        e.request_id = request_id
+        raise
+
+
+def _request_id(msg: dict) -> RequestId:
+    return _as_id(msg.get("id"), "id")
+
+
+def _as_id(value: Any, name: str) -> RequestId:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ID:
+        return value
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS:
+        return value
+    raise ProtocolError(
+        BAD_REQUEST,
+        f"{name} must be an integer in [0, 2^63) or a string of 1 to {MAX_ID_CHARS} characters",
+        name,
+    )
+
+
+def _parse(msg: dict, request_id: RequestId) -> Request:
+    version = msg.get("v")
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ProtocolError(
+            BAD_REQUEST, f"v (the protocol version) is required; this daemon speaks {PROTOCOL_VERSION}", "v"
+        )
+    if version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {version} is not supported; supported: {list(SUPPORTED_VERSIONS)}",
+            "v",
+        )
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OP_FIELDS:
+        raise ProtocolError(BAD_REQUEST, f"op must be one of {sorted(OP_FIELDS)}", "op")
+    allowed = (*_COMMON_FIELDS, *OP_FIELDS[op])
+    for key in msg:
+        if key not in allowed:
+            shown = key if isinstance(key, str) else repr(key)
+            raise ProtocolError(
+                BAD_REQUEST, f"unknown field for op {op!r}; allowed: {', '.join(allowed)}", shown
+            )
+    # nil is the same as leaving a field out.
+    fields = {k: v for k, v in msg.items() if v is not None and k not in _COMMON_FIELDS}
+    if op in ("generate", "chat"):
+        return _generate(request_id, op, fields)
+    if op == "tokenize":
+        text, messages = _one_prompt(fields, ("text", "messages"))
+        return TokenizeRequest(request_id, op, text, messages)
+    if op == "detokenize":
+        return DetokenizeRequest(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
+    if op == "abort":
+        if "target" not in fields:
+            raise ProtocolError(BAD_REQUEST, "target (the id of the request to abort) is required", "target")
+        return AbortRequest(request_id, op, _as_id(fields["target"], "target"))
+    return Request(request_id, op)
+
+
+def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateRequest:
+    prompt = prompt_token_ids = messages = None
+    if op == "chat":
+        if "messages" not in fields:
+            raise ProtocolError(BAD_REQUEST, "messages is required for chat", "messages")
+        messages = _messages(fields["messages"])
+    else:
+        prompt, prompt_token_ids = _one_prompt(fields, ("prompt", "prompt_token_ids"))
+    cache_salt = fields.get("cache_salt")
+    if cache_salt is not None:
+        _check_str(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
+    stream = fields.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ProtocolError(BAD_REQUEST, f"stream must be a boolean, got {_type_name(stream)}", "stream")
+    return GenerateRequest(
+        request_id, op, prompt, prompt_token_ids, messages, _sampling_params(fields), stream, cache_salt
+    )
+
+
+def _one_prompt(fields: dict, names: tuple[str, str]) -> tuple[Any, Any]:
+    """Exactly one of a text field and a second form (token ids or messages)."""
+    text_name, other = names
+    present = [n for n in names if n in fields]
+    if len(present) != 1:
+        raise ProtocolError(BAD_REQUEST, f"give exactly one of {text_name} and {other}", text_name)
+    if text_name in fields:
+        _check_str(fields[text_name], text_name, None)
+        return fields[text_name], None
+    if other == "messages":
+        return None, _messages(fields[other])
+    return None, _token_ids(fields, other, allow_empty=False)
+
+
+def _sampling_params(fields: dict) -> SamplingParams:
+    values = {k: fields[k] for k in SAMPLING_FIELDS if k in fields}
+    stop = values.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES:
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} strings",
+                "stop",
+            )
+        for s in stops:
+            _check_str(s, "stop", MAX_STOP_CHARS)
+    if "stop_token_ids" in values:
+        values["stop_token_ids"] = _token_ids(
+            values, "stop_token_ids", allow_empty=True, limit=MAX_STOP_TOKEN_IDS
+        )
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as e:
+        raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ProtocolError(
+            BAD_REQUEST, "messages must be a non-empty list of {role, content} maps", "messages"
+        )
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise ProtocolError(BAD_REQUEST, "each message is a map with exactly role and content", where)
+        _check_str(m["role"], f"{where}.role", MAX_ROLE_CHARS)
+        _check_str(m["content"], f"{where}.content", None, allow_empty=True)
+    return value
+
+
+def _token_ids(fields: dict, name: str, allow_empty: bool, limit: int | None = None) -> list[int]:
+    ids = fields.get(name)
+    if not isinstance(ids, list) or (not ids and not allow_empty):
+        raise ProtocolError(
+            BAD_REQUEST, f"{name} must be a {'' if allow_empty else 'non-empty '}list of integers", name
+        )
+    if limit is not None and len(ids) > limit:
+        raise ProtocolError(BAD_REQUEST, f"{name} holds {len(ids)} entries; at most {limit}", name)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise ProtocolError(
+                BAD_REQUEST, f"{name} must hold integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}", name
+            )
+    return ids
+
+
+def _check_str(value: Any, name: str, max_chars: int | None, allow_empty: bool = False) -> None:
+    if not isinstance(value, str):
+        raise ProtocolError(BAD_REQUEST, f"{name} must be a string, got {_type_name(value)}", name)
+    if not value and not allow_empty:
+        raise ProtocolError(BAD_REQUEST, f"{name} must not be empty", name)
+    if max_chars is not None and len(value) > max_chars:
+        raise ProtocolError(BAD_REQUEST, f"{name} is longer than {max_chars} characters", name)
+
+
+def _type_name(value: Any) -> str:
+    return {bytes: "binary", dict: "map", list: "array", type(None): "nil"}.get(
+        type(value), type(value).__name__
+    )
+
+
+# Replies: one map each, always with `id` (nil when the request's id could not be read) and `type`.
+
+
+def chunk_reply(request_id: RequestId, text: str, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+    reply = {"id": request_id, "type": "chunk", "text": text, "token_ids": token_ids}
+    if logprobs is not None:
+        reply["logprobs"] = logprobs
+    return reply
+
+
+def final_reply(
+    request_id: RequestId,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[dict] | None,
+    finish_reason: str,
+    usage: dict[str, int],
+) -> dict:
+    reply = chunk_reply(request_id, text, token_ids, logprobs)
+    reply.update(type="final", finish_reason=finish_reason, usage=usage)
+    return reply
+
+
+def result_reply(request_id: RequestId, fields: dict[str, Any]) -> dict:
+    return {"id": request_id, "type": "result", **fields}
+
+
+def error_reply(request_id: RequestId | None, code: str, message: str, field: str | None = None) -> dict:
+    reply = {"id": request_id, "type": "error", "code": code, "message": message}
+    if field is not None:
+        reply["field"] = field
+    return reply
+
+
+def heartbeat_reply() -> dict:
+    return {"id": None, "type": "heartbeat"}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+    }
+
+
+def logprobs_payload(tokens: list[Any]) -> list[dict]:
+    """Sampled tokens (token_id, logprob, top_logprobs) as protocol maps."""
+    return [
+        {
+            "token_id": t.token_id,
+            "logprob": t.logprob,
+            "top_logprobs": [[i, lp] for i, lp in t.top_logprobs or []],
+        }
+        for t in tokens
+    ]
+
+
+def encode(reply: dict) -> bytes:
+    return msgpack.packb(reply)

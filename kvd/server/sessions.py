@@ -1,0 +1,84 @@
+"""Per-client bookkeeping: each client's requests in flight and the replies it has not yet accepted."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvd.server.protocol import RequestId
+
+
+def engine_request_id(identity: bytes, request_id: RequestId) -> tuple[bytes, RequestId]:
+    """Engine request ids are scoped per client, so two clients may both use id 1."""
+    return (identity, request_id)
+
+
+@dataclass
+class InflightRequest:
+    """A generate or chat request from admission to its final reply."""
+
+    id: RequestId
+    stream: bool
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    want_logprobs: bool = False
+    # Non-streaming requests collect their output here for the single final reply.
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class ClientSession:
+    """One client, known by the routing id the ROUTER socket gave its connection."""
+
+    identity: bytes
+    requests: dict[RequestId, InflightRequest] = field(default_factory=dict)
+    # Replies the socket refused because the client's queue was full; sent in order once it reads again.
+    backlog: deque[bytes] = field(default_factory=deque)
+    last_sent: float = 0.0
+    stalled_since: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.identity.hex()
+
+    def engine_id(self, request_id: RequestId) -> tuple[bytes, RequestId]:
+        return engine_request_id(self.identity, request_id)
+
+
+class Sessions:
+    """The clients that have requests in flight or replies pending; others need no state."""
+
+    def __init__(self) -> None:
+        self._by_identity: dict[bytes, ClientSession] = {}
+
+    def get(self, identity: bytes) -> ClientSession | None:
+        return self._by_identity.get(identity)
+
+    def open(self, identity: bytes) -> ClientSession:
+        session = self._by_identity.get(identity)
+        if session is None:
+            session = self._by_identity[identity] = ClientSession(identity, last_sent=time.monotonic())
+        return session
+
+    def release_if_idle(self, session: ClientSession) -> None:
+        if not session.requests and not session.backlog:
+            self._by_identity.pop(session.identity, None)
+
+    def remove(self, session: ClientSession) -> None:
+        self._by_identity.pop(session.identity, None)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(s.requests) for s in self._by_identity.values())
+
+    def __iter__(self) -> Iterator[ClientSession]:
+        # A copy: callers drop sessions while iterating.
+        return iter(list(self._by_identity.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_identity)
