@@ -73,6 +73,14 @@ class AttentionBackend(ABC):
             block_size=layout.block_size,
         )
 
+    def check_metadata(self, attn: AttentionMetadata) -> None:
+        """Refuse metadata built for another backend (it lacks what this one precomputes)."""
+        if not isinstance(attn, self.metadata_cls):
+            raise TypeError(
+                f"the {self.name} attention backend got {type(attn).__name__}; build the step's metadata with "
+                "build_attention_metadata(..., backend=<this backend>)"
+            )
+
     @abstractmethod
     def forward(
         self,

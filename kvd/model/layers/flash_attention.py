@@ -94,11 +94,7 @@ class FlashAttentionBackend(GraphDecodeBackend):
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not isinstance(attn, FlashAttentionMetadata):
-            raise TypeError(
-                f"the flash-attn backend got {type(attn).__name__}; build the step's metadata with "
-                "build_attention_metadata(..., backend=<this backend>)"
-            )
+        self.check_metadata(attn)
         store_kvcache(k, v, kv_cache, attn.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, kv_heads, head_dim]
         if attn.is_decode:

@@ -100,11 +100,7 @@ class TorchAttentionBackend(AttentionBackend):
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not isinstance(attn, TorchAttentionMetadata):
-            raise TypeError(
-                f"the torch attention backend got {type(attn).__name__}; build the step's metadata with "
-                "build_attention_metadata(..., backend=<this backend>)"
-            )
+        self.check_metadata(attn)
         self._write(k, v, kv_cache, attn)
         decode, prefill = attn.decode, attn.prefill
         if prefill is None and decode is not None and decode.rows is None:

@@ -88,11 +88,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
         attn: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not isinstance(attn, TritonAttentionMetadata):
-            raise TypeError(
-                f"the triton attention backend got {type(attn).__name__}; build the step's metadata with "
-                "build_attention_metadata(..., backend=<this backend>)"
-            )
+        self.check_metadata(attn)
         store_kvcache(k, v, kv_cache, attn.slot_mapping)
         decode, prefill = attn.decode, attn.prefill
         if prefill is None and decode.rows is None:
