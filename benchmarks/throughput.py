@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=1, help="alternate kvd and transformers this many times")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both sides (default: all cores)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p.parse_args(argv)
@@ -95,6 +98,8 @@ def run_transformers(model, workload: list[tuple[list[int], int]], batch_size: i
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     llm = LLM(
         args.model,
         dtype=args.dtype,
