@@ -8,9 +8,11 @@ import logging
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvd.engine.engine_args import EngineArgs
 from kvd.server.config import ServerConfig
+from kvd.server.config_file import ConfigFileError, apply_config_file
 from kvd_client import Client, KvdError
 from kvd_client.client import DEFAULT_TIMEOUT_S
 
@@ -30,7 +32,15 @@ def parse_size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is not None:
+        try:
+            apply_config_file(_subcommand(parser, "serve"), args.config)
+        except ConfigFileError as e:
+            print(f"kvd serve: {e}", file=sys.stderr)
+            return 2
+        args = parser.parse_args(argv)  # again: the file's settings are now defaults the flags override
     try:
         return args.run(args)
     except KvdError as e:
@@ -61,15 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print the raw stats map as JSON")
     _client_flags(stats, _stats)
 
+    top = commands.add_parser("top", help="a live view of the daemon's load and its clients")
+    top.add_argument("--once", action="store_true", help="print one screen and exit")
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (%(default)s)")
+    _client_flags(top, _top)
+
     tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
     tokenize.add_argument("text")
     _client_flags(tokenize, _tokenize)
     return parser
 
 
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return commands.choices[name]
+
+
 def _serve_parser(p: argparse.ArgumentParser) -> None:
     # Defaults come from the settings classes themselves, so the flags cannot drift from them.
     e, c = EngineArgs, ServerConfig
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="a TOML file of these settings, named without dashes (systemd/kvd.toml.example); flags win",
+    )
     model = p.add_argument_group("model and engine")
     model.add_argument(
         "--model", help="folder, .gguf file or Hugging Face id (default: bundled SmolLM2-135M)"
@@ -101,8 +126,16 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--listen", help="ipc://PATH or tcp://127.0.0.1:PORT (default: $KVD_ENDPOINT or per-user)"
     )
+    server.add_argument(
+        "--events", help="publish queued/scheduled/preempted/finished events on this endpoint (default: off)"
+    )
     server.add_argument("--socket-group", help="make the ipc socket 0660 with this group (default: 0600)")
     server.add_argument("--allow-remote", action="store_true", help="permit a non-loopback tcp address")
+    server.add_argument(
+        "--shared-prefix-cache",
+        action="store_true",
+        help="let different users share cached prompt prefixes (trusted single-tenant hosts only)",
+    )
     server.add_argument(
         "--drain-timeout",
         type=float,
@@ -132,6 +165,16 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     )
     server.add_argument(
         "--max-queued", type=int, default=c.max_queued, help="requests in flight in total (%(default)s)"
+    )
+    server.add_argument(
+        "--max-running-per-client",
+        type=int,
+        help="requests per client in the engine at once; the rest wait their turn (default: no cap)",
+    )
+    server.add_argument(
+        "--max-blocks-per-client",
+        type=int,
+        help="KV blocks one client's requests may hold; more of them wait (default: no cap)",
     )
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_serve)
@@ -184,13 +227,17 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(
             listen=args.listen,
             socket_group=args.socket_group,
+            events=args.events,
             allow_remote=args.allow_remote,
+            shared_prefix_cache=args.shared_prefix_cache,
             drain_timeout=args.drain_timeout,
             client_timeout=args.client_timeout,
             max_message_bytes=args.max_message_bytes,
             max_prompt_tokens=args.max_prompt_tokens,
             max_queued_per_client=args.max_queued_per_client,
             max_queued=args.max_queued,
+            max_running_per_client=args.max_running_per_client,
+            max_blocks_per_client=args.max_blocks_per_client,
         )
         serve(engine_args, config)
     except (ListenError, ValueError, FileNotFoundError) as e:
@@ -265,6 +312,14 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"requests      {stats['num_running']} running, {stats['num_waiting']} waiting")
     print(f"throughput    {stats['generation_tokens_per_s_1m']:.1f} tokens/s (last minute)")
     print(f"clients       {daemon['num_clients']} active; {daemon['requests_total']} requests since start")
+    return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    from kvd.top import run
+
+    with Client(args.endpoint, timeout=args.timeout) as client:
+        run(client, args.interval, args.once)
     return 0
 
 

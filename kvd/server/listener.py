@@ -61,6 +61,20 @@ def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) 
     return sock
 
 
+def open_publisher(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) -> zmq.Socket:
+    """Bind the event stream's PUB socket, with the same file mode as the request socket."""
+    sock = context.socket(zmq.PUB)
+    try:
+        if endpoint.transport == "ipc":
+            _bind_ipc(sock, endpoint, config.socket_group)
+        else:
+            sock.bind(endpoint.url)
+    except zmq.ZMQError as e:
+        sock.close(linger=0)
+        raise ListenError(f"cannot publish events on {endpoint}: {e}") from None
+    return sock
+
+
 def close_router(sock: zmq.Socket, endpoint: Endpoint, linger_ms: int) -> None:
     """Close the socket and remove the ipc file libzmq leaves behind, unless the path is no longer ours."""
     bound = None

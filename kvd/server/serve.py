@@ -12,8 +12,9 @@ import kvd
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
-from kvd.server.listener import check_endpoint, close_router, open_router
-from kvd_client.endpoint import resolve_endpoint
+from kvd.server.listener import check_endpoint, close_router, open_publisher, open_router
+from kvd.server.systemd import Notifier
+from kvd_client.endpoint import parse_endpoint, resolve_endpoint
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
@@ -34,6 +35,9 @@ def warm_up(engine: LLMEngine) -> float:
 def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     endpoint = resolve_endpoint(config.listen)
     check_endpoint(endpoint, config)
+    events_endpoint = parse_endpoint(config.events) if config.events else None
+    if events_endpoint is not None:
+        check_endpoint(events_endpoint, config)
     if config.allow_remote and not endpoint.is_loopback:
         logger.warning("listening beyond loopback: requests are neither authenticated nor encrypted")
     # Imported only now: a misconfigured daemon fails in a fraction of a second, before torch loads.
@@ -44,6 +48,11 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     warm_up_s = warm_up(engine)
     context = zmq.Context()
     sock = open_router(context, endpoint, config)
+    try:
+        event_sock = open_publisher(context, events_endpoint, config) if events_endpoint else None
+    except BaseException:
+        close_router(sock, endpoint, linger_ms=0)
+        raise
     info = engine.info()
     logger.info(
         "kvd %s ready on %s: model %s (%s, %s), KV pool %d blocks x %d tokens, max_model_len %d, "
@@ -58,9 +67,14 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         info["max_model_len"],
         warm_up_s,
     )
+    daemon = Daemon(engine, sock, config, Notifier(), event_sock)
+    # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
+    daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")
     try:
-        Daemon(engine, sock, config).run()
+        daemon.run()
     finally:
         close_router(sock, endpoint, linger_ms=int(CLOSE_FLUSH_S * 1000))
+        if event_sock is not None:
+            close_router(event_sock, events_endpoint, linger_ms=0)
         context.term()
     logger.info("stopped")

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvd.engine.sampling_params import SamplingParams
 from kvd.server.protocol import RequestId
 
 
@@ -25,10 +26,22 @@ class InflightRequest:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     want_logprobs: bool = False
+    num_preemptions: int = 0
     # Non-streaming requests collect their output here for the single final reply.
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class PendingRequest:
+    """A request the daemon accepted that waits for its turn to enter the engine."""
+
+    request: InflightRequest
+    token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    field: str  # the request field the prompt came from, for an error reply at admission
 
 
 @dataclass
@@ -41,6 +54,14 @@ class ClientSession:
     backlog: deque[bytes] = field(default_factory=deque)
     last_sent: float = 0.0
     stalled_since: float | None = None
+    # Accepted requests not yet in the engine, oldest first (see fairness.py).
+    pending: deque[PendingRequest] = field(default_factory=deque)
+    has_turn: bool = False  # in the fair queue's turn order
+    tenant: str = ""  # who the peer is (isolation.py); "" for sessions made without a message
+
+    @property
+    def num_in_engine(self) -> int:
+        return len(self.requests) - len(self.pending)
 
     @property
     def name(self) -> str:
@@ -59,10 +80,11 @@ class Sessions:
     def get(self, identity: bytes) -> ClientSession | None:
         return self._by_identity.get(identity)
 
-    def open(self, identity: bytes) -> ClientSession:
+    def open(self, identity: bytes, tenant: str = "") -> ClientSession:
         session = self._by_identity.get(identity)
         if session is None:
-            session = self._by_identity[identity] = ClientSession(identity, last_sent=time.monotonic())
+            session = ClientSession(identity, last_sent=time.monotonic(), tenant=tenant)
+            self._by_identity[identity] = session
         return session
 
     def release_if_idle(self, session: ClientSession) -> None:

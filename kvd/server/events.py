@@ -1,0 +1,35 @@
+"""The event stream (`--events ENDPOINT`): a PUB socket announcing each request's queued, scheduled,
+preempted and finished, under the topic "TENANT/CLIENT" so that subscribers can filter by user."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import msgpack
+import zmq
+
+from kvd.server.protocol import RequestId
+from kvd.server.sessions import ClientSession
+
+QUEUED = "queued"  # accepted, waiting in its client's queue
+SCHEDULED = "scheduled"  # handed to the engine (its turn came)
+PREEMPTED = "preempted"  # its KV blocks were taken back under memory pressure; it will be recomputed
+FINISHED = "finished"
+
+
+class EventStream:
+    """Publishes without ever blocking: a subscriber that does not keep up loses events (PUB drops them)."""
+
+    def __init__(self, sock: zmq.Socket | None) -> None:
+        self.socket = sock
+
+    def publish(self, event: str, session: ClientSession, request_id: RequestId, **fields: object) -> None:
+        if self.socket is None:
+            return
+        topic = f"{session.tenant}/{session.name}"
+        body = {"event": event, "tenant": session.tenant, "client": session.name, "id": request_id}
+        body.update(fields, time=time.time())
+        # A subscriber that cannot take it now misses it: events are best effort, serving comes first.
+        with contextlib.suppress(zmq.Again):
+            self.socket.send_multipart([topic.encode(), msgpack.packb(body)], zmq.NOBLOCK)

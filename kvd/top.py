@@ -1,0 +1,47 @@
+"""`kvd top`: the daemon's load, redrawn every second (or printed once), from the `stats` op."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+from kvd_client import Client
+
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain redraw, no curses needed
+
+
+def render(stats: dict) -> str:
+    """One screen of stats: totals, then one line per client with requests in flight."""
+    kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
+    total = kv["total_blocks"]
+    lines = [
+        f"kvd  up {daemon['uptime_s']:.0f} s{'  DRAINING' if daemon['draining'] else ''}",
+        f"requests   {stats['num_running']} running, {stats['num_waiting']} waiting in the engine, "
+        f"{daemon['num_queued']} queued in the daemon",
+        f"KV cache   {kv['used_blocks']}/{total} blocks ({100 * kv['used_blocks'] / total:.1f} %)",
+        f"prefix     {100 * prefix['hit_rate']:.1f} % hit rate",
+        f"preempted  {stats['num_preemptions']}",
+        f"tokens/s   {stats['generation_tokens_per_s_1m']:.1f} (last minute)",
+        f"clients    {daemon['num_clients']}; {daemon['requests_total']} requests since start, "
+        f"{daemon['requests_rejected']} rejected, {daemon['clients_lost']} lost",
+        "",
+        f"{'CLIENT':<12} {'TENANT':<12} {'REQS':>5} {'QUEUED':>6} {'ENGINE':>6} {'KV':>6} {'TOKENS':>7} {'PREEMPT':>7}",
+    ]
+    for c in sorted(daemon["clients"], key=lambda c: -c["requests"]):
+        lines.append(
+            f"{c['client'][:12]:<12} {c['tenant'][:12]:<12} {c['requests']:>5} {c['queued']:>6} "
+            f"{c['in_engine']:>6} {c['kv_blocks']:>6} {c['generated_tokens']:>7} {c['preemptions']:>7}"
+        )
+    return "\n".join(lines)
+
+
+def run(client: Client, interval: float, once: bool, out: TextIO = sys.stdout) -> None:
+    """Print one screen, or redraw every `interval` seconds until interrupted."""
+    if once:
+        print(render(client.stats()), file=out)
+        return
+    while True:
+        out.write(CLEAR + render(client.stats()) + "\n")
+        out.flush()
+        time.sleep(interval)
