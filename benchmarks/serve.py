@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model", default=None, help="folder, .gguf or hub id (default: the bundled SmolLM2-135M)"
     )
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--input-len", default="32,128", help="min,max prompt tokens")
     p.add_argument("--output-len", default="16,64", help="min,max output tokens")
