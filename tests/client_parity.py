@@ -37,6 +37,16 @@ def too_long_prompt(daemon: DaemonProcess) -> dict:
     return {"prompt_token_ids": [1] * (limit + 1), "max_tokens": 1}
 
 
+ERROR_CASES = [*ERROR_REQUESTS, "too_long_prompt"]
+
+
+def error_case(daemon: DaemonProcess, name: str) -> tuple[dict, str, str]:
+    """(request, expected error code, field at fault) for one of ERROR_CASES."""
+    if name == "too_long_prompt":
+        return too_long_prompt(daemon), "too_large", "prompt_token_ids"
+    return ERROR_REQUESTS[name]
+
+
 def python_completion(daemon: DaemonProcess, request: dict) -> dict:
     """The Python client's answer to `request` (the reference the other clients must match)."""
     params = {k: v for k, v in request.items() if k not in ("prompt", "prompt_token_ids", "messages")}

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 from client_parity import (
-    ERROR_REQUESTS,
+    ERROR_CASES,
     GREEDY_REQUESTS,
     NO_DAEMON_TIMEOUT_MS,
     assert_error,
     assert_same_completion,
     assert_timed_out,
+    error_case,
     python_completion,
     stale_socket,
-    too_long_prompt,
 )
 from daemon_fixtures import REPO, DaemonProcess
 
@@ -91,12 +91,9 @@ def test_the_example_streams_the_completion_to_stdout(js_client: Path, tiny_daem
     assert proc.stdout == reference["text"] + "\n"
 
 
-@pytest.mark.parametrize("name", [*ERROR_REQUESTS, "too_long_prompt"])
+@pytest.mark.parametrize("name", ERROR_CASES)
 def test_error_replies_surface_as_their_code(js_client: Path, tiny_daemon: DaemonProcess, name: str):
-    if name == "too_long_prompt":
-        request, error, field = too_long_prompt(tiny_daemon), "too_large", "prompt_token_ids"
-    else:
-        request, error, field = ERROR_REQUESTS[name]
+    request, error, field = error_case(tiny_daemon, name)
     for mode in ("generate", "stream"):
         assert_error(run_request(js_client, tiny_daemon.endpoint, mode, request), error, field)
 
