@@ -13,7 +13,8 @@ def _row(
     seed: int | None = None, prompt: list[int] | None = None, output: list[int] | None = None, **kw
 ) -> SamplingRow:
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(SamplingParams(seed=seed, **kw), generator, prompt or [1, 2, 3], output or [])
+    prompt = prompt or [1, 2, 3]
+    return SamplingRow(SamplingParams(seed=seed, **kw), generator, prompt + (output or []), len(prompt))
 
 
 def _logits(n: int, seed: int = 0) -> torch.Tensor:

@@ -68,7 +68,7 @@ def run_profile_step(
     num_rows = min(max_num_seqs, hidden.shape[0])
     logits = model.compute_logits(hidden[-num_rows:])
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)  # the sampler's heaviest path: a full sort
-    sample(logits, [SamplingRow(params, None, [0], []) for _ in range(num_rows)])
+    sample(logits, [SamplingRow(params, None, [0], 1) for _ in range(num_rows)])
     scratch = sum(t.numel() * t.element_size() for t in pool)
     # Unbind the scratch pool (a one-block pool takes its place) so that its memory can be returned.
     model.bind_kv_cache(allocate_kv_cache(model.config, 1, block_size, param.dtype, param.device))

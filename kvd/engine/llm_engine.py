@@ -201,7 +201,7 @@ class LLMEngine:
 
     def _sampling_row(self, request: _Request) -> SamplingRow:
         seq = request.seq
-        return SamplingRow(request.params, request.generator, seq.prompt_token_ids, seq.output_token_ids)
+        return SamplingRow(request.params, request.generator, seq.token_ids, seq.num_prompt_tokens)
 
     def _on_token(self, request: _Request, token: SampledToken) -> RequestOutput:
         seq = request.seq

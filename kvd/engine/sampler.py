@@ -11,12 +11,24 @@ from kvd.engine.sampling_params import SamplingParams
 
 @dataclass
 class SamplingRow:
-    """What the sampler needs of one sequence that samples this step."""
+    """What the sampler needs of one sequence that samples this step.
+
+    `token_ids` is the sequence's own list (prompt, then output), not a copy: only penalties read it, so the
+    per-step cost of a row stays independent of the sequence length.
+    """
 
     params: SamplingParams
     generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
