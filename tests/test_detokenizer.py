@@ -68,3 +68,12 @@ def test_held_back_prefix_of_a_stop_string_is_released_when_it_does_not_complete
     pieces, detok = _stream(tokenizer, [], ids, stop=["###"])
     assert not detok.stopped
     assert "".join(pieces) == "a ## b"
+
+
+@pytest.mark.parametrize("stop", [["in", "pa"], ["pa", "in"]])
+def test_several_stop_strings_cut_at_the_earliest_match_in_the_text(tokenizer, stop):
+    # One call with every token: both stop strings arrive in the same new text (as with a word-sized token).
+    detok = IncrementalDetokenizer(tokenizer, tokenizer("Hello there")["input_ids"], stop)
+    detok.add_tokens(tokenizer(" The painting was lovely")["input_ids"])
+    assert detok.stopped
+    assert detok.take_delta(finished=True) == " The "

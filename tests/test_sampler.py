@@ -132,3 +132,51 @@ def test_invalid_params_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**{field: value})
     assert info.value.field == field
+
+
+def _kept_by_top_p(logits: torch.Tensor, top_p: float) -> int:
+    from kvd.engine.sampler import _top_k_top_p
+
+    filtered = _top_k_top_p(logits, [_row(temperature=1.0, top_p=top_p)])
+    return int(torch.isfinite(filtered).sum())
+
+
+def _exact_top_p_size(logits: torch.Tensor, top_p: float) -> int:
+    """The smallest number of most likely tokens whose mass reaches top_p, summed in float64 one by one."""
+    probs = sorted(logits.double().softmax(-1)[0].tolist(), reverse=True)
+    mass = 0.0
+    for n, p in enumerate(probs, start=1):
+        mass += p
+        if mass >= top_p:
+            return n
+    return len(probs)
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.99, 0.999])
+def test_top_p_keeps_the_smallest_set_reaching_top_p_over_a_large_vocabulary(top_p):
+    # A long tail over a 49k vocabulary, like a real LM's step: a float32 running sum falls short here.
+    logits = torch.randn(1, 49152, generator=torch.Generator().manual_seed(11)) * 2.5
+    assert _kept_by_top_p(logits, top_p) == _exact_top_p_size(logits, top_p)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324, 1e-6])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_tiny_temperature_samples_the_argmax(temperature, top_k):
+    logits = _logits(4, seed=8) * 10
+    out = sample(logits, [_row(seed=i, temperature=temperature, top_k=top_k) for i in range(4)])
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_extreme_repetition_penalty_is_rejected():
+    with pytest.raises(SamplingParamsError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300, temperature=100.0)
+
+
+def test_strongest_allowed_penalty_at_high_temperature_samples_likely_tokens():
+    logits = _logits(1, seed=9) * 10
+    row = _row(seed=1, temperature=100.0, repetition_penalty=0.01, prompt=list(range(VOCAB)))
+    seen = {sample(logits, [row])[0].token_id for _ in range(200)}
+    # Every token was in the prompt, so each is penalised by definition; the samples follow that distribution.
+    penalised = torch.where(logits > 0, logits / 0.01, logits * 0.01) / 100.0
+    probs = penalised.softmax(-1)[0]
+    assert all(probs[t] > 1e-6 for t in seen)

@@ -69,9 +69,8 @@ class IncrementalDetokenizer:
     def _append(self, new_text: str) -> None:
         start = max(0, len(self.text) - self.holdback)
         self.text += new_text
-        for s in self.stop:
-            pos = self.text.find(s, start)
-            if pos != -1:
-                self.text = self.text[:pos]
-                self.stopped = True
-                return
+        # The earliest match in the text wins, whatever the order of the stop strings.
+        matches = [pos for s in self.stop if (pos := self.text.find(s, start)) != -1]
+        if matches:
+            self.text = self.text[: min(matches)]
+            self.stopped = True

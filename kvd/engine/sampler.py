@@ -82,13 +82,15 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).clamp(max=vocab)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # float64: a float32 running sum over a 50k vocabulary drifts by ~1e-5, enough to stop short of top_p 0.999.
+    probs = sorted_logits.masked_fill(drop, float("-inf")).double().softmax(dim=-1)
     # Drop a token when the mass before it already reaches top_p; the first token always stays.
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = probs.cumsum(dim=-1).roll(1, dims=-1)
+    mass_before[:, 0] = 0.0
     drop |= mass_before >= top_p.unsqueeze(1)
     drop[:, 0] = False
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Below this temperature a request samples greedily: dividing logits by a smaller one overflows float32 to inf,
+# and the softmax of that is NaN, not the one-hot distribution the limit tends to.
+GREEDY_TEMPERATURE = 1e-5
+# A repetition penalty multiplies or divides logits; outside this range it overflows or erases them.
+MIN_REPETITION_PENALTY = 0.01
 
 
 class SamplingParamsError(ValueError):
@@ -54,11 +59,11 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, low_open=True)
+        _number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 10.0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
