@@ -22,8 +22,20 @@ if not torch.cuda.is_available():  # before triton is first used: kernels built 
 
 from greedy_helper import greedy_generate
 
-from kvd.engine.cuda_graphs import DecodeBuffers, DecodeGraphRunner, capture_sizes, padded_batch_size
-from kvd.engine.gpu_memory import DeviceMemory, kv_cache_budget, run_profile_step
+from kvd.engine.cuda_graphs import (
+    MAX_CAPTURE_SIZE,
+    DecodeBuffers,
+    DecodeGraphRunner,
+    capture_sizes,
+    padded_batch_size,
+)
+from kvd.engine.gpu_memory import (
+    RUNTIME_RESERVE_BYTES,
+    DeviceMemory,
+    kv_cache_budget,
+    profile_steps,
+    run_profile_step,
+)
 from kvd.kernels.paged_decode_attention import paged_decode_attention_reference
 from kvd.model.layers import selector
 from kvd.model.layers.attention import build_attention_metadata
@@ -327,6 +339,7 @@ def test_capture_sizes():
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     sizes = capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 4 + 16
+    assert capture_sizes(4096)[-1] == MAX_CAPTURE_SIZE == 512  # larger decode batches run eagerly
 
 
 def test_padded_batch_size():
@@ -345,15 +358,19 @@ def test_padded_batch_size():
     assert padded_batch_size(49, sizes) is None
 
 
-def test_decode_buffers_pad_with_skipped_slots_and_dummy_tables():
-    buffers = DecodeBuffers.allocate(max_batch=8, max_blocks=4, device=DEVICE)
-    buffers.block_tables.fill_(9)  # stale values of an earlier step
+def test_decode_buffers_pad_with_skipped_slots_and_the_null_block():
+    buffers = DecodeBuffers.allocate(max_batch=8, max_blocks=4, device=DEVICE, null_block=99)
+    assert buffers.block_tables.eq(99).all() and buffers.slot_mapping.eq(-1).all()  # padding before any fill
+    buffers.fill(
+        [11, 12, 13, 14, 15], [[5, 2], [7], [1, 3, 4], [6], [8]], [20, 3, 33, 2, 2], 16, batch_size=8
+    )
     buffers.fill([11, 12, 13], [[5, 2], [7], [1, 3, 4]], [20, 3, 33], block_size=16, batch_size=4)
     assert buffers.input_ids[:4].tolist() == [11, 12, 13, 0]
     assert buffers.positions[:4].tolist() == [19, 2, 32, 0]
     assert buffers.slot_mapping[:4].tolist() == [2 * 16 + 3, 7 * 16 + 2, 4 * 16 + 0, -1]
     assert buffers.context_lens[:4].tolist() == [20, 3, 33, 1]
-    assert buffers.block_tables[:4, :3].tolist() == [[5, 2, 0], [7, 0, 0], [1, 3, 4], [0, 0, 0]]
+    # Block 0 is a real block: a padding row (or a table's unused column) must never point at it.
+    assert buffers.block_tables[:4, :3].tolist() == [[5, 2, 99], [7, 99, 99], [1, 3, 4], [99, 99, 99]]
 
 
 @pytest.mark.parametrize(
@@ -383,7 +400,7 @@ def test_graph_step_on_padded_buffers_matches_eager_step(qwen3_folder, make_back
         eager_pool = [t.clone() for t in pool]
         for t, saved in zip(pool, before, strict=True):
             t.copy_(saved)
-        runner = DecodeGraphRunner(model, block_size, max_num_seqs=5, max_model_len=64, device=DEVICE)
+        runner = DecodeGraphRunner(model, block_size, 5, max_model_len=64, device=DEVICE, null_block=7)
         assert runner.sizes == [1, 2, 4, 8] and padded_batch_size(3, runner.sizes) == 4
         runner.buffers.fill(next_ids, tables, next_lens, block_size, batch_size=4)
         out = runner.forward_static(4)
@@ -398,9 +415,22 @@ def test_graph_step_on_padded_buffers_matches_eager_step(qwen3_folder, make_back
         assert torch.equal(flat, old)  # nothing else was written
 
 
+def test_model_runner_refuses_positions_past_the_rotary_table(qwen3_folder):
+    from kvd.engine.model_runner import MaxModelLenError, ModelRunner
+
+    model = load(qwen3_folder, None)
+    make = dict(num_blocks=4, block_size=16, dtype=torch.float32, device=DEVICE, max_num_seqs=4)
+    with pytest.raises(MaxModelLenError, match="more than the 256 positions"):
+        ModelRunner(model, model.config, max_model_len=257, enforce_eager=True, **make)
+    runner = ModelRunner(model, model.config, max_model_len=256, enforce_eager=True, **make)
+    assert (
+        runner.kv_caches[0].shape[1] == 5 and runner.null_block == 4
+    )  # the null block is past the manager's
+
+
 def test_graph_runner_refuses_the_torch_backend(qwen3_folder):
     with pytest.raises(TypeError, match="cannot be captured"):
-        DecodeGraphRunner(load(qwen3_folder, None), 16, 4, 64, DEVICE)
+        DecodeGraphRunner(load(qwen3_folder, None), 16, 4, 64, DEVICE, null_block=0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -430,21 +460,39 @@ def test_kv_cache_budget_counts_only_this_process():
     baseline = DeviceMemory(total=100 * gib, free=70 * gib, torch_reserved=0)  # 30 GiB held by others
     # Loading and profiling: weights 10 GiB, peak 14 GiB; 1 GiB appeared outside torch (workspaces).
     after = DeviceMemory(total=100 * gib, free=59 * gib, torch_reserved=10 * gib)
-    budget = kv_cache_budget(0.5, baseline, after, torch_peak=14 * gib, torch_now=10 * gib)
+    budget = kv_cache_budget(0.5, baseline, after, torch_peak=14 * gib, torch_now=10 * gib, reserve=0)
     assert budget == 50 * gib - 14 * gib - 1 * gib  # others' 30 GiB are not charged to the fraction
     # But the pool never takes more than is free, less the activations' headroom.
-    assert kv_cache_budget(0.9, baseline, after, 14 * gib, 10 * gib) == 59 * gib - 4 * gib
+    assert kv_cache_budget(0.9, baseline, after, 14 * gib, 10 * gib, reserve=0) == 59 * gib - 4 * gib
+    # What is made after sizing (graph pools, compiled kernels) is held back in both cases.
+    assert kv_cache_budget(0.5, baseline, after, 14 * gib, 10 * gib) == budget - RUNTIME_RESERVE_BYTES
+    assert kv_cache_budget(0.9, baseline, after, 14 * gib, 10 * gib) == 55 * gib - RUNTIME_RESERVE_BYTES
 
 
-def test_profile_step_runs_the_largest_batch_and_releases_its_pool(qwen3_folder):
+def test_profile_steps_include_the_longest_chunk_over_the_longest_prefix():
+    fresh, chunked = profile_steps(
+        block_size=16, max_num_batched_tokens=100, max_num_seqs=4, max_model_len=40
+    )
+    assert (fresh.context_lens, fresh.query_lens) == ([40, 40, 20], [40, 40, 20])
+    assert fresh.tables == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # A chunk over a cached prefix takes the gather-and-mask path, whose memory grows with chunk x context.
+    assert (chunked.context_lens, chunked.query_lens, chunked.tables) == ([40], [39], [[0, 1, 2]])
+    _, long_context = profile_steps(16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096)
+    assert (long_context.context_lens, long_context.query_lens) == ([4096], [64])
+
+
+def test_profile_step_runs_the_largest_batches_and_releases_its_pool(qwen3_folder):
     model = load(qwen3_folder, None)
+    per_block = 2 * 16 * model.config.num_key_value_heads * model.config.head_dim * 4
     scratch = run_profile_step(
         model, block_size=16, max_num_batched_tokens=100, max_num_seqs=4, max_model_len=40
     )
-    per_block = 2 * 16 * model.config.num_key_value_heads * model.config.head_dim * 4
     blocks = 3 + 3 + 2  # sequences of 40, 40 and 20 tokens
     assert scratch == blocks * per_block * model.config.num_hidden_layers
     assert all(layer.self_attn.kv_cache.shape[1] == 1 for layer in model.model.layers)
+    # A max_model_len past the model's positions (256) is profiled at 256: no position past the rotary table.
+    scratch = run_profile_step(model, 16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=10**6)
+    assert scratch == (256 // 16) * per_block * model.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------------------------------------------------------

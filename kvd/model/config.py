@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # architectures[0] -> model_type; one implementation (kvd.model.llama) covers them through config switches.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -59,6 +62,24 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def cap_max_model_len(self, requested: int | None) -> int:
+        """The context length to serve: `requested` (None: the model's), at most max_position_embeddings.
+
+        Positions past it have no rotary angle (the table, scaled RoPE included, covers exactly that many;
+        a longer context would index past it, which on CUDA is a device assert that kills every request).
+        """
+        if requested is None or requested <= self.max_position_embeddings:
+            return requested or self.max_position_embeddings
+        logger.warning(
+            "max_model_len %d is more than the %d positions this model has (max_position_embeddings%s); "
+            "serving %d",
+            requested,
+            self.max_position_embeddings,
+            ", capped by its sliding window" if self.sliding_window else "",
+            self.max_position_embeddings,
+        )
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from kvd.model.layers.attention import AttentionBackend
 
 __all__ = [
+    "DeviceUnavailableError",
     "GGUFError",
     "LoadedModel",
     "ModelNotFoundError",
@@ -39,6 +41,10 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeviceUnavailableError(ValueError):
+    """The device asked for does not exist in this process (e.g. cuda with a CPU-only torch)."""
 
 
 @dataclass
@@ -76,6 +82,7 @@ def load_model(
     `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|triton|flash-attn), or
     None for the torch backend.
     """
+    device = check_device(device)
     path = resolve_model_path(model)
     gguf_path = _gguf_file(path)
     checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
@@ -87,9 +94,7 @@ def load_model(
         )
     tokenizer = checkpoint.load_tokenizer()
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
-    with torch.device(device):
-        # Built in float32 then cast, so buffers made at init (rotary cos/sin) round as in transformers.
-        causal_lm = CausalLM(config, attention_backend).to(run_dtype)
+    causal_lm = build_causal_lm(config, attention_backend, run_dtype, device)
     causal_lm.load_weights(  # casts to the parameters' dtype
         tqdm(
             checkpoint.weights(),
@@ -101,6 +106,48 @@ def load_model(
     )
     causal_lm.eval()
     return LoadedModel(causal_lm, config, tokenizer, name, run_dtype, gguf_path or path)
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """The device, if this process can use it; DeviceUnavailableError saying what to do otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise DeviceUnavailableError(
+            f"device {device} was asked for but CUDA is not available (torch {torch.__version__} is {build}, "
+            "or no GPU is visible); install a CUDA build of torch on a GPU host, or use --device cpu"
+        )
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise DeviceUnavailableError(
+            f"device {device} does not exist: {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return device
+
+
+def build_causal_lm(
+    config: ModelConfig,
+    attention_backend: AttentionBackend | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> CausalLM:
+    """The model with uninitialized parameters created in `dtype` on `device`: peak memory is the run
+    dtype's, never float32's. Only the rotary tables are computed in float32 (their code asks for it), then
+    rounded to `dtype` as transformers rounds its cos/sin."""
+    with torch.device(device), _default_dtype(dtype):
+        causal_lm = CausalLM(config, attention_backend)
+    return causal_lm.to(dtype)  # casts the float32 buffers; the parameters are already in dtype
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @dataclass
