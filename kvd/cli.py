@@ -121,6 +121,21 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     model.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+    model.add_argument(
+        "--attention-backend",
+        default=e.attention_backend,
+        choices=["auto", "torch", "triton", "flash-attn"],
+        help="auto: flash-attn, else triton on CUDA; torch on CPU (%(default)s)",
+    )
+    model.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs and no torch.compile"
+    )
+    model.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=e.gpu_memory_utilization,
+        help="CUDA: the share of the device's memory this process may use, KV pool included (%(default)s)",
+    )
 
     server = p.add_argument_group("daemon")
     server.add_argument(
@@ -223,6 +238,9 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
             num_threads=args.threads,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         config = ServerConfig(
             listen=args.listen,

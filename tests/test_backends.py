@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -527,6 +528,30 @@ def test_engine_rejects_a_backend_that_cannot_run(qwen3_folder):
         LLM(str(qwen3_folder), device="cpu", attention_backend="flash-attn", kv_cache_memory=2**22)
     with pytest.raises(AttentionBackendError, match="unknown attention backend 'flashattn'"):
         LLM(str(qwen3_folder), attention_backend="flashattn", kv_cache_memory=2**22)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        ('device = "cuda"', "CUDA is not available" if not torch.cuda.is_available() else None),
+        ("gpu-memory-utilization = 1.5", r"gpu_memory_utilization must be in \(0, 1\]"),
+        ('attention-backend = "flash-attn"\nenforce-eager = true', "flash-attn backend runs on CUDA"),
+    ],
+    ids=["cuda-absent", "utilization", "backend"],
+)
+def test_serve_takes_the_gpu_settings_from_flags_and_config(qwen3_folder, tmp_path, capsys, settings, error):
+    """The settings reach the engine (its checks answer), as one clear line and exit status 2."""
+    from kvd.cli import main
+
+    if error is None:
+        pytest.skip("this host has CUDA")
+    config = tmp_path / "kvd.toml"
+    config.write_text(f'model = "{qwen3_folder}"\n{settings}\n')
+    listen = ["--listen", f"ipc://{tmp_path}/kvd.sock"]
+    assert main(["serve", "--config", str(config), *listen]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvd serve: ") and "Traceback" not in err
+    assert re.search(error, err), err
 
 
 SMOKE_ARGS = ("--device", "cpu", "--tiny", "--backends", "torch", "--json")
