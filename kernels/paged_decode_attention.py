@@ -10,6 +10,7 @@ graph can replay a launch with new block tables and context lengths. Triton is i
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -17,6 +18,10 @@ from kvd.kernels.store_kvcache import KernelInputError
 
 BLOCK_N = 64  # context tokens per tile
 MAX_SPLITS = 16
+# A program's tiles are [16 query rows x 64 tokens x head_dim]: 4 warps cover them, and 2 stages keep the next
+# K/V tile's load in flight during this one's dots (decode is bound by those loads, not by the math).
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 
 def paged_decode_attention_reference(
@@ -98,9 +103,12 @@ def paged_decode_attention(
         KV_HEADS=kv_heads,
         BLOCK_SIZE=block_size,
         BLOCK_N=BLOCK_N,
-        # 16-bit q, K and V are exact in tf32 (and the probabilities keep more bits than flash-attn's 16-bit
-        # ones), so tensor cores cost no accuracy there; fp32 models compute in full fp32.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # On a GPU, 16-bit q/K/V feed tensor cores as they are (fp32 accumulation, probabilities rounded to
+        # V's dtype, as flash-attn does); fp32 models compute in full fp32 ("ieee", never tf32). Triton's
+        # interpreter computes a bf16 tl.dot wrongly (fp16 rightly), so there bf16 is widened to fp32 first.
+        COMPUTE_FP32=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and _interpreting()),
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
     )
     if num_splits > 1:
         merge_kernel[(num_seqs, num_heads)](
@@ -114,8 +122,13 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()),
+            num_warps=1,  # one [splits, head_dim] tile per program: a single warp covers it
         )
     return out
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_inputs(
@@ -173,7 +186,7 @@ def _kernels():
         KV_HEADS: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
+        COMPUTE_FP32: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -194,7 +207,9 @@ def _kernels():
             q_ptr + seq * q_stride_seq + heads[:, None] * q_stride_head + cols[None, :],
             mask=row_mask[:, None] & col_mask[None, :],
             other=0.0,
-        ).to(tl.float32)  # fp32 also sidesteps the interpreter's wrong bf16 tl.dot
+        )
+        if COMPUTE_FP32:
+            q = q.to(tl.float32)
 
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         denom = tl.zeros([GROUP_PAD], tl.float32)
@@ -206,15 +221,19 @@ def _kernels():
             token = block.to(tl.int64) * block_stride + (pos % BLOCK_SIZE) * (KV_HEADS * HEAD_DIM)
             kv_offsets = token[:, None] + kv_head * HEAD_DIM + cols[None, :]
             kv_mask = pos_mask[:, None] & col_mask[None, :]
-            k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            k = tl.load(cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            if COMPUTE_FP32:
+                k = k.to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             scores = tl.where(pos_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
             probs = tl.exp(scores - m_new[:, None])
             rescale = tl.exp(m - m_new)
             denom = denom * rescale + tl.sum(probs, 1)
-            v = tl.load(cache_ptr + kv_stride + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
+            v = tl.load(cache_ptr + kv_stride + kv_offsets, mask=kv_mask, other=0.0)
+            if COMPUTE_FP32:
+                v = v.to(tl.float32)
+            acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision="ieee")
             m = m_new
 
         has_tokens = denom > 0  # a split past the end of a short context saw nothing

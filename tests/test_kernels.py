@@ -95,6 +95,7 @@ def test_paged_decode_matches_reference(heads, head_dim, block_size):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_paged_decode_half_precision(dtype):
+    """16-bit dots as on the GPU (fp16 in the interpreter too; its bf16 tl.dot is wrong, so bf16 is widened)."""
     gen = torch.Generator().manual_seed(7)
     context_lens = [3, 40, 100]
     tables = random_tables(context_lens, 16, 16, gen).to(DEVICE)
