@@ -137,6 +137,7 @@ class AsyncClient:
         return rid
 
     async def _send(self, op: str, rid: RequestId, fields: dict[str, Any]) -> None:
+        self.endpoint.check_listening("AsyncClient(endpoint=...)")
         if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(self._read())
         try:

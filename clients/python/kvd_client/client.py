@@ -130,6 +130,7 @@ class Client:
 
     def _start(self, op: str, fields: dict[str, Any]) -> RequestId:
         self._check_open()
+        self.endpoint.check_listening("Client(endpoint=...)")
         rid = next(self._ids)
         self._inbox[rid] = deque()
         try:

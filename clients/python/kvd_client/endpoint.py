@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvd_client.errors import EndpointError
+from kvd_client.errors import EndpointError, NoDaemonError
 
 ENV_VAR = "KVD_ENDPOINT"
 SOCKET_NAME = "kvd.sock"
@@ -43,6 +43,15 @@ class Endpoint:
 
     def __str__(self) -> str:
         return self.url
+
+    def check_listening(self, how_to_choose: str) -> None:
+        """Raise NoDaemonError at once when the ipc socket file is missing, instead of waiting for a timeout
+        (ZeroMQ would keep retrying the connection silently); `how_to_choose` says how to pick another."""
+        if self.transport == "ipc" and not os.path.exists(self.path):
+            raise NoDaemonError(
+                f"no kvd daemon at {self.url}: the socket file does not exist. Start one with `kvd serve`, "
+                f"or point at a running one with {how_to_choose} or ${ENV_VAR}"
+            )
 
 
 def default_socket_dir() -> Path:

@@ -15,6 +15,10 @@ class KvdTimeoutError(KvdError, TimeoutError):
     """The daemon said nothing for `timeout` seconds: it is not running, not reachable, or stuck."""
 
 
+class NoDaemonError(KvdError, ConnectionError):
+    """No daemon can be listening at the endpoint: its ipc socket file does not exist."""
+
+
 class ClosedError(KvdError):
     """The client was closed, or is used in a process other than the one that created it."""
 
@@ -64,6 +68,12 @@ class InternalError(DaemonError):
     code = "internal"
 
 
+class ClientTimeoutError(DaemonError):
+    """The daemon aborted the request because this client read no reply for its client timeout."""
+
+    code = "client_timeout"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -74,6 +84,7 @@ _BY_CODE = {
         NotFoundError,
         ShuttingDownError,
         InternalError,
+        ClientTimeoutError,
     )
 }
 
