@@ -1,34 +1,43 @@
-"""The `kvd` command: serve, generate, chat, stats, tokenize. Only `serve` imports the engine (and torch)."""
+"""The `kvd` command: serve, gateway, generate, chat, stats, top, tokenize. Only `serve` imports torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvd.engine.engine_args import EngineArgs
+import kvd
+from kvd.engine import engine_args
+from kvd.engine.engine_args import EngineArgs, EngineArgsError
+from kvd.gateway.server import DEFAULT_HTTP
 from kvd.server.config import ServerConfig
 from kvd.server.config_file import ConfigFileError, apply_config_file
 from kvd_client import Client, KvdError
 from kvd_client.client import DEFAULT_TIMEOUT_S
+from kvd_client.endpoint import resolve_endpoint
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+CHAT_HELP = "/reset clears the history, /help shows this, /exit (or Ctrl-D) quits"
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "512M", "2G", "1.5GiB" (binary units)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a number with K, M, G or T")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
-    return size
+    """Bytes from "1073741824", "512M", "2G", "1.5GiB" (binary units), as an argparse type."""
+    try:
+        return engine_args.parse_size(text)
+    except EngineArgsError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,17 +63,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvd", description="A local LLM inference daemon and its client.")
+    parser.add_argument("--version", action="version", version=f"kvd {kvd.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(commands.add_parser("serve", help="run the daemon (loads the model)"))
+    _gateway_parser(
+        commands.add_parser("gateway", help="an OpenAI-compatible HTTP server in front of a daemon")
+    )
 
     generate = commands.add_parser("generate", help="complete a prompt, streaming to stdout")
-    generate.add_argument("prompt")
-    _sampling_flags(generate)
+    generate.add_argument("prompt", help="the prompt; - reads it from standard input")
+    _sampling_flags(generate, max_tokens_default="the daemon's, 16")
     _client_flags(generate, _generate)
 
-    chat = commands.add_parser("chat", help="an interactive chat with history (/reset, /exit)")
+    chat = commands.add_parser("chat", help="an interactive chat with history (/reset, /help, /exit)")
     chat.add_argument("--system", help="a system message that starts the conversation")
-    _sampling_flags(chat)
+    _sampling_flags(chat, max_tokens_default="until the reply ends or the context is full")
     _client_flags(chat, _chat)
 
     stats = commands.add_parser("stats", help="KV usage, prefix hit rate, requests, tokens/s")
@@ -117,10 +130,18 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
     model.add_argument(
-        "--block-size", type=int, default=e.block_size, help="tokens per KV block (%(default)s)"
+        "--block-size",
+        type=positive_int,
+        default=e.block_size,
+        help="tokens per KV block (default: the attention backend's; 16, or 256 for flash-attn)",
     )
     model.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    model.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+    model.add_argument(
+        "--num-threads",
+        "--threads",
+        type=positive_int,
+        help="CPU threads for torch, num_threads in the Python API (default: all cores)",
+    )
     model.add_argument(
         "--attention-backend",
         default=e.attention_backend,
@@ -145,7 +166,14 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         "--events", help="publish queued/scheduled/preempted/finished events on this endpoint (default: off)"
     )
     server.add_argument("--socket-group", help="make the ipc socket 0660 with this group (default: 0600)")
-    server.add_argument("--allow-remote", action="store_true", help="permit a non-loopback tcp address")
+    server.add_argument(
+        "--allow-remote", action="store_true", help="permit a non-loopback tcp or --http address"
+    )
+    server.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help=f"also run the OpenAI-compatible HTTP gateway (kvd gateway) there, e.g. {DEFAULT_HTTP} (default: off)",
+    )
     server.add_argument(
         "--shared-prefix-cache",
         action="store_true",
@@ -195,14 +223,29 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=_serve)
 
 
-def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+def _gateway_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--http", default=DEFAULT_HTTP, metavar="HOST:PORT", help="where to serve HTTP (%(default)s)"
+    )
+    p.add_argument(
+        "--allow-remote", action="store_true", help="permit a non-loopback address (no authentication!)"
+    )
+    p.add_argument("--served-model-name", help="the model id clients use (default: the daemon's model name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _client_flags(p, _gateway)
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str) -> None:
+    p.add_argument(
+        "--max-tokens", type=positive_int, help=f"tokens to generate at most (default: {max_tokens_default})"
+    )
     p.add_argument("--temperature", type=float, help="0 = greedy (default: the daemon's, 1.0)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
@@ -218,6 +261,7 @@ def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     # Imported here: every other command runs without torch.
+    from kvd.gateway.server import GatewayConfigError
     from kvd.server.listener import ListenError
     from kvd.server.serve import serve
 
@@ -237,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching,
-            num_threads=args.threads,
+            num_threads=args.num_threads,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             gpu_memory_utilization=args.gpu_memory_utilization,
@@ -247,6 +291,7 @@ def _serve(args: argparse.Namespace) -> int:
             socket_group=args.socket_group,
             events=args.events,
             allow_remote=args.allow_remote,
+            http=args.http,
             shared_prefix_cache=args.shared_prefix_cache,
             drain_timeout=args.drain_timeout,
             client_timeout=args.client_timeout,
@@ -258,45 +303,79 @@ def _serve(args: argparse.Namespace) -> int:
             max_blocks_per_client=args.max_blocks_per_client,
         )
         serve(engine_args, config)
-    except (ListenError, ValueError, FileNotFoundError) as e:
+    except (ListenError, ValueError, FileNotFoundError, GatewayConfigError) as e:
         # Configuration and input mistakes: one clear line, no traceback.
         print(f"kvd serve: {e}", file=sys.stderr)
         return 2
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from kvd.gateway.server import GatewayConfig, GatewayConfigError, parse_http_address, run_gateway
+
+    try:
+        host, port = parse_http_address(args.http, args.allow_remote)
+        endpoint = resolve_endpoint(args.endpoint).url
+    except (GatewayConfigError, KvdError) as e:
+        print(f"kvd gateway: {e}", file=sys.stderr)
+        return 2
+    run_gateway(
+        GatewayConfig(
+            host, port, endpoint, args.allow_remote, args.served_model_name, args.timeout, args.log_level
+        )
+    )
+    return 0
+
+
+def _connect(args: argparse.Namespace) -> Client:
+    """A Client for --endpoint; a daemon that is not there is reported at once, naming the flag."""
+    endpoint = resolve_endpoint(args.endpoint)
+    endpoint.check_listening("--endpoint")
+    return Client(endpoint.url, timeout=args.timeout)
+
+
 def _sampling(args: argparse.Namespace) -> dict:
     names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
-    return {n: getattr(args, n) for n in names}
+    return {n: getattr(args, n) for n in names} | {"ignore_eos": args.ignore_eos or None}
 
 
 def _generate(args: argparse.Namespace) -> int:
-    with (
-        Client(args.endpoint, timeout=args.timeout) as client,
-        client.stream(args.prompt, **_sampling(args)) as s,
-    ):
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    with _connect(args) as client, client.stream(prompt, **_sampling(args)) as s:
         for chunk in s:
             print(chunk.text, end="", flush=True)
     print()
+    if chunk.finish_reason == "abort":
+        print("kvd generate: cut short: the daemon stopped before the generation finished", file=sys.stderr)
+        return 1
     return 0
 
 
 def _chat(args: argparse.Namespace) -> int:
     history = [{"role": "system", "content": args.system}] if args.system else []
-    print("kvd chat: /reset clears the history, /exit (or Ctrl-D) quits", file=sys.stderr)
-    with Client(args.endpoint, timeout=args.timeout) as client:
+    print(f"kvd chat: {CHAT_HELP}", file=sys.stderr)
+    with _connect(args) as client:
+        if args.max_tokens is None:
+            # A chat reply ends when the model ends it; the daemon stops it when the context is full.
+            args.max_tokens = client.info()["max_model_len"]
         while True:
             try:
                 line = input("> ")
             except (EOFError, KeyboardInterrupt):
                 print()
                 return 0
-            if line.strip() == "/exit":
+            command = line.strip()
+            if command == "/exit":
                 return 0
-            if line.strip() == "/reset":
+            if command == "/reset":
                 del history[1 if args.system else 0 :]
+                print("(history cleared)", file=sys.stderr)
                 continue
-            if not line.strip():
+            if command.startswith("/"):
+                known = command == "/help"
+                print(CHAT_HELP if known else f"unknown command {command}; {CHAT_HELP}", file=sys.stderr)
+                continue
+            if not command:
                 continue
             history.append({"role": "user", "content": line})
             reply = _stream_reply(client, history, args)
@@ -311,6 +390,8 @@ def _stream_reply(client: Client, history: list[dict[str, str]], args: argparse.
             for chunk in stream:
                 parts.append(chunk.text)
                 print(chunk.text, end="", flush=True)
+                if chunk.finish_reason == "abort":
+                    print(" [cut short: the daemon stopped]", end="")
         except KeyboardInterrupt:
             print(" [stopped]", end="")
     print()
@@ -318,7 +399,7 @@ def _stream_reply(client: Client, history: list[dict[str, str]], args: argparse.
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with Client(args.endpoint, timeout=args.timeout) as client:
+    with _connect(args) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
@@ -336,13 +417,13 @@ def _stats(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     from kvd.top import run
 
-    with Client(args.endpoint, timeout=args.timeout) as client:
+    with _connect(args) as client:
         run(client, args.interval, args.once)
     return 0
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    with Client(args.endpoint, timeout=args.timeout) as client:
+    with _connect(args) as client:
         token_ids = client.tokenize(args.text)
     print(" ".join(map(str, token_ids)))
     print(f"{len(token_ids)} tokens", file=sys.stderr)

@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
+from client_parity import stale_socket
 from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
 
 from kvd_client import (
@@ -22,6 +23,7 @@ from kvd_client import (
     Client,
     EndpointError,
     KvdTimeoutError,
+    NoDaemonError,
     TooLargeError,
     resolve_endpoint,
 )
@@ -93,16 +95,16 @@ def _assert_times_out(call: Callable[[], object], timeout: float) -> None:
     assert timeout <= time.monotonic() - started < timeout + 1.5
 
 
-def test_sync_calls_time_out_without_a_daemon(tmp_path: Path):
-    with Client(f"ipc://{tmp_path}/nobody.sock", timeout=0.4) as client:
+def test_sync_calls_time_out_on_a_socket_nobody_answers(tmp_path: Path):
+    with Client(stale_socket(tmp_path / "stale.sock"), timeout=0.4) as client:
         _assert_times_out(client.health, 0.4)
         _assert_times_out(lambda: client.generate("hi"), 0.4)
         _assert_times_out(lambda: next(iter(client.stream("hi"))), 0.4)
 
 
-def test_async_calls_time_out_without_a_daemon(tmp_path: Path):
+def test_async_calls_time_out_on_a_socket_nobody_answers(tmp_path: Path):
     async def main() -> None:
-        async with AsyncClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.4) as client:
+        async with AsyncClient(stale_socket(tmp_path / "stale.sock"), timeout=0.4) as client:
             for call in (client.health, lambda: client.generate("hi"), lambda: anext(client.stream("hi"))):
                 started = time.monotonic()
                 with pytest.raises(KvdTimeoutError):
@@ -110,6 +112,27 @@ def test_async_calls_time_out_without_a_daemon(tmp_path: Path):
                 assert 0.4 <= time.monotonic() - started < 1.9
 
     asyncio.run(main())
+
+
+def test_a_missing_socket_file_fails_at_once_naming_how_to_choose_the_endpoint(tmp_path: Path):
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    started = time.monotonic()
+    with (
+        Client(endpoint, timeout=30) as client,
+        pytest.raises(NoDaemonError, match="Client\\(endpoint=") as e,
+    ):
+        client.generate("hi")
+    assert endpoint in str(e.value) and "KVD_ENDPOINT" in str(e.value)
+
+    async def main() -> None:
+        async with AsyncClient(endpoint, timeout=30) as client:
+            with pytest.raises(NoDaemonError):
+                await client.health()
+            with pytest.raises(NoDaemonError):
+                await anext(client.stream("hi"))
+
+    asyncio.run(main())
+    assert time.monotonic() - started < 5  # not the 30 s timeout
 
 
 def _scripted_daemon(endpoint: str, script: Callable[[zmq.Socket, bytes, dict], None]) -> threading.Thread:
@@ -341,5 +364,9 @@ def test_cli_reports_a_missing_daemon(tmp_path: Path):
         "--timeout",
         "0.3",
     ]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=30)
+    assert result.returncode == 1 and "the socket file does not exist" in result.stderr
+    assert "--endpoint or $KVD_ENDPOINT" in result.stderr
+    cmd[cmd.index("--endpoint") + 1] = stale_socket(tmp_path / "stale.sock")
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=30)
     assert result.returncode == 1 and "is `kvd serve` running" in result.stderr

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
 class EngineArgsError(ValueError):
     """An engine setting is invalid; the message names it."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1073741824", "512M", "2G", "1.5GiB" (binary units); the CLI and the API share it."""
+    match = _SIZE.match(text)
+    if not match:
+        raise EngineArgsError(f"{text!r} is not a size: use bytes or a number with K, M, G or T")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise EngineArgsError(f"{text!r}: the size must be positive")
+    return size
 
 
 @dataclass
@@ -15,7 +31,7 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "cpu"
     block_size: int | None = None  # tokens per KV block; None = the attention backend's default
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = sized from the two settings below
+    kv_cache_memory: int | str | None = None  # bytes or "512M"; None = sized from the two settings below
     kv_cache_memory_fraction: float = 0.1  # CPU: this fraction of available memory
     gpu_memory_utilization: float = 0.9  # CUDA: this process's share of the device memory
     attention_backend: str = "auto"  # auto | torch | triton | flash-attn (kvd.model.layers.selector)
@@ -27,6 +43,14 @@ class EngineArgs:
     num_threads: int | None = None  # CPU threads for torch; None = all cores
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise EngineArgsError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise EngineArgsError(
+                f"num_threads must be >= 1 (leave it unset for all cores), got {self.num_threads}"
+            )
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -17,7 +17,8 @@ class ServerConfig:
     listen: str | None = None  # None: the per-user default endpoint (kvd_client.endpoint)
     socket_group: str | None = None  # ipc only: socket mode 0660 with this group instead of 0600
     events: str | None = None  # where to publish the event stream (ipc:// or tcp://); None: no events
-    allow_remote: bool = False  # permit a tcp address that is not loopback
+    allow_remote: bool = False  # permit a tcp (or --http) address that is not loopback
+    http: str | None = None  # HOST:PORT of an OpenAI-compatible gateway run beside the daemon; None: none
     shared_prefix_cache: bool = False  # let different users share cached prompt blocks (single-tenant hosts)
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     client_timeout: float = 10.0  # seconds a client may leave replies unread (or a tcp peer stay silent)

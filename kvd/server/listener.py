@@ -23,18 +23,20 @@ class ListenError(RuntimeError):
     """The daemon cannot listen where it was asked to; the message says what to change."""
 
 
-def check_endpoint(endpoint: Endpoint, config: ServerConfig) -> None:
-    """Refuse what the flags do not allow, before the (slow) model load."""
+def check_endpoint(endpoint: Endpoint, config: ServerConfig, flag: str = "--listen") -> None:
+    """Refuse what the flags do not allow, before the (slow) model load; `flag` is the one that chose it."""
     if not endpoint.is_loopback and not config.allow_remote:
         raise ListenError(
             f"{endpoint} is reachable from other hosts and kvd has no authentication; listen on "
             "tcp://127.0.0.1:PORT or ipc://PATH, or pass --allow-remote if the network is trusted"
         )
-    if config.socket_group is not None and endpoint.transport != "ipc":
-        raise ListenError("--socket-group applies to ipc:// endpoints only")
+    if config.socket_group is not None:
+        if endpoint.transport != "ipc":
+            raise ListenError("--socket-group applies to ipc:// endpoints only")
+        _group_id(config.socket_group)
     if endpoint.transport == "ipc":
         _check_socket_dir(endpoint.path.parent)
-        _remove_stale_socket(endpoint)
+        _remove_stale_socket(endpoint, flag)
 
 
 def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) -> zmq.Socket:
@@ -66,7 +68,7 @@ def open_publisher(context: zmq.Context, endpoint: Endpoint, config: ServerConfi
     sock = context.socket(zmq.PUB)
     try:
         if endpoint.transport == "ipc":
-            _bind_ipc(sock, endpoint, config.socket_group)
+            _bind_ipc(sock, endpoint, config.socket_group, "--events")
         else:
             sock.bind(endpoint.url)
     except zmq.ZMQError as e:
@@ -89,8 +91,8 @@ def close_router(sock: zmq.Socket, endpoint: Endpoint, linger_ms: int) -> None:
                 os.unlink(endpoint.path)
 
 
-def _bind_ipc(sock: zmq.Socket, endpoint: Endpoint, group: str | None) -> None:
-    _remove_stale_socket(endpoint)  # again: another daemon may have started during our model load
+def _bind_ipc(sock: zmq.Socket, endpoint: Endpoint, group: str | None, flag: str = "--listen") -> None:
+    _remove_stale_socket(endpoint, flag)  # again: another daemon may have started during our model load
     mode = 0o660 if group else 0o600
     gid = _group_id(group) if group else -1
     # The file is created with the right mode (umask), so no client can connect in a window before chmod.
@@ -143,7 +145,7 @@ def _ensure_private_dir(directory: Path) -> None:
         raise ListenError(f"{directory} is open to other users; run `chmod 700 {directory}`")
 
 
-def _remove_stale_socket(endpoint: Endpoint) -> None:
+def _remove_stale_socket(endpoint: Endpoint, flag: str) -> None:
     """libzmq replaces an existing socket file on bind, which would silently steal a running daemon's
     clients: refuse if one answers there, remove the file if it is a leftover of a dead daemon."""
     path = endpoint.path
@@ -162,4 +164,4 @@ def _remove_stale_socket(endpoint: Endpoint) -> None:
             path.unlink()
             logger.info("removed the stale socket %s left by a daemon that is gone", path)
             return
-    raise ListenError(f"another daemon already listens on {endpoint}; stop it or choose another --listen")
+    raise ListenError(f"another daemon already listens on {endpoint}; stop it or choose another {flag}")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import zmq
@@ -11,6 +14,7 @@ import zmq
 import kvd
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.sampling_params import SamplingParams
+from kvd.gateway.server import check_port_free, parse_http_address, spawn_gateway, stop_gateway
 from kvd.server.config import ServerConfig
 from kvd.server.listener import check_endpoint, close_router, open_publisher, open_router
 from kvd.server.systemd import Notifier
@@ -20,6 +24,34 @@ if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("kvd.server")
+
+# While the model loads, systemd is asked every EXTEND_EVERY_S for EXTEND_BY_S more than TimeoutStartSec.
+EXTEND_EVERY_S = 10.0
+EXTEND_BY_S = 30.0
+
+
+@contextlib.contextmanager
+def extending_start_timeout(notifier: Notifier) -> Iterator[None]:
+    """EXTEND_TIMEOUT_USEC while the body runs, so that a large model may take longer than the unit's
+    TimeoutStartSec, which then only bounds a daemon that stops making progress before its load starts."""
+    if not notifier.enabled:
+        yield
+        return
+    done = threading.Event()
+
+    def extend() -> None:
+        while True:
+            notifier.send(f"EXTEND_TIMEOUT_USEC={int(EXTEND_BY_S * 1e6)}")
+            if done.wait(EXTEND_EVERY_S):
+                return
+
+    thread = threading.Thread(target=extend, name="kvd-extend-start", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def warm_up(engine: LLMEngine) -> float:
@@ -37,15 +69,19 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     check_endpoint(endpoint, config)
     events_endpoint = parse_endpoint(config.events) if config.events else None
     if events_endpoint is not None:
-        check_endpoint(events_endpoint, config)
+        check_endpoint(events_endpoint, config, "--events")
+    if config.http is not None:
+        check_port_free(*parse_http_address(config.http, config.allow_remote))
     if config.allow_remote and not endpoint.is_loopback:
         logger.warning("listening beyond loopback: requests are neither authenticated nor encrypted")
     # Imported only now: a misconfigured daemon fails in a fraction of a second, before torch loads.
     from kvd.engine.llm_engine import LLMEngine
     from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
 
-    engine = LLMEngine(engine_args)
-    warm_up_s = warm_up(engine)
+    notifier = Notifier()
+    with extending_start_timeout(notifier):
+        engine = LLMEngine(engine_args)
+        warm_up_s = warm_up(engine)
     context = zmq.Context()
     sock = open_router(context, endpoint, config)
     try:
@@ -67,12 +103,15 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         info["max_model_len"],
         warm_up_s,
     )
-    daemon = Daemon(engine, sock, config, Notifier(), event_sock)
+    daemon = Daemon(engine, sock, config, notifier, event_sock)
     # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
     daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")
+    gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote) if config.http else None
     try:
         daemon.run()
     finally:
+        if gateway is not None:
+            stop_gateway(gateway)
         close_router(sock, endpoint, linger_ms=int(CLOSE_FLUSH_S * 1000))
         if event_sock is not None:
             close_router(event_sock, events_endpoint, linger_ms=0)

@@ -1,0 +1,111 @@
+"""Running the n choices of one HTTP request as n streamed kvd requests, merged in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from kvd.gateway.metrics import GatewayMetrics
+from kvd_client import AsyncClient, AsyncStream, Chunk, TokenLogprob, Usage
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its reply was complete; its kvd requests were aborted."""
+
+
+@dataclass
+class Choice:
+    """One choice's output, accumulated from its chunks."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or []
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            self.usage = chunk.usage
+
+
+def open_streams(
+    client: AsyncClient, op: str, payload: Any, fields: Sequence[dict[str, Any]]
+) -> list[AsyncStream]:
+    """One stream per choice; the daemon always streams, so latency is measured for every request."""
+    if op == "chat":
+        return [client.stream_chat(payload, **f) for f in fields]
+    return [client.stream(payload, **f) for f in fields]
+
+
+async def merged(streams: list[AsyncStream], metrics: GatewayMetrics) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) as they arrive; leaving early (error, cancellation) aborts every stream."""
+    queue: asyncio.Queue[tuple[int, Chunk | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncStream) -> None:
+        started = last = time.monotonic()
+        try:
+            async for chunk in stream:
+                now = time.monotonic()
+                if chunk.token_ids:
+                    metrics.observe_tokens(now - started, now - last, len(chunk.token_ids), last == started)
+                    last = now
+                if chunk.finished:
+                    metrics.observe_usage(chunk.usage)
+                await queue.put((index, chunk))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            await queue.put((index, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        unfinished = len(streams)
+        while unfinished:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                unfinished -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int) -> list[Choice]:
+    choices = [Choice(i) for i in range(n)]
+    async for index, chunk in chunks:
+        choices[index].add(chunk)
+    return choices
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`; if the HTTP client disconnects first, cancel it (which aborts its generations)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let it abort its streams before the reply is given up
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read already, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

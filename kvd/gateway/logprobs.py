@@ -1,0 +1,57 @@
+"""Log-probabilities in OpenAI's two shapes (completions, chat), with token texts from the daemon."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvd_client import AsyncClient, TokenLogprob
+
+
+class TokenTexts:
+    """The text of single tokens, asked of the daemon once per token id (the vocabulary never changes)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+        self._texts: dict[int, str] = {}
+
+    async def fill(self, logprobs: Sequence[TokenLogprob]) -> None:
+        wanted = {lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top_logprobs}
+        missing = sorted(wanted - self._texts.keys())
+        texts = await asyncio.gather(*(self.client.detokenize([t]) for t in missing))
+        self._texts.update(zip(missing, texts, strict=True))
+
+    def __getitem__(self, token_id: int) -> str:
+        return self._texts[token_id]
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
+    """/v1/completions: parallel lists; `offset` is where the first token starts in the choice's text."""
+    tokens = [texts[lp.token_id] for lp in logprobs]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{texts[t]: v for t, v in lp.top_logprobs} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], texts: TokenTexts) -> dict:
+    """/v1/chat/completions: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+    return {
+        "content": [
+            {
+                **_entry(texts[lp.token_id], lp.logprob),
+                "top_logprobs": [_entry(texts[t], v) for t, v in lp.top_logprobs],
+            }
+            for lp in logprobs
+        ]
+    }
+
+
+def _entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible gateway against a real daemon (`kvd serve --http`): the official openai client, curl,
+disconnects, errors and /metrics. The reference for every output is the daemon itself through kvd_client."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd_client import Client
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+PROMPT = "The capital of France is"
+# Longer than two 16-token blocks, so that a second request hits the prefix cache.
+LONG_PROMPT = "Once upon a time in a land far away there lived a king who had three daughters. " * 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    port = free_port()
+    proc = start_daemon(tmp_path_factory.mktemp("gw"), "--http", f"127.0.0.1:{port}", model=tiny_daemon_model)
+    proc.base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while not _health_ok(proc.base_url):
+        assert time.monotonic() < deadline, f"the gateway did not answer; log:\n{proc.log()}"
+        time.sleep(0.2)
+    yield proc
+    assert proc.stop() == 0, proc.log()
+    with pytest.raises(OSError):  # the gateway went with the daemon
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def _health_ok(base_url: str) -> bool:
+    try:
+        return _get(base_url, "/health")[0] == 200
+    except OSError:
+        return False
+
+
+def _get(base_url: str, path: str) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=30)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def kvd(daemon: DaemonProcess) -> Iterator[Client]:
+    with daemon.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(kvd: Client) -> str:
+    return kvd.info()["model"]
+
+
+@pytest.fixture(scope="module")
+def oai(daemon: DaemonProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_health(oai: openai.OpenAI, kvd: Client, daemon: DaemonProcess):
+    (card,) = oai.models.list().data
+    assert card.id == kvd.info()["model"] and card.owned_by == "kvd"
+    assert json.loads(_get(daemon.base_url, "/health")[1]) == {"status": "ready"}
+
+
+def test_completions_match_the_daemon_streamed_or_not(oai: openai.OpenAI, kvd: Client, model: str):
+    expected = kvd.generate(PROMPT, **GREEDY)
+    extra = {"ignore_eos": True}
+    whole = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=12, extra_body=extra)
+    assert whole.choices[0].text == expected.text
+    assert whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (expected.usage.prompt_tokens, 12)
+    assert whole.usage.total_tokens == expected.usage.prompt_tokens + 12
+    stream = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_token_ids_as_prompt_and_cached_prompt_tokens(oai: openai.OpenAI, kvd: Client, model: str):
+    ids = kvd.tokenize(LONG_PROMPT)
+    first = oai.completions.create(model=model, prompt=ids, temperature=0, max_tokens=4)
+    second = oai.completions.create(model=model, prompt=ids, temperature=0, max_tokens=4)
+    assert first.usage.prompt_tokens == len(ids)
+    assert second.choices[0].text == first.choices[0].text
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached == kvd.generate(ids, temperature=0, max_tokens=1).usage.cached_tokens
+
+
+def test_sampling_fields_reach_the_daemon(oai: openai.OpenAI, kvd: Client, model: str):
+    params = dict(
+        temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3, max_tokens=10
+    )
+    expected = kvd.generate(PROMPT, **params, ignore_eos=True).text
+    got = oai.completions.create(model=model, prompt=PROMPT, extra_body={"ignore_eos": True}, **params)
+    assert got.choices[0].text == expected
+    # stop: the text ends before the stop string, as the daemon cuts it.
+    stop = expected[3:6]
+    cut = oai.completions.create(model=model, prompt=PROMPT, stop=[stop], **params)
+    assert cut.choices[0].text == kvd.generate(PROMPT, **params, stop=[stop]).text
+    assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_with_a_seed_are_the_seeds_of_each_choice(oai: openai.OpenAI, kvd: Client, model: str):
+    messages = [{"role": "user", "content": "Hi"}]
+    params = dict(temperature=1.0, max_tokens=8)
+    expected = [kvd.chat(messages, seed=5 + i, ignore_eos=True, **params).text for i in range(3)]
+    extra = {"ignore_eos": True}
+    whole = oai.chat.completions.create(
+        model=model, messages=messages, n=3, seed=5, extra_body=extra, **params
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == expected
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 24
+    stream = oai.chat.completions.create(
+        model=model, messages=messages, n=3, seed=5, stream=True, extra_body=extra, **params
+    )
+    texts = ["", "", ""]
+    roles = []
+    for chunk in stream:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        roles.append(choice.delta.role)
+    assert texts == expected
+    assert roles.count("assistant") == 3  # the first delta of each choice carries the role
+
+
+def test_chat_logprobs_match_the_daemon(oai: openai.OpenAI, kvd: Client, model: str):
+    messages = [{"role": "user", "content": "Name a colour"}]
+    expected = kvd.chat(messages, logprobs=2, **GREEDY)
+    got = oai.chat.completions.create(
+        model=model,
+        messages=messages,
+        temperature=0,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = got.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == got.choices[0].message.content == expected.text
+    assert [t.logprob for t in content] == pytest.approx([lp.logprob for lp in expected.logprobs])
+    assert all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(expected.logprobs[0].top_logprobs[0][1])
+
+
+def test_completion_logprobs_have_offsets_into_the_text(oai: openai.OpenAI, model: str):
+    got = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=3)
+    lp, text = got.choices[0].logprobs, got.choices[0].text
+    assert "".join(lp.tokens) == text and len(lp.token_logprobs) == 6
+    assert [text[o : o + len(t)] for o, t in zip(lp.text_offset, lp.tokens, strict=True)] == lp.tokens
+    assert all(len(top) <= 3 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"temperature": 500}, 400, "temperature"),  # the daemon's own validation, field named
+        ({"frobnicate": 1}, 400, "frobnicate"),  # unknown fields are rejected, not ignored
+        ({"n": 0}, 400, "n"),
+        ({"model": "gpt-4"}, 404, "model"),
+    ],
+)
+def test_errors_have_openai_shape_and_status(
+    daemon: DaemonProcess, model: str, body: dict, status: int, param: str
+):
+    request = {"model": model, "prompt": PROMPT, "max_tokens": 2, **body}
+    code, text = _post(daemon.base_url, "/v1/completions", request)
+    error = json.loads(text)["error"]
+    assert code == status and error["param"] == param and error["message"], text
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_raises_its_typed_errors(oai: openai.OpenAI, model: str):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], temperature=500)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        oai.completions.create(model="nope", prompt=PROMPT)
+
+
+def _post(base_url: str, path: str, body: dict) -> tuple[int, str]:
+    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        conn.close()
+
+
+def _curl(daemon: DaemonProcess, path: str, body: dict) -> str:
+    cmd = ["curl", "-sS", "-N", f"{daemon.base_url}{path}", "-H", "Content-Type: application/json"]
+    return subprocess.run(
+        [*cmd, "-d", json.dumps(body)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+
+
+def test_curl_plain_and_server_sent_events(daemon: DaemonProcess, kvd: Client, model: str):
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = kvd.chat(messages, **GREEDY).text
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+    whole = json.loads(_curl(daemon, "/v1/chat/completions", body))
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["content"] == expected
+    events = _curl(daemon, "/v1/chat/completions", {**body, "stream": True}).split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
+
+
+def _wait_idle(kvd: Client, within: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < within:
+        if kvd.stats()["daemon"]["num_requests"] == 0:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"requests still in flight {within} s after the HTTP client left: {kvd.stats()}")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_aborts_its_request(
+    daemon: DaemonProcess, kvd: Client, model: str, stream: bool
+):
+    # 4000 tokens of the tiny model take several seconds; the abort must come well before.
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": stream}
+    conn = http.client.HTTPConnection(daemon.base_url.removeprefix("http://"), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while kvd.stats()["num_running"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    if stream:
+        response = conn.getresponse()
+        assert response.read(6) == b"data: "  # the stream began
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    assert _wait_idle(kvd, within=3.0) < 3.0
+
+
+def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: str):
+    before = _metrics(daemon)
+    oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=model, prompt=PROMPT, temperature=500)
+    after = _metrics(daemon)
+
+    def delta(name: str, **labels: str) -> float:
+        return after.get((name, tuple(sorted(labels.items()))), 0) - before.get(
+            (name, tuple(sorted(labels.items()))), 0
+        )
+
+    assert delta("kvd_gateway_requests_total", endpoint="/v1/completions", outcome="success") == 1
+    assert delta("kvd_gateway_requests_total", endpoint="/v1/completions", outcome="client_error") == 1
+    assert delta("kvd_gateway_generation_tokens_total") == 5
+    assert delta("kvd_gateway_prompt_tokens_total") == len(kvd.tokenize(PROMPT))
+    assert delta("kvd_gateway_time_to_first_token_seconds_count") == 1
+    assert delta("kvd_gateway_inter_token_latency_seconds_count") == 4
+    info, stats = kvd.info(), kvd.stats()
+    assert after[("kvd_daemon_up", ())] == 1
+    assert after[("kvd_kv_cache_blocks", ())] == info["num_blocks"]
+    assert after[("kvd_preemptions_total", ())] == stats["num_preemptions"]
+    assert after[("kvd_prefix_cache_hit_tokens_total", ())] <= stats["prefix_cache"]["hit_tokens"]
+    for name in (
+        "kvd_queued_requests",
+        "kvd_running_sequences",
+        "kvd_kv_cache_usage_ratio",
+        "kvd_prefix_cache_hit_rate",
+    ):
+        assert (name, ()) in after
+
+
+def _metrics(daemon: DaemonProcess) -> dict[tuple[str, tuple], float]:
+    status, text = _get(daemon.base_url, "/metrics")
+    assert status == 200
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_gateway_imports_no_torch():
+    code = "import sys, kvd.gateway.app, kvd.gateway.server; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+def test_a_non_loopback_address_needs_allow_remote():
+    cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", "0.0.0.0:8000"]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=60)
+    assert result.returncode == 2 and "--allow-remote" in result.stderr and "Traceback" not in result.stderr
