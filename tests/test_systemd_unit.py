@@ -60,6 +60,19 @@ def test_the_sandbox_is_tight_and_leaves_cuda_working(unit_copy: Path):
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
 
 
+@pytest.mark.parametrize("name", ["kvd.service", "kvd-gateway.service"])
+def test_a_configuration_error_is_not_restarted_forever(tmp_path: Path, name: str):
+    """Exit status 2 (a bad flag, config or model path) would fail again on every restart."""
+    kvd = Path(sys.executable).parent / "kvd"
+    for unit in ("kvd.service", name):  # the gateway's unit requires the daemon's
+        (tmp_path / unit).write_text((SYSTEMD / unit).read_text().replace(INSTALLED_KVD, str(kvd)))
+    copy = tmp_path / name
+    proc = analyze("verify", str(copy))
+    assert proc.returncode == 0 and complaints(proc) == [], proc.stdout + proc.stderr
+    settings = dict(re.findall(r"^(\w+)=(.*)$", copy.read_text(), re.M))
+    assert settings["Restart"] == "on-failure" and settings["RestartPreventExitStatus"] == "2"
+
+
 def test_sysusers_creates_the_user_and_group_kvd(tmp_path: Path):
     (tmp_path / "etc").mkdir()
     subprocess.run(
@@ -79,10 +92,15 @@ def test_sysusers_creates_the_user_and_group_kvd(tmp_path: Path):
 
 
 def serve_flags() -> dict[str, argparse.Action]:
-    """`kvd serve`'s options by name without the dashes; --config names the file itself."""
+    """`kvd serve`'s options by their first name without the dashes (not aliases such as --threads);
+    --config names the file itself."""
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     serve = commands.choices["serve"]
-    flags = {s[2:]: a for a in serve._actions for s in a.option_strings if s.startswith("--")}
+    flags = {}
+    for action in serve._actions:
+        names = [s for s in action.option_strings if s.startswith("--")]
+        if names:
+            flags[names[0][2:]] = action
     flags.pop("help")
     flags.pop("config", None)
     return flags
