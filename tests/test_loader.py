@@ -409,9 +409,9 @@ def test_folder_load_equals_hf_state_dict(tmp_path, arch, dtype, shard):
     tiny_tokenizer().save_pretrained(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
 
-    loaded = load_model(str(tmp_path), dtype="auto")
+    loaded = load_model(str(tmp_path), dtype=dtype)
 
-    assert loaded.dtype == dtype  # "auto" follows a bfloat16 checkpoint
+    assert loaded.dtype == dtype
     assert_params_equal_hf(loaded, hf_model.state_dict())
     assert isinstance(loaded.tokenizer, PreTrainedTokenizerFast)
     assert loaded.tokenizer.chat_template == CHAT_TEMPLATE

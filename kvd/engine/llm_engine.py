@@ -65,6 +65,7 @@ class LLMEngine:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
+        self.dtype_reason = loaded.dtype_reason
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
         self.num_blocks = self._pool_blocks(loaded.model, baseline)
         pool_tokens = self.num_blocks * args.block_size
@@ -297,3 +298,4 @@ def _available_memory_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory explicitly")
+            "dtype_reason": self.dtype_reason,

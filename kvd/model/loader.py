@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvd.model.config import ModelConfig, UnsupportedModelError
+from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
 from kvd.model.gguf_loader import (
     GGUFError,
     GGUFFile,
@@ -36,9 +38,12 @@ __all__ = [
     "LoadedModel",
     "ModelNotFoundError",
     "UnsupportedModelError",
+    "choose_dtype",
     "load_model",
     "resolve_dtype",
 ]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,6 +60,7 @@ class LoadedModel:
     name: str  # what the user asked for, or the file/folder name
     dtype: torch.dtype
     path: Path  # the folder or .gguf file the weights came from
+    dtype_reason: str = ""  # why this dtype (see choose_dtype)
 
 
 def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.dtype:
@@ -67,6 +73,16 @@ def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', {', '.join(map(repr, _DTYPES))}")
     return _DTYPES[dtype]
+
+
+def choose_dtype(
+    dtype: torch.dtype | str, hf_config: dict[str, Any], device: torch.device | str
+) -> DtypeChoice:
+    """The run dtype and why: "auto" on a CPU follows its cores (kvd.model.cpu_dtype), elsewhere resolve_dtype."""
+    if dtype == "auto" and torch.device(device).type == "cpu":
+        return pick_cpu_dtype(cpu_flags())
+    reason = "the checkpoint's dtype (bfloat16, else float32)" if dtype == "auto" else "as asked"
+    return DtypeChoice(resolve_dtype(dtype, hf_config), reason)
 
 
 def load_model(
@@ -87,7 +103,9 @@ def load_model(
     gguf_path = _gguf_file(path)
     checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
     config = ModelConfig.from_hf_dict(checkpoint.hf_config)  # before the slow parts: fail fast if unsupported
-    run_dtype = resolve_dtype(dtype, checkpoint.hf_config)
+    dtype_choice = choose_dtype(dtype, checkpoint.hf_config, device)
+    run_dtype = dtype_choice.dtype
+    logger.info("dtype %s: %s", str(run_dtype).removeprefix("torch."), dtype_choice.reason)
     if isinstance(attention_backend, str):  # picked for the run dtype, which "auto" resolves only here
         attention_backend = create_attention_backend(
             resolve_backend_name(attention_backend, device, run_dtype)
@@ -105,7 +123,7 @@ def load_model(
         )
     )
     causal_lm.eval()
-    return LoadedModel(causal_lm, config, tokenizer, name, run_dtype, gguf_path or path)
+    return LoadedModel(causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason)
 
 
 def check_device(device: torch.device | str) -> torch.device:
