@@ -23,7 +23,14 @@ from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint
 from kvd.server.outbox import Outbox
 from kvd.server.sessions import ClientSession, InflightRequest, Sessions
-from kvd_client import BadRequestError, Client, KvdTimeoutError, NotFoundError, OverloadedError, TooLargeError
+from kvd_client import (
+    BadRequestError,
+    Client,
+    NoDaemonError,
+    NotFoundError,
+    OverloadedError,
+    TooLargeError,
+)
 from kvd_client.endpoint import parse_endpoint
 
 PROMPTS = [
@@ -215,8 +222,8 @@ def test_outbox_holds_replies_for_a_slow_reader_then_gives_up(tmp_path: Path):
     session.requests[1] = InflightRequest(1, stream=True, num_prompt_tokens=1)
     lost: list[str] = []
 
-    def on_lost(session: ClientSession, why: str) -> None:
-        lost.append(why)
+    def on_lost(session: ClientSession, why: str, timed_out: bool) -> None:
+        lost.append(f"{why} (timed out)" if timed_out else why)
         sessions.remove(session)  # as the daemon does, after aborting the session's requests
 
     outbox = Outbox(router, sessions, client_timeout=0.5, on_lost=on_lost)
@@ -241,7 +248,7 @@ def test_outbox_holds_replies_for_a_slow_reader_then_gives_up(tmp_path: Path):
     outbox.send(identity, big)
     # The client stops reading: once the socket buffers are full, nothing moves for 0.5 s, and it is dropped.
     assert wait_until(lambda: (outbox.service(), lost)[1], timeout=5, interval=0.1) >= 0.5
-    assert lost == ["read nothing for 0.5 s"] and sessions.get(identity) is None
+    assert lost == ["read nothing for 0.5 s (timed out)"] and sessions.get(identity) is None
     # A client that closes its socket: the next send finds its routing id gone.
     gone = ctx.socket(zmq.DEALER)
     gone.connect(f"ipc://{tmp_path}/o.sock")
@@ -253,6 +260,59 @@ def test_outbox_holds_replies_for_a_slow_reader_then_gives_up(tmp_path: Path):
     assert lost[1] == "disconnected" and sessions.get(identity) is None
     dealer.close(linger=0)
     router.close(linger=0)
+
+
+def test_health_is_answered_while_a_long_prompt_is_tokenized(tiny_daemon: DaemonProcess):
+    """Tokenizing runs beside the loop: health from another client comes back before the long prompt's reply."""
+    limit = tiny_daemon.client().info()["limits"]
+    text = " ".join(f"w{i}" for i in range(40_000))  # ~270 KB: under the byte bound, far over the token limit
+    assert len(text) < limit["max_prompt_bytes"]
+    long_sock, health_sock = raw_socket(tiny_daemon.endpoint), raw_socket(tiny_daemon.endpoint)
+    try:
+        long_sock.send(msgpack.packb({"v": 1, "id": 1, "op": "generate", "prompt": text}))
+        time.sleep(0.1)  # the long prompt is in the daemon's hands first
+        health_sock.send(msgpack.packb({"v": 1, "id": 2, "op": "health"}))
+        assert recv_reply(health_sock)["status"] == "ready"
+        assert not long_sock.poll(0), (
+            "the long prompt was answered before health: tokenizing blocked the loop"
+        )
+        reply = recv_reply(long_sock, timeout=30)
+        assert reply["code"] == "too_large" and f"limit is {limit['max_prompt_tokens']}" in reply["message"]
+    finally:
+        long_sock.close()
+        health_sock.close()
+
+
+def test_a_client_that_reads_again_after_its_timeout_learns_its_requests_were_aborted(
+    tiny_daemon: DaemonProcess,
+):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 2048)
+    sock.connect(tiny_daemon.endpoint)
+    # Large chunks (20 logprobs each), long generations: the socket's buffers fill within seconds.
+    request = {
+        "v": 1,
+        "op": "generate",
+        "prompt": "Go",
+        "stream": True,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+    }
+    for rid in range(4):
+        sock.send(msgpack.packb({**request, "id": rid, "logprobs": 20}))
+    with tiny_daemon.client() as observer:
+        lost = observer.stats()["daemon"]["clients_lost"]
+        wait_until(lambda: observer.stats()["daemon"]["clients_lost"] > lost, timeout=120, interval=0.5)
+    replies = []
+    while (reply := recv_reply(sock, timeout=3)) is not None:
+        replies.append(reply)
+    sock.close()
+    ends = [r for r in replies if r["type"] in ("final", "error")]
+    assert sorted(r["id"] for r in ends) == [0, 1, 2, 3]
+    assert all(r["type"] == "error" and r["code"] == "client_timeout" for r in ends), ends
+    assert all(r["type"] == "chunk" for r in replies[: -len(ends)])  # the errors come after every chunk
 
 
 # Limits and error replies.
@@ -301,6 +361,12 @@ def test_size_limits_answer_too_large(limited: DaemonProcess):
         assert info.value.field == "prompt"
         with pytest.raises(TooLargeError, match="at most 4096"):
             client.generate("x" * 5000)
+        # More bytes than 32 tokens of this vocabulary can cover: refused before tokenizing.
+        bound = client.info()["limits"]["max_prompt_bytes"]
+        assert 32 * 16 < bound < 4000
+        with pytest.raises(TooLargeError, match="bytes") as info:
+            client.chat([{"role": "user", "content": "y" * (bound + 1)}])
+        assert info.value.field == "messages"
         assert client.generate("short", max_tokens=1).usage.completion_tokens == 1
     # Beyond ZMQ_MAXMSGSIZE libzmq drops the message and the connection: no reply, and nobody else notices.
     sock = raw_socket(limited.endpoint)
@@ -409,7 +475,7 @@ def test_sigterm_drains_then_aborts_what_is_left_and_exits_0(tiny_daemon_model: 
         assert last.finish_reason == "abort" and last.usage.completion_tokens < 4000
         assert 2.0 < time.monotonic() - started < 6.0
         assert daemon.proc.wait(10) == 0, daemon.log()
-        with pytest.raises(KvdTimeoutError):  # a stopped daemon is an error for the client, not a hang
-            Client(daemon.endpoint, timeout=0.5).health()
+        with pytest.raises(NoDaemonError):  # a stopped daemon is an error for the client at once, not a hang
+            Client(daemon.endpoint, timeout=30).health()
     assert not parse_endpoint(daemon.endpoint).path.exists()
     assert "draining" in daemon.log()

@@ -225,3 +225,11 @@ def test_stop_strings_and_stop_token_ids(tiny_llama_dir, prompts):
         )
     )
     assert streamed == by_text.text
+
+
+def test_max_model_len_past_the_models_positions_is_capped(tiny_llama_dir, caplog):
+    # The tiny Llama has 4,096 positions (the pool holds 4,800 tokens); a longer context would index past its
+    # rotary table.
+    engine = _engine(tiny_llama_dir, kv_cache_memory=300 * KV, max_model_len=100_000)
+    assert engine.max_model_len == 4096
+    assert "max_position_embeddings" in caplog.text

@@ -125,3 +125,28 @@ def test_the_example_apps_share_one_daemon(daemon: DaemonProcess):
     assert [app.returncode for app in apps] == [0, 0], outputs
     assert "[alpha] 4 completions" in outputs[0]
     assert outputs[1].count("first token after") == 3
+
+
+def test_preemptions_counted_once_each_in_stats_and_events(daemon: DaemonProcess):
+    """Sixteen short requests overflow the 32-block pool: victims are often re-admitted within the same step
+    (their blocks are still cached), and each such preemption must still be counted everywhere alike."""
+    sub = subscriber(daemon.events_endpoint, TENANT + "/")
+    time.sleep(0.3)
+    try:
+        before = observer_stats(daemon)["num_preemptions"]
+        with daemon.client() as client:
+            params = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+            streams = [
+                client.stream(f"Tell me about the city number {i} and its rivers.", **params)
+                for i in range(16)
+            ]
+            for s in streams:
+                list(s)
+        events = [e for _, e in drain_events(sub, until_finished=16)]
+        after = observer_stats(daemon)["num_preemptions"]
+    finally:
+        sub.close()
+    preempted = sum(e["event"] == "preempted" for e in events)
+    per_request = sum(e["preemptions"] for e in events if e["event"] == "finished")
+    assert preempted > 0
+    assert after - before == preempted == per_request

@@ -18,6 +18,7 @@ static const struct {
     {KVD_ERR_SHUTTING_DOWN, "shutting_down"},
     {KVD_ERR_INTERNAL, "internal"},
     {KVD_ERR_DAEMON_OTHER, "daemon_other"},
+    {KVD_ERR_CLIENT_TIMEOUT, "client_timeout"},
     {KVD_ERR_NO_DAEMON, "no_daemon"},
     {KVD_ERR_TIMEOUT, "timeout"},
     {KVD_ERR_PROTOCOL, "protocol"},
@@ -37,7 +38,8 @@ kvd_status kvd_status_from_code(const char *code, size_t len) {
     /* Only the daemon's codes: a local name sent by a daemon would be a protocol violation. */
     for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++) {
         kvd_status s = NAMES[i].status;
-        if (s >= KVD_ERR_BAD_REQUEST && s <= KVD_ERR_INTERNAL && strlen(NAMES[i].name) == len &&
+        int daemon_code = (s >= KVD_ERR_BAD_REQUEST && s <= KVD_ERR_INTERNAL) || s == KVD_ERR_CLIENT_TIMEOUT;
+        if (daemon_code && strlen(NAMES[i].name) == len &&
             memcmp(NAMES[i].name, code, len) == 0)
             return s;
     }

@@ -36,6 +36,7 @@ typedef enum kvd_status {
     KVD_ERR_SHUTTING_DOWN = 6,
     KVD_ERR_INTERNAL = 7,
     KVD_ERR_DAEMON_OTHER = 8, /* an error code this library does not know (a newer daemon): see error.code */
+    KVD_ERR_CLIENT_TIMEOUT = 9, /* this client read nothing for the daemon's client timeout: request aborted */
     /* Local failures. */
     KVD_ERR_NO_DAEMON = 100, /* silence for the whole timeout, and the ipc socket file does not exist */
     KVD_ERR_TIMEOUT = 101,   /* the daemon said nothing for the whole timeout */

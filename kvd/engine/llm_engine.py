@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvd.engine.block_manager import BlockManager
+from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
@@ -69,7 +69,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
         self.num_blocks = self._pool_blocks(loaded.model, baseline)
         pool_tokens = self.num_blocks * args.block_size
-        self.max_model_len = min(args.max_model_len or self.config.max_position_embeddings, pool_tokens)
+        self.max_model_len = min(self.config.cap_max_model_len(args.max_model_len), pool_tokens)
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.runner = ModelRunner(
@@ -86,6 +86,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self.requests: dict[Hashable, _Request] = {}
         self._by_seq_id: dict[int, _Request] = {}
+        self._preempted: list[Hashable] = []
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d; %s attention",
             self.num_blocks,
@@ -107,7 +108,7 @@ class LLMEngine:
                 args.block_size,
                 args.max_num_batched_tokens,
                 args.max_num_seqs,
-                args.max_model_len or self.config.max_position_embeddings,
+                self.config.cap_max_model_len(args.max_model_len),
                 args.gpu_memory_utilization,
                 baseline,
             )
@@ -178,6 +179,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         out = self.scheduler.schedule()
+        self._preempted.extend(self._by_seq_id[s.seq_id].request_id for s in out.preempted)
         prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
         outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
         forward_s = 0.0
@@ -199,6 +201,48 @@ class LLMEngine:
             forward_s=forward_s,
         )
         return outputs
+
+    def take_preempted(self) -> list[Hashable]:
+        """Ids of the requests preempted since the last call, once per preemption (a request may repeat).
+
+        A preemption is one running request whose KV blocks were freed so that another request's decode could
+        grow; it goes back to the front of the queue and is recomputed. `stats()["num_preemptions"]` counts the
+        same events."""
+        preempted, self._preempted = self._preempted, []
+        return preempted
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_free_slots(self) -> int:
+        """Requests the engine can take before it holds max_num_seqs (running and waiting)."""
+        return self.args.max_num_seqs - self.num_running - self.num_waiting
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    def kv_usage(self) -> BlockUsage:
+        return self.block_manager.usage()
+
+    def num_blocks_needed(self, request_id: Hashable) -> int:
+        """KV blocks the request's tokens occupy, or will once it is scheduled; 0 if unknown."""
+        request = self.requests.get(request_id)
+        return request.seq.num_blocks if request else 0
+
+    def num_blocks_allocated(self, request_id: Hashable) -> int:
+        """KV blocks the request holds right now; 0 if unknown or waiting."""
+        request = self.requests.get(request_id)
+        return len(request.seq.block_table) if request else 0
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
 
     def _sampling_row(self, request: _Request) -> SamplingRow:
         seq = request.seq
@@ -271,6 +315,7 @@ class LLMEngine:
         return {
             "model": self.model_name,
             "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype_reason": self.dtype_reason,
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "block_size": self.args.block_size,
@@ -298,4 +343,3 @@ def _available_memory_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory explicitly")
-            "dtype_reason": self.dtype_reason,

@@ -25,14 +25,14 @@ class Outbox:
     """Every send is non-blocking on a ROUTER_MANDATORY socket, so a vanished client shows at once as
     EHOSTUNREACH and a client that stopped reading as EAGAIN. Replies a reader cannot take yet are held per
     client, in order; `on_lost` is called for a client that is gone or has accepted nothing for
-    `client_timeout` seconds, so the daemon can abort its requests."""
+    `client_timeout` seconds (the flag says it timed out), so the daemon can abort its requests."""
 
     def __init__(
         self,
         socket: zmq.Socket,
         sessions: Sessions,
         client_timeout: float,
-        on_lost: Callable[[ClientSession, str], None],
+        on_lost: Callable[[ClientSession, str, bool], None],
     ) -> None:
         self.socket = socket
         self.sessions = sessions
@@ -72,21 +72,29 @@ class Outbox:
             session.backlog.append(payload)
             session.stalled_since = time.monotonic()
         else:
-            self.on_lost(session, "disconnected")
+            self.on_lost(session, "disconnected", False)
 
     def _flush(self, session: ClientSession, now: float) -> None:
         while session.backlog:
             outcome = self._try(session.identity, session.backlog[0])
             if outcome is _Outcome.GONE:
-                self.on_lost(session, "disconnected")
+                self.on_lost(session, "disconnected", False)
                 return
             if outcome is _Outcome.FULL:
-                if now - (session.stalled_since or now) >= self.client_timeout:
-                    self.on_lost(session, f"read nothing for {self.client_timeout:g} s")
+                self._on_stalled(session, now)
                 return
             session.backlog.popleft()
             self._progress(session)
+        session.notices_until = None
         self.sessions.release_if_idle(session)
+
+    def _on_stalled(self, session: ClientSession, now: float) -> None:
+        stalled_since = session.stalled_since or now
+        if session.requests:
+            if now - stalled_since >= self.client_timeout:
+                self.on_lost(session, f"read nothing for {self.client_timeout:g} s", True)
+        elif now >= (session.notices_until or stalled_since + self.client_timeout):
+            self.sessions.remove(session)  # nothing in flight: what it never read is dropped
 
     def _progress(self, session: ClientSession) -> None:
         session.last_sent = time.monotonic()

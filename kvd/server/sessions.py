@@ -27,6 +27,7 @@ class InflightRequest:
     num_cached_tokens: int = 0
     want_logprobs: bool = False
     num_preemptions: int = 0
+    in_engine: bool = False  # admitted; before that it is being tokenized or waits in its client's queue
     # Non-streaming requests collect their output here for the single final reply.
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -54,6 +55,8 @@ class ClientSession:
     backlog: deque[bytes] = field(default_factory=deque)
     last_sent: float = 0.0
     stalled_since: float | None = None
+    # After a client timeout: until when the `client_timeout` errors in the backlog wait for the client.
+    notices_until: float | None = None
     # Accepted requests not yet in the engine, oldest first (see fairness.py).
     pending: deque[PendingRequest] = field(default_factory=deque)
     has_turn: bool = False  # in the fair queue's turn order
@@ -61,7 +64,7 @@ class ClientSession:
 
     @property
     def num_in_engine(self) -> int:
-        return len(self.requests) - len(self.pending)
+        return sum(1 for r in self.requests.values() if r.in_engine)
 
     @property
     def name(self) -> str:

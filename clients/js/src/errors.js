@@ -10,6 +10,7 @@ export const ERROR_CODES = Object.freeze([
   "not_found",
   "shutting_down",
   "internal",
+  "client_timeout",
 ]);
 
 /** Base class of every error this package throws. */

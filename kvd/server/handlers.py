@@ -1,0 +1,249 @@
+"""Requests from clients: decode and validate each message, answer the quick ops, and accept generations."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import kvd
+from kvd.engine.sampling_params import MAX_LOGPROBS
+from kvd.server import events, protocol
+from kvd.server.admission import Admission
+from kvd.server.config import HEARTBEAT_INTERVAL_S
+from kvd.server.isolation import cache_salt
+from kvd.server.prompts import (
+    PromptJob,
+    PromptRequest,
+    PromptResult,
+    PromptWorker,
+    max_prompt_bytes,
+    prompt_bytes,
+)
+from kvd.server.protocol import (
+    BAD_REQUEST,
+    INTERNAL,
+    NOT_FOUND,
+    OVERLOADED,
+    SHUTTING_DOWN,
+    TOO_LARGE,
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    ProtocolError,
+    Request,
+    TokenizeRequest,
+)
+from kvd.server.router import Router
+from kvd.server.sessions import InflightRequest, PendingRequest
+from kvd.server.state import ServerState
+from kvd.server.stats import client_stats
+
+logger = logging.getLogger("kvd.server")
+
+
+class RequestHandler:
+    def __init__(self, state: ServerState, router: Router, admission: Admission) -> None:
+        self.state = state
+        self.router = router
+        self.admission = admission
+        self.prompts = PromptWorker(self._prompt_tokens)
+        self.max_prompt_bytes = max_prompt_bytes(state.engine.tokenizer, state.max_prompt_tokens)
+        self._handlers: dict[str, Callable] = {
+            "detokenize": self._detokenize,
+            "abort": self._abort,
+            "health": self._health,
+            "info": self._info,
+            "stats": self._stats,
+        }
+
+    def handle(self, identity: bytes, tenant: str, frames: list[bytes]) -> None:
+        request_id = None
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(
+                    BAD_REQUEST, "send each request as one frame from a DEALER socket (no envelope)"
+                )
+            request = protocol.parse_request(protocol.decode(frames[0], self.state.config.max_message_bytes))
+            request_id = request.id
+            if isinstance(request, GenerateRequest):
+                self._generate(identity, tenant, request)
+            elif isinstance(request, TokenizeRequest):
+                self._check_prompt_bytes(request)
+                self.prompts.submit(PromptJob(identity, tenant, request))
+            else:
+                self._handlers[request.op](identity, request)
+        except ProtocolError as e:
+            self._reject(identity, e.request_id if e.request_id is not None else request_id, e)
+        except Exception:
+            # A bug, not the client's fault: answer, log, and keep serving everyone else.
+            logger.exception("internal error while handling a request of client %s", identity.hex())
+            self._reject(identity, request_id, ProtocolError(INTERNAL, "internal error; see the daemon log"))
+
+    def on_prompts_ready(self) -> None:
+        """Take the prompts the worker has tokenized: queue the generations, answer the tokenize requests."""
+        for result in self.prompts.results():
+            job = result.job
+            if job.inflight is None:
+                self._tokenized(result)
+            else:
+                self._queue(result)
+
+    def close(self) -> None:
+        self.prompts.close()
+
+    def _reject(self, identity: bytes, request_id: object, error: ProtocolError) -> None:
+        self.state.counters.requests_rejected += 1
+        self.router.send(identity, protocol.error_reply(request_id, error.code, error.message, error.field))
+
+    def _generate(self, identity: bytes, tenant: str, request: GenerateRequest) -> None:
+        state = self.state
+        if state.draining:
+            raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and takes no new requests")
+        session = state.sessions.get(identity)
+        in_flight = session.requests if session else {}
+        if request.id in in_flight:
+            raise ProtocolError(
+                BAD_REQUEST, f"request {request.id!r} is already in flight; use a new id", "id"
+            )
+        if len(in_flight) >= state.config.max_queued_per_client:
+            raise ProtocolError(
+                OVERLOADED,
+                f"this client has {len(in_flight)} requests in flight, the limit (--max-queued-per-client); "
+                "wait for some to finish",
+            )
+        if state.sessions.num_requests >= state.config.max_queued:
+            raise ProtocolError(
+                OVERLOADED,
+                f"the daemon has {state.config.max_queued} requests in flight (--max-queued); retry later",
+            )
+        self._check_prompt_bytes(request)
+        # Reserved now, so that its id is taken and an abort finds it while the prompt is tokenized.
+        inflight = InflightRequest(
+            request.id, request.stream, 0, want_logprobs=request.params.logprobs is not None
+        )
+        state.sessions.open(identity, tenant).requests[request.id] = inflight
+        self.prompts.submit(PromptJob(identity, tenant, request, inflight))
+
+    def _check_prompt_bytes(self, request: PromptRequest) -> None:
+        """Refuse, without tokenizing it, a prompt too long to fit whatever its tokens."""
+        size = prompt_bytes(request)
+        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+            text_field = "prompt" if isinstance(request, GenerateRequest) else "text"
+            raise ProtocolError(
+                TOO_LARGE,
+                f"the prompt has {size} bytes, more than {self.state.max_prompt_tokens} tokens (the limit) "
+                "can hold; shorten it",
+                "messages" if request.messages is not None else text_field,
+            )
+
+    def _queue(self, result: PromptResult) -> None:
+        job, state = result.job, self.state
+        session = state.sessions.get(job.identity)
+        if session is None or session.requests.get(job.request.id) is not job.inflight:
+            return  # aborted, or its client lost, while it was tokenized
+        request, inflight = job.request, job.inflight
+        error = result.error
+        if error is None and len(result.token_ids) > state.max_prompt_tokens:
+            error = ProtocolError(
+                TOO_LARGE,
+                f"the prompt has {len(result.token_ids)} tokens; the limit is {state.max_prompt_tokens}",
+                result.field,
+            )
+        if error is not None:
+            del session.requests[request.id]
+            state.sessions.release_if_idle(session)
+            self._reject(job.identity, request.id, error)
+            return
+        inflight.num_prompt_tokens = len(result.token_ids)
+        salt = cache_salt(None if state.config.shared_prefix_cache else job.tenant, request.cache_salt)
+        state.queue.push(
+            session, PendingRequest(inflight, result.token_ids, request.params, salt, result.field)
+        )
+        state.events.publish(events.QUEUED, session, request.id, prompt_tokens=len(result.token_ids))
+        self.admission.admit()  # at once when the engine has room: a bad prompt's error comes back now
+
+    def _tokenized(self, result: PromptResult) -> None:
+        job = result.job
+        if result.error is not None:
+            self._reject(job.identity, job.request.id, result.error)
+        else:
+            reply = protocol.result_reply(job.request.id, {"token_ids": result.token_ids})
+            self.router.send(job.identity, reply)
+
+    def _prompt_tokens(self, request: PromptRequest) -> tuple[str, list[int]]:
+        """The prompt's token ids, and the request field they came from (runs on the worker thread)."""
+        engine = self.state.engine
+        if request.messages is not None:
+            try:
+                return "messages", engine.apply_chat_template(request.messages)
+            except Exception as e:  # the template is a program: whatever it raises, the input is at fault
+                raise ProtocolError(
+                    BAD_REQUEST, f"the chat template rejected the messages: {e}", "messages"
+                ) from None
+        if isinstance(request, TokenizeRequest):
+            return "text", engine.encode(request.text)
+        if request.prompt is not None:
+            return "prompt", engine.encode(request.prompt)
+        return "prompt_token_ids", request.prompt_token_ids
+
+    def _detokenize(self, identity: bytes, request: DetokenizeRequest) -> None:
+        vocab = self.state.engine.config.vocab_size
+        if any(t >= vocab for t in request.token_ids):
+            raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
+        text = self.state.engine.decode(request.token_ids)
+        self.router.send(identity, protocol.result_reply(request.id, {"text": text}))
+
+    def _abort(self, identity: bytes, request: AbortRequest) -> None:
+        session = self.state.sessions.get(identity)
+        target = session.requests.get(request.target) if session else None
+        if target is None:
+            raise ProtocolError(
+                NOT_FOUND, f"request {request.target!r} is not in flight for this client", "target"
+            )
+        self.router.abort_request(session, target)
+        self.state.sessions.release_if_idle(session)
+        self.router.send(identity, protocol.result_reply(request.id, {"aborted": True}))
+
+    def _health(self, identity: bytes, request: Request) -> None:
+        status = "draining" if self.state.draining else "ready"
+        self.router.send(identity, protocol.result_reply(request.id, {"status": status}))
+
+    def _info(self, identity: bytes, request: Request) -> None:
+        config = self.state.config
+        info = self.state.engine.info() | {
+            "kvd_version": kvd.__version__,
+            "protocol_version": protocol.PROTOCOL_VERSION,
+            "supported_versions": list(protocol.SUPPORTED_VERSIONS),
+            "limits": {
+                "max_message_bytes": config.max_message_bytes,
+                "max_prompt_tokens": self.state.max_prompt_tokens,
+                "max_prompt_bytes": self.max_prompt_bytes,
+                "max_queued_per_client": config.max_queued_per_client,
+                "max_queued": config.max_queued,
+                "max_running_per_client": config.max_running_per_client,
+                "max_blocks_per_client": config.max_blocks_per_client,
+                "max_logprobs": MAX_LOGPROBS,
+                "max_stop_sequences": protocol.MAX_STOP_SEQUENCES,
+                "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
+                "client_timeout_s": config.client_timeout,
+            },
+        }
+        self.router.send(identity, protocol.result_reply(request.id, info))
+
+    def _stats(self, identity: bytes, request: Request) -> None:
+        state = self.state
+        sessions = state.sessions
+        stats = state.engine.stats() | {
+            "daemon": {
+                "uptime_s": time.monotonic() - state.started,
+                "num_clients": len(sessions),
+                "num_requests": sessions.num_requests,
+                "num_queued": len(state.queue),
+                "num_tokenizing": self.prompts.num_pending,
+                "draining": state.draining,
+                **vars(state.counters),
+                "clients": [client_stats(state.engine, s) for s in sessions if s.requests],
+            }
+        }
+        self.router.send(identity, protocol.result_reply(request.id, stats))
