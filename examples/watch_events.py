@@ -24,7 +24,7 @@ def main() -> None:
             event = msgpack.unpackb(body)
             extra = {k: v for k, v in event.items() if k not in ("event", "tenant", "client", "id", "time")}
             print(
-                f"{event['time']:.3f} {event['tenant']:>10} {event['client'][:8]} {event['id']!s:>6} "
+                f"{event['time']:.3f} {event['tenant']:>10} {event['client']} {event['id']!s:>6} "
                 f"{event['event']:<9} {extra or ''}",
                 flush=True,
             )

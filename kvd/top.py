@@ -1,9 +1,15 @@
-"""`kvd top`: the daemon's load, redrawn every second (or printed once), from the `stats` op."""
+"""`kvd top`: the daemon's load, redrawn every second (or printed once), from the `stats` op; q quits."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import sys
+import termios
 import time
+import tty
+from collections.abc import Iterator
 from typing import TextIO
 
 from kvd_client import Client
@@ -11,12 +17,13 @@ from kvd_client import Client
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen: plain redraw, no curses needed
 
 
-def render(stats: dict) -> str:
-    """One screen of stats: totals, then one line per client with requests in flight."""
+def render(stats: dict, info: dict) -> str:
+    """One screen: the model, totals, then one line per client with requests in flight."""
     kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
     total = kv["total_blocks"]
     lines = [
-        f"kvd  up {daemon['uptime_s']:.0f} s{'  DRAINING' if daemon['draining'] else ''}",
+        f"kvd  {info['model']} ({info['dtype']}, {info['device']})  up {daemon['uptime_s']:.0f} s"
+        f"{'  DRAINING' if daemon['draining'] else ''}",
         f"requests   {stats['num_running']} running, {stats['num_waiting']} waiting in the engine, "
         f"{daemon['num_queued']} queued in the daemon",
         f"KV cache   {kv['used_blocks']}/{total} blocks ({100 * kv['used_blocks'] / total:.1f} %)",
@@ -37,11 +44,34 @@ def render(stats: dict) -> str:
 
 
 def run(client: Client, interval: float, once: bool, out: TextIO = sys.stdout) -> None:
-    """Print one screen, or redraw every `interval` seconds until interrupted."""
+    """Print one screen, or redraw every `interval` seconds until q (or Ctrl-C)."""
+    info = client.info()
     if once:
-        print(render(client.stats()), file=out)
+        print(render(client.stats(), info), file=out)
         return
-    while True:
-        out.write(CLEAR + render(client.stats()) + "\n")
-        out.flush()
-        time.sleep(interval)
+    with _keys(sys.stdin) as pressed:
+        while True:
+            out.write(CLEAR + render(client.stats(), info) + "\n(q quits)\n")
+            out.flush()
+            if pressed(interval) in ("q", "Q"):
+                return
+
+
+@contextlib.contextmanager
+def _keys(stdin: TextIO) -> Iterator:
+    """pressed(timeout) -> the key pressed within `timeout` seconds, or None; keys arrive unbuffered while
+    the terminal is in cbreak mode (restored on the way out). Without a terminal it only waits."""
+    if not stdin.isatty():
+        yield lambda timeout: time.sleep(timeout)
+        return
+    fd = stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    try:
+        yield (
+            lambda timeout: (
+                os.read(fd, 1).decode(errors="replace") if select.select([fd], [], [], timeout)[0] else None
+            )
+        )
+    finally:
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)

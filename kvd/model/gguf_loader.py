@@ -100,10 +100,20 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise GGUFError(
+                    f"{self.path} is empty (0 bytes): an interrupted download or copy; fetch it again"
+                )
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self.metadata, self.tensors = self._parse()
-        except (struct.error, UnicodeDecodeError, ValueError) as e:
+        except struct.error:
+            raise GGUFError(
+                f"{self.path} is truncated: it ends after {size} bytes, inside its header (an interrupted "
+                "download or copy?); fetch it again"
+            ) from None
+        except (UnicodeDecodeError, ValueError) as e:
             raise GGUFError(f"{self.path} is not a readable GGUF file: {e}") from e
 
     @property
@@ -173,6 +183,8 @@ class _Cursor:
     def string(self) -> str:
         (length,) = self.unpack("Q")
         start = self.pos
+        if start + length > len(self.buffer):
+            raise struct.error("a string runs past the end of the file")
         self.pos += length
         return self.buffer[start : self.pos].decode("utf-8")
 

@@ -257,9 +257,18 @@ def _safetensors_count(files: list[Path]) -> int:
     return total
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def _folder_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        # Else transformers falls back to a slow tokenizer class and reports a missing package instead.
+        raise UnsupportedModelError(
+            f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy them from the "
+            "model's repository into the folder, next to config.json"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise UnsupportedModelError(

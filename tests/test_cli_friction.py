@@ -1,0 +1,177 @@
+"""What a new user trips on: clear errors before any model loads, the CLI agreeing with the Python API, stdin,
+chat commands, `kvd top` quitting on q, generations cut by a stopping daemon, truncated GGUF files."""
+
+from __future__ import annotations
+
+import os
+import pty
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
+
+import kvd
+from kvd.cli import _sampling, build_parser
+from kvd.engine.engine_args import EngineArgs, EngineArgsError
+from kvd.model.gguf_loader import GGUFError, GGUFFile
+from kvd.model.hub import default_model_path
+
+GREEDY = ["--temperature", "0", "--max-tokens", "10"]
+
+
+def kvd_cli(*args: str, stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvd.cli", *args]
+    return subprocess.run(
+        cmd, input=stdin, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=timeout
+    )
+
+
+def test_version():
+    result = kvd_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"kvd {kvd.__version__}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "gpu"], "device must be cpu, cuda or cuda:N, got 'gpu'"),
+        (["--threads", "0"], "must be >= 1"),
+        (["--num-threads", "-2"], "must be >= 1"),
+        (["--block-size", "0"], "must be >= 1"),
+        (["--socket-group", "nosuchgroup"], "--socket-group 'nosuchgroup': no such group"),
+        (["--http", "0.0.0.0:8000"], "--allow-remote"),
+    ],
+)
+def test_serve_reports_bad_settings_in_one_line_before_loading_anything(tmp_path: Path, flags, message):
+    started = time.monotonic()
+    result = kvd_cli("serve", "--listen", f"ipc://{tmp_path}/kvd.sock", *flags)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "KV pool" not in result.stderr
+    assert time.monotonic() - started < 20  # no model load (the bundled one takes longer with torch's import)
+
+
+def test_events_on_a_taken_socket_names_the_events_flag(tmp_path: Path):
+    taken = f"ipc://{tmp_path}/events.sock"
+    other = zmq.Context.instance().socket(zmq.PUB)
+    other.bind(taken)
+    try:
+        result = kvd_cli("serve", "--listen", f"ipc://{tmp_path}/kvd.sock", "--events", taken)
+    finally:
+        other.close(linger=0)
+    assert result.returncode == 2 and "choose another --events" in result.stderr, result.stderr
+
+
+def test_block_size_help_names_the_real_default():
+    help_text = kvd_cli("serve", "--help").stdout
+    assert "(None)" not in help_text and "256 for flash-attn" in help_text
+
+
+def test_the_python_api_takes_what_the_cli_takes():
+    assert EngineArgs(kv_cache_memory="256M").kv_cache_memory == 256 << 20
+    assert EngineArgs(kv_cache_memory="1.5GiB").kv_cache_memory == 3 << 29
+    with pytest.raises(EngineArgsError, match="not a size"):
+        EngineArgs(kv_cache_memory="lots")
+    with pytest.raises(EngineArgsError, match="device"):
+        EngineArgs(device="gpu")
+    with pytest.raises(EngineArgsError, match="num_threads"):
+        EngineArgs(num_threads=0)
+    serve = build_parser().parse_args(["serve", "--threads", "3"])
+    assert serve.num_threads == 3  # the API's name; --threads stays an alias
+    generate = build_parser().parse_args(["generate", "x", "--ignore-eos"])
+    # No CLI default of its own: the daemon's (16, as kvd.SamplingParams and the protocol) applies.
+    assert _sampling(generate)["ignore_eos"] is True and generate.max_tokens is None
+
+
+def test_a_truncated_or_empty_gguf_names_the_file(tmp_path: Path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_model_path(), "rb") as f:
+        truncated.write_bytes(f.read(2000))
+    with pytest.raises(GGUFError, match=f"{truncated} is truncated: it ends after 2000 bytes"):
+        GGUFFile(truncated)
+    empty = tmp_path / "empty.gguf"
+    empty.touch()
+    with pytest.raises(GGUFError, match=f"{empty} is empty"):
+        GGUFFile(empty)
+
+
+def test_a_folder_without_tokenizer_files_says_so(tiny_checkpoint, tmp_path: Path):
+    from kvd.model.config import UnsupportedModelError
+    from kvd.model.loader import load_model
+
+    source = tiny_checkpoint("llama")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(source / name, tmp_path / name)
+    with pytest.raises(UnsupportedModelError, match="has no tokenizer files"):
+        load_model(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """A daemon with a short drain, so that the last test can cut a generation by stopping it."""
+    proc = start_daemon(
+        tmp_path_factory.mktemp("friction"), "--drain-timeout", "0.3", model=tiny_daemon_model
+    )
+    yield proc
+    assert proc.stop() == 0, proc.log()
+
+
+def test_generate_reads_the_prompt_from_stdin(daemon: DaemonProcess):
+    prompt = "The capital of France is"
+    with daemon.client() as client:
+        expected = client.generate(prompt, temperature=0.0, max_tokens=10).text
+    result = kvd_cli("generate", "-", *GREEDY, "--endpoint", daemon.endpoint, stdin=prompt)
+    assert result.returncode == 0 and result.stdout == expected + "\n"
+
+
+def test_chat_commands_never_reach_the_model(daemon: DaemonProcess):
+    with daemon.client() as client:
+        expected = client.chat([{"role": "user", "content": "Hi"}], temperature=0.0, max_tokens=10).text
+    stdin = "Hello\n/reset\n/help\n/bogus\nHi\n/exit\n"
+    result = kvd_cli("chat", *GREEDY, "--endpoint", daemon.endpoint, stdin=stdin)
+    # The reply to Hi saw neither "Hello" (reset) nor the commands.
+    assert result.returncode == 0 and result.stdout.endswith(f"> > > > {expected}\n> ")
+    assert "(history cleared)" in result.stderr and "unknown command /bogus" in result.stderr
+    assert result.stderr.count("/reset clears the history") == 3  # the banner, /help, /bogus
+
+
+def test_top_shows_the_model_and_quits_on_q(daemon: DaemonProcess):
+    with daemon.client() as client:
+        model = client.info()["model"]
+    leader, follower = pty.openpty()
+    cmd = [sys.executable, "-m", "kvd.cli", "top", "--endpoint", daemon.endpoint, "--interval", "0.2"]
+    proc = subprocess.Popen(cmd, stdin=follower, stdout=subprocess.PIPE, cwd=REPO, env=daemon_env())
+    os.close(follower)
+    try:
+        time.sleep(2.0)  # a few redraws (and the cbreak mode) first
+        os.write(leader, b"q")
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        os.close(leader)
+    assert model in proc.stdout.read().decode()
+
+
+def test_a_generation_cut_by_the_daemon_stopping_exits_1(daemon: DaemonProcess):
+    cmd = [sys.executable, "-m", "kvd.cli", "generate", "Once", "--max-tokens", "4000", "--ignore-eos"]
+    proc = subprocess.Popen(
+        [*cmd, "--endpoint", daemon.endpoint],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=daemon_env(),
+    )
+    with daemon.client() as client:
+        deadline = time.monotonic() + 30
+        while client.stats()["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert daemon.stop(signal.SIGTERM) == 0
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "cut short: the daemon stopped" in stderr
