@@ -304,7 +304,13 @@ def test_info_and_stats(client: Client):
     assert info["limits"]["max_prompt_tokens"] == info["max_model_len"] - 1
     stats = client.stats()
     assert stats["kv_cache"]["total_blocks"] == info["num_blocks"]
-    assert stats["daemon"]["requests_total"] >= 0 and stats["daemon"]["num_requests"] == 0
+    client.generate("count me", max_tokens=1)
+    with pytest.raises(BadRequestError):
+        client.generate("", max_tokens=1)
+    after = client.stats()["daemon"]
+    assert after["requests_total"] == stats["daemon"]["requests_total"] + 1
+    assert after["requests_rejected"] == stats["daemon"]["requests_rejected"] + 1
+    assert after["num_requests"] == 0
 
 
 def test_async_client_runs_concurrent_requests(client: Client, daemon: DaemonProcess):
