@@ -47,7 +47,7 @@ def _wait_ready(daemon: subprocess.Popen, endpoint: str) -> bool:
                 if client.health()["status"] == "ready":
                     return True
             except KvdError:
-                pass  # the socket appears once the model is loaded and warmed up
+                time.sleep(0.2)  # the socket appears once the model is loaded and warmed up
     print(f"The daemon was not ready within {READY_TIMEOUT_S:g} s.", file=sys.stderr)
     return False
 

@@ -126,7 +126,7 @@ def wait_ready(daemon: DaemonProcess, timeout: float) -> None:
                 if client.health()["status"] == "ready":
                     return
             except KvdError:
-                pass  # still loading: the socket is bound after the warm-up
+                time.sleep(0.1)  # still loading (no socket file yet: that fails at once, so do not spin)
     daemon.stop(signal.SIGKILL)
     raise AssertionError(f"the daemon was not ready within {timeout} s; log:\n{daemon.log()}")
 
