@@ -175,3 +175,20 @@ def test_a_generation_cut_by_the_daemon_stopping_exits_1(daemon: DaemonProcess):
     assert daemon.stop(signal.SIGTERM) == 0
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "cut short: the daemon stopped" in stderr
+
+
+def test_the_start_timeout_is_extended_while_the_model_loads(tmp_path: Path):
+    import socket
+
+    from kvd.server.serve import EXTEND_BY_S, extending_start_timeout
+    from kvd.server.systemd import Notifier
+
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(str(tmp_path / "notify"))
+    manager.settimeout(5)
+    with extending_start_timeout(Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})):
+        assert manager.recv(256) == f"EXTEND_TIMEOUT_USEC={int(EXTEND_BY_S * 1e6)}".encode()
+    manager.settimeout(0.2)
+    with pytest.raises(TimeoutError):  # nothing more once loaded
+        manager.recv(256)
+    manager.close()
