@@ -158,7 +158,7 @@ def start_daemon(args: argparse.Namespace, endpoint: str) -> subprocess.Popen:
                 client.health()
                 return proc
             except KvdError:
-                pass
+                time.sleep(0.1)  # no socket file yet: the client says so at once
     proc.kill()
     raise RuntimeError("the daemon did not start")
 
