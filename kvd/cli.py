@@ -115,6 +115,12 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16 or float16 (%(default)s)")
     model.add_argument("--device", default=e.device, help="cpu or cuda[:N] (%(default)s)")
     model.add_argument(
+        "--quantization",
+        default=e.quantization,
+        choices=["auto", "none", "int8", "int4"],
+        help="CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",
+    )
+    model.add_argument(
         "--kv-cache-memory",
         type=parse_size,
         help=f"KV pool size, e.g. 512M or 2G (default: {e.kv_cache_memory_fraction:.0%}% of free)",
@@ -275,6 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            quantization=args.quantization,
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,
             max_num_seqs=args.max_num_seqs,

@@ -41,6 +41,9 @@ class EngineArgs:
     max_model_len: int | None = None  # None = the model's context length, capped by the pool
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # CPU threads for torch; None = all cores
+    # Decoder weights kept quantized (CPU): auto = what a GGUF file holds (int4 for Q4_0/Q4_1, int8 for
+    # Q8_0), none = dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -51,6 +54,8 @@ class EngineArgs:
             raise EngineArgsError(
                 f"num_threads must be >= 1 (leave it unset for all cores), got {self.num_threads}"
             )
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise EngineArgsError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

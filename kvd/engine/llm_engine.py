@@ -54,7 +54,11 @@ class LLMEngine:
         self.device = torch.device(args.device)
         baseline = DeviceMemory.read(self.device) if self.device.type == "cuda" else None
         loaded = load_model(
-            args.model, dtype=args.dtype, device=self.device, attention_backend=args.attention_backend
+            args.model,
+            dtype=args.dtype,
+            device=self.device,
+            attention_backend=args.attention_backend,
+            quantization=args.quantization,
         )
         self.attention_backend = loaded.model.attention_backend.name
         # Unset, the block size is the backend's default (flash-attn reads 256-token pages).
@@ -66,6 +70,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.dtype_reason = loaded.dtype_reason
+        self.quantization = loaded.quantization
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
         self.num_blocks = self._pool_blocks(loaded.model, baseline)
         pool_tokens = self.num_blocks * args.block_size
@@ -316,6 +321,7 @@ class LLMEngine:
             "model": self.model_name,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
+            "quantization": self.quantization,
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "block_size": self.args.block_size,

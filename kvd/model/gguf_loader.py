@@ -341,6 +341,25 @@ def _checkpoint_dtype(file: GGUFFile) -> str:
     return "float32"
 
 
+# GGUF matrix types whose values a kvd quantization holds without further loss: Q4_0 and Q4_1 are 4-bit
+# groups of 32 (what int4 stores), Q8_0 is 8-bit (int8 per row loses at most half a step more).
+_NATIVE_QUANTIZATION = (
+    ({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}, "int4"),
+    ({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}, "int8"),
+)
+
+
+def native_quantization(file: GGUFFile) -> str:
+    """The kvd quantization that matches the file's layer matrices (int4, int8), or "none"."""
+    types = {
+        info.qtype for name, info in file.tensors.items() if name.startswith("blk.") and len(info.shape) > 1
+    }
+    for supported, mode in _NATIVE_QUANTIZATION:
+        if types and types <= supported:
+            return mode
+    return "none"
+
+
 def iter_gguf_weights(file: GGUFFile, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for every weight, dequantized to float32, q/k rows put back in HF order for
     llama (llama.cpp permutes only that architecture)."""

@@ -22,8 +22,10 @@ from kvd.model.gguf_loader import (
     hf_config_from_gguf,
     iter_gguf_weights,
     load_gguf_tokenizer,
+    native_quantization,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
+from kvd.model.layers.quantized_linear import QUANTIZATIONS, QuantizationError, quantize_linears
 from kvd.model.layers.selector import create_attention_backend, resolve_backend_name
 from kvd.model.llama import CausalLM
 
@@ -61,6 +63,7 @@ class LoadedModel:
     dtype: torch.dtype
     path: Path  # the folder or .gguf file the weights came from
     dtype_reason: str = ""  # why this dtype (see choose_dtype)
+    quantization: str = "none"  # of the decoder layers' weights: none | int8 | int4
 
 
 def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.dtype:
@@ -90,6 +93,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | str | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Load weights, config and tokenizer without building a transformers model.
 
@@ -97,12 +101,15 @@ def load_model(
     single .gguf file; a Hugging Face id (cache first, see kvd.model.hub); or None for SmolLM2-135M-Instruct.
     `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|triton|flash-attn), or
     None for the torch backend.
+    `quantization`: none | int8 | int4 | auto (on CPU, what a GGUF file holds): the decoder layers' weights stay
+    quantized in memory and run through torch's weight-only CPU kernels (kvd.model.layers.quantized_linear).
     """
     device = check_device(device)
     path = resolve_model_path(model)
     gguf_path = _gguf_file(path)
     checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
     config = ModelConfig.from_hf_dict(checkpoint.hf_config)  # before the slow parts: fail fast if unsupported
+    quantization = _resolve_quantization(quantization, checkpoint, device)
     dtype_choice = choose_dtype(dtype, checkpoint.hf_config, device)
     run_dtype = dtype_choice.dtype
     logger.info("dtype %s: %s", str(run_dtype).removeprefix("torch."), dtype_choice.reason)
@@ -122,8 +129,11 @@ def load_model(
             disable=None,
         )
     )
+    quantize_linears(causal_lm.model.layers, quantization)
     causal_lm.eval()
-    return LoadedModel(causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason)
+    return LoadedModel(
+        causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization
+    )
 
 
 def check_device(device: torch.device | str) -> torch.device:
@@ -174,6 +184,7 @@ class _Checkpoint:
     num_tensors: int
     load_tokenizer: Callable[[], PreTrainedTokenizerFast]
     weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    native_quantization: str = "none"  # what "auto" quantization picks (GGUF files only)
 
 
 def _open_gguf(path: Path) -> _Checkpoint:
@@ -184,6 +195,7 @@ def _open_gguf(path: Path) -> _Checkpoint:
         len(file.tensors),
         lambda: load_gguf_tokenizer(file),
         lambda: iter_gguf_weights(file, hf_config),
+        native_quantization(file),
     )
 
 
@@ -196,6 +208,19 @@ def _open_folder(path: Path) -> _Checkpoint:
         lambda: _folder_tokenizer(path),
         lambda: iter_safetensors(files),
     )
+
+
+def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.device) -> str:
+    on_cpu = device.type == "cpu"
+    if mode == "auto":
+        return checkpoint.native_quantization if on_cpu else "none"
+    if mode not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization {mode!r} is not one of auto, {', '.join(QUANTIZATIONS)}")
+    if mode != "none" and not on_cpu:
+        raise QuantizationError(
+            f"quantization {mode!r} runs on CPU only (torch's weight-only CPU kernels); use none on {device}"
+        )
+    return mode
 
 
 def _gguf_file(path: Path) -> Path | None:
