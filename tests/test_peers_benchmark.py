@@ -1,0 +1,48 @@
+"""benchmarks/peers.py runs every workload end to end (--quick): kvd alone without $LLAMA_CPP_BIN, with
+llama-server alternating when a build is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ["single stream", "4 concurrent", "shared prefix"]
+
+
+def run_quick(env: dict[str, str]) -> tuple[str, dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peers", "--quick", "--json", "--threads", "1"],
+        cwd=ROOT,
+        env=env | {"HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_without_a_peer_says_so_and_measures_kvd():
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_BIN"}
+    stdout, result = run_quick(env)
+    assert "llama.cpp peer skipped: $LLAMA_CPP_BIN is unset" in stdout
+    assert result["peer_model"] is None and result["kvd_quantization"] == "int4"  # the bundled Q4_1 file
+    assert list(result["workloads"]) == WORKLOADS
+    single = result["workloads"]["single stream"]
+    assert set(single) == {"kvd"} and set(single["kvd"]) == {"decode", "prefill"}
+    assert all(set(result["workloads"][w]["kvd"]) == {"output"} for w in WORKLOADS[1:])
+
+
+@pytest.mark.skipif(not os.environ.get("LLAMA_CPP_BIN"), reason="needs a llama.cpp build in $LLAMA_CPP_BIN")
+def test_with_llama_server_alternating_prints_ratios():
+    _, result = run_quick(dict(os.environ))
+    for name in WORKLOADS:
+        row = result["workloads"][name]
+        assert set(row) == {"kvd", "llama.cpp", "ratio"}
+        assert set(row["ratio"]) == set(row["kvd"]) == set(row["llama.cpp"])
