@@ -19,6 +19,7 @@ from kvd.model.layers.quantized_linear import (
     QuantizedLinear,
     linear_weight_bytes,
     quantize_linears,
+    quantize_output,
 )
 from kvd.model.loader import load_model
 
@@ -39,7 +40,7 @@ def test_int4_reproduces_a_q4_1_grid():
     codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 quantizes each block from its own minimum and maximum
     scales, mins = torch.rand(rows, cols // 32, 1) * 0.01 + 1e-3, torch.randn(rows, cols // 32, 1) * 0.05
     weight = (codes * scales + mins).reshape(rows, cols)
-    layer = Int4Linear(_linear(weight, [rows]))
+    layer = Int4Linear(weight)
     step = scales.max().item()
     # bf16 scale and zero: error below 1 % of a step times the code range, plus the zero's rounding.
     assert (layer.dequantized_weight() - weight).abs().max() < 0.1 * step + weight.abs().max() * 2**-8
@@ -51,7 +52,7 @@ def test_quantized_linear_matches_its_dequantized_weight(cls, batch):
     torch.manual_seed(batch)
     weight = torch.randn(160, 96) * 0.05
     layer = _linear(weight, [96, 32, 32], bias=True)
-    quantized = cls(layer)
+    quantized = cls(layer.weight, layer.bias, layer.out_sizes)
     x = torch.randn(batch, 96)
     # Reference: the dequantized weight in float32 on the bf16-rounded input (what the kernel is fed).
     want = F.linear(x.bfloat16().float(), quantized.dequantized_weight(), layer.bias)
@@ -90,12 +91,15 @@ def test_quantized_smollm2_against_its_dequantized_model(smollm2, mode):
     """Logits of the quantized model vs the float32 model holding the very weights the kernels use."""
     quantized = copy.deepcopy(smollm2.model)
     assert quantize_linears(quantized.model.layers, mode) == 4 * smollm2.config.num_hidden_layers
+    quantized.output_proj = quantize_output(quantized.model.embed_tokens.weight, mode)
     reference = copy.deepcopy(smollm2.model)
+    reference.output_proj = _linear(quantized.output_proj.dequantized_weight(), [smollm2.config.vocab_size])
     for ours, ref in zip(quantized.model.layers.modules(), reference.model.layers.modules(), strict=True):
         if isinstance(ours, QuantizedLinear):
             ref.weight.data.copy_(ours.dequantized_weight())
+    assert isinstance(quantized.output_proj, Int8Linear)  # logits stay 8-bit in either mode
     # int4 of a Q4_1 file keeps the file's 4-bit values: a quarter of the linears' float32 bytes or less.
-    ratio = linear_weight_bytes(quantized) / linear_weight_bytes(reference)
+    ratio = linear_weight_bytes(quantized.model.layers) / linear_weight_bytes(reference.model.layers)
     assert ratio < (0.17 if mode == "int4" else 0.27)
 
     prompt = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]

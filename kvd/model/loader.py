@@ -25,7 +25,12 @@ from kvd.model.gguf_loader import (
     native_quantization,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
-from kvd.model.layers.quantized_linear import QUANTIZATIONS, QuantizationError, quantize_linears
+from kvd.model.layers.quantized_linear import (
+    QUANTIZATIONS,
+    QuantizationError,
+    quantize_linears,
+    quantize_output,
+)
 from kvd.model.layers.selector import create_attention_backend, resolve_backend_name
 from kvd.model.llama import CausalLM
 
@@ -130,6 +135,8 @@ def load_model(
         )
     )
     quantize_linears(causal_lm.model.layers, quantization)
+    output = causal_lm.model.embed_tokens if causal_lm.lm_head is None else causal_lm.lm_head
+    causal_lm.output_proj = quantize_output(output.weight, quantization)
     causal_lm.eval()
     return LoadedModel(
         causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization

@@ -7,8 +7,6 @@ native bf16 units. The output is cast back to the caller's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -27,11 +25,13 @@ class QuantizationError(ValueError):
 class QuantizedLinear(nn.Module):
     """Base of the quantized linears: bias, the split into stacked outputs, and the activation casts."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
         super().__init__()
-        self.out_sizes = linear.out_sizes
-        self.in_features = linear.weight.shape[1]
-        self.bias = linear.bias
+        self.out_sizes = out_sizes or [weight.shape[0]]
+        self.in_features = weight.shape[1]
+        self.bias = bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -53,9 +53,11 @@ class QuantizedLinear(nn.Module):
 class Int4Linear(QuantizedLinear):
     """W in 4-bit groups of INT4_GROUP_SIZE along K, each group with its own scale and minimum (asymmetric)."""
 
-    def __init__(self, linear: Linear) -> None:
-        super().__init__(linear)
-        codes, scales, mins = quantize_int4(linear.weight.float(), INT4_GROUP_SIZE)
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
+        super().__init__(weight, bias, out_sizes)
+        codes, scales, mins = quantize_int4(weight.float(), INT4_GROUP_SIZE)
         # The kernel computes (code - 8) * scale + zero per group; scale and zero lie [K / group, N, 2].
         zeros = mins + 8 * scales
         scales_and_zeros = torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous()
@@ -65,8 +67,8 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(_ACT_DTYPE))
 
     @staticmethod
-    def supports(linear: Linear) -> bool:
-        return linear.weight.shape[1] % max(INT4_GROUP_SIZE, 16 * _INT4_INNER_K_TILES) == 0
+    def supports(in_features: int) -> bool:
+        return in_features % max(INT4_GROUP_SIZE, 16 * _INT4_INNER_K_TILES) == 0
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -82,15 +84,17 @@ class Int4Linear(QuantizedLinear):
 class Int8Linear(QuantizedLinear):
     """W in 8 bits with one scale per output row (symmetric)."""
 
-    def __init__(self, linear: Linear) -> None:
-        super().__init__(linear)
-        weight = linear.weight.float()
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
+        super().__init__(weight, bias, out_sizes)
+        weight = weight.float()
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
         self.register_buffer("weight_int8", (weight / scales[:, None]).round().to(torch.int8))
         self.register_buffer("scales", scales.to(_ACT_DTYPE))
 
     @staticmethod
-    def supports(linear: Linear) -> bool:
+    def supports(in_features: int) -> bool:
         return True
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +114,10 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return codes.to(torch.int32).reshape(rows, cols), scales, mins
 
 
-_LINEARS: dict[str, Callable[[Linear], QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear}
+_LINEARS: dict[str, type[QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear}
+# The output projection is quantized to int8 in either mode: logits are the most sensitive product of the
+# model (and GGUF files keep it in 8 bits or more).
+_OUTPUT_MODE = "int8"
 
 
 def quantize_linears(layers: nn.Module, mode: str) -> int:
@@ -127,15 +134,22 @@ def quantize_linears(layers: nn.Module, mode: str) -> int:
         (parent, name, child)
         for parent in layers.modules()
         for name, child in parent.named_children()
-        if isinstance(child, Linear) and cls.supports(child)
+        if isinstance(child, Linear) and cls.supports(child.weight.shape[1])
     ]
     for parent, name, child in targets:
         if child.weight.device.type != "cpu":
             raise QuantizationError(
                 f"quantization {mode!r} runs on CPU only (torch's weight-only CPU kernels); use --quantization none"
             )
-        setattr(parent, name, cls(child))
+        setattr(parent, name, cls(child.weight, child.bias, child.out_sizes))
     return len(targets)
+
+
+def quantize_output(weight: torch.Tensor, mode: str) -> QuantizedLinear | None:
+    """The quantized output projection for `mode` (None for none); the float table stays for embeddings."""
+    if mode == "none":
+        return None
+    return _LINEARS[_OUTPUT_MODE](weight)
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
