@@ -1,6 +1,7 @@
 """Forward-pass throughput: kvd's CausalLM over the paged pool vs transformers with DynamicCache, same weights.
 
-    python -m benchmarks.forward [--dtype float32|bfloat16] [--model PATH] [--threads N] [--json] [--quick]
+    python -m benchmarks.forward [--dtype float32|bfloat16] [--quantization none|int8|int4] [--model PATH]
+        [--threads N] [--json] [--quick]
 
 Prefill: B prompts of L tokens in one batch, logits for the last token of each (tokens/s = B*L / time).
 Decode: one step for B sequences that each hold C tokens of context (tokens/s = B / time); both sides start
@@ -24,6 +25,7 @@ import torch
 from kvd.model.config import ModelConfig
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.layers.quantized_linear import quantize_model
 from kvd.model.llama import CausalLM
 
 # SmolLM2-135M's architecture, with random weights (nothing to download).
@@ -61,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument(
         "--model", help="checkpoint folder or .gguf (default: random SmolLM2-135M-shaped model)"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4"],
+        default="none",
+        help="kvd's decoder weights (and an int8 output projection), as `kvd serve --quantization`",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per shape and side (median)")
@@ -130,9 +138,12 @@ class PagedBatch:
         self.kv_caches = []
         gc.collect()
 
-    def step(self, tokens_per_seq: int) -> torch.Tensor:
+    def step(self, tokens_per_seq: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of each sequence's last new token; `ids` [batch, tokens_per_seq] or random ones."""
         batch = len(self.lens)
-        ids = torch.randint(0, self.model.config.vocab_size, (batch * tokens_per_seq,))
+        if ids is None:
+            ids = torch.randint(0, self.model.config.vocab_size, (batch, tokens_per_seq))
+        ids = ids.reshape(-1)
         positions = torch.cat([torch.arange(n, n + tokens_per_seq) for n in self.lens])
         self.lens = [n + tokens_per_seq for n in self.lens]
         attn = build_attention_metadata(self.tables, self.lens, [tokens_per_seq] * batch, BLOCK_SIZE, "cpu")
@@ -141,21 +152,26 @@ class PagedBatch:
         return self.model.compute_logits(hidden[last_rows])
 
 
-def bench_prefill(ours: CausalLM, hf, batch: int, length: int, repeats: int) -> tuple[float, float]:
-    """Tokens/s of each side for `batch` fresh prompts of `length` tokens."""
+def bench_prefill(ours: CausalLM, hf, batch: int, length: int, repeats: int) -> tuple[float, float, float]:
+    """Tokens/s of each side for `batch` fresh prompts of `length` tokens, and the largest difference of
+    their last-token logits (the two sides must compute the same thing for the ratio to mean anything)."""
     paged = PagedBatch(ours, batch, length, 0)
     ids = torch.randint(0, ours.config.vocab_size, (batch, length))
 
-    def run_ours() -> None:
+    def run_ours() -> torch.Tensor:
         paged.reset()
-        paged.step(length)
+        return paged.step(length, ids)
 
-    ours_t, hf_t = alternate(run_ours, lambda: hf(ids, use_cache=True, logits_to_keep=1), repeats)
+    def run_hf() -> torch.Tensor:
+        return hf(ids, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+
+    ours_t, hf_t = alternate(run_ours, run_hf, repeats)
+    logit_diff = (run_ours() - run_hf()).abs().max().item()
     paged.release()
-    return batch * length / ours_t, batch * length / hf_t
+    return batch * length / ours_t, batch * length / hf_t, logit_diff
 
 
-def bench_decode(ours: CausalLM, hf, batch: int, context: int, repeats: int) -> tuple[float, float]:
+def bench_decode(ours: CausalLM, hf, batch: int, context: int, repeats: int) -> tuple[float, float, None]:
     """Tokens/s of each side for one decode step of `batch` sequences holding `context` tokens each."""
     from transformers import DynamicCache
 
@@ -170,7 +186,7 @@ def bench_decode(ours: CausalLM, hf, batch: int, context: int, repeats: int) -> 
     ids = torch.randint(0, config.vocab_size, (batch, 1))
     ours_t, hf_t = alternate(lambda: paged.step(1), lambda: hf(ids, cache=cache, use_cache=True), repeats)
     paged.release()
-    return batch / ours_t, batch / hf_t
+    return batch / ours_t, batch / hf_t, None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     ours, hf = build_models(args, dtype)
+    quantize_model(ours, args.quantization)
     prefill_shapes = [(1, 16), (2, 24)] if args.quick else PREFILL_SHAPES
     decode_shapes = [
         (b, c)
@@ -187,12 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = min(args.repeats, 3) if args.quick else args.repeats
     result: dict = {
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "threads": args.threads,
         "model": args.model or "random SmolLM2-135M",
     }
     if args.quick:
         result["model"] = "random tiny llama"
-    print(f"model: {result['model']}  dtype: {args.dtype}  threads: {args.threads}")
+    print(
+        f"model: {result['model']}  dtype: {args.dtype}  quantization: {args.quantization}  "
+        f"threads: {args.threads}"
+    )
     print(f"{'phase':<8}{'shape':>14}{'kvd tok/s':>14}{'hf tok/s':>14}{'ratio':>9}")
     with torch.inference_mode():
         for phase, shapes, fn in (
@@ -201,16 +222,12 @@ def main(argv: list[str] | None = None) -> dict:
         ):
             rows = []
             for batch, length in shapes:
-                ours_tps, hf_tps = fn(ours, hf, batch, length, repeats)
-                rows.append(
-                    {
-                        "batch": batch,
-                        "length": length,
-                        "kvd_tok_s": ours_tps,
-                        "hf_tok_s": hf_tps,
-                        "ratio": ours_tps / hf_tps,
-                    }
-                )
+                ours_tps, hf_tps, logit_diff = fn(ours, hf, batch, length, repeats)
+                row = {"batch": batch, "length": length, "kvd_tok_s": ours_tps, "hf_tok_s": hf_tps}
+                row["ratio"] = ours_tps / hf_tps
+                if logit_diff is not None:
+                    row["max_logit_diff"] = logit_diff
+                rows.append(row)
                 shape = f"{batch}x{length}"
                 print(
                     f"{phase:<8}{shape:>14}{ours_tps:>14.1f}{hf_tps:>14.1f}{ours_tps / hf_tps:>8.2f}x",

@@ -28,8 +28,7 @@ from kvd.model.hub import ModelNotFoundError, resolve_model_path
 from kvd.model.layers.quantized_linear import (
     QUANTIZATIONS,
     QuantizationError,
-    quantize_linears,
-    quantize_output,
+    quantize_model,
 )
 from kvd.model.layers.selector import create_attention_backend, resolve_backend_name
 from kvd.model.llama import CausalLM
@@ -134,9 +133,7 @@ def load_model(
             disable=None,
         )
     )
-    quantize_linears(causal_lm.model.layers, quantization)
-    output = causal_lm.model.embed_tokens if causal_lm.lm_head is None else causal_lm.lm_head
-    causal_lm.output_proj = quantize_output(output.weight, quantization)
+    quantize_model(causal_lm, quantization)
     causal_lm.eval()
     return LoadedModel(
         causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization
