@@ -32,10 +32,11 @@ class Linear(nn.Module):
 
     def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per stacked matrix (q, k, v or gate, up)."""
-        if x.device.type != "cpu":
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             return list(F.linear(x, self.weight, self.bias).split(self.out_sizes, dim=-1))
-        # On CPU, MKL's sgemm runs the stacked matrices one by one 10-30% faster than their stack (measured
-        # on AVX2 for decode and prefill batch sizes); the views cost no copy.
+        # Only float32 on CPU splits: there MKL's sgemm ran a whole SmolLM2 step 3-6 % faster with the stacked
+        # matrices one by one (decode batch 16, prefill; AVX2, one thread), while bfloat16 ran 5 % faster
+        # fused at decode batches 1-16 (benchmarks in docs/architecture.md). The views cost no copy.
         weights = self.weight.split(self.out_sizes)
         biases = [None] * len(weights) if self.bias is None else self.bias.split(self.out_sizes)
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]

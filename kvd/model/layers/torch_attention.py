@@ -150,8 +150,9 @@ class TorchAttentionBackend(AttentionBackend):
         # Gather and attend a chunk of sequences at a time, so that SDPA reads the gathered K/V while they are
         # still in cache: on CPU this beats one gather of the whole batch (2-3x at long contexts) and it bounds
         # the workspace.
+        # The chunking is tuned to CPU caches; other devices gather the whole batch at once.
         seq_bytes = 2 * gather.block_ids.shape[1] * kv_cache[0, 0].numel() * kv_cache.element_size()
-        step = max(1, self.gather_chunk_bytes // seq_bytes)
+        step = max(1, self.gather_chunk_bytes // seq_bytes) if kv_cache.device.type == "cpu" else n
         chunks = []
         for start in range(0, n, step):
             rows = slice(start, start + step)
