@@ -37,7 +37,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def dequantized_weight(self) -> torch.Tensor:
-        """float32 [out, in]: the weight the kernel multiplies by, for comparisons."""
+        """float32 [out, in]: the weight the kernel multiplies by (to bf16 precision), for comparisons."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
