@@ -31,7 +31,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds cos|sin for every position up to max_positions; rows are looked up once per forward pass."""
+    """Holds cos and signed sin, full width, for every position up to max_positions; rows are looked up once
+    per forward pass, so that a rotation costs four ops (apply_rotary)."""
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
@@ -40,15 +41,20 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # A buffer, so model.to(dtype) casts it: transformers also casts float32 cos/sin to the model dtype.
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.cat((cos, cos, -sin, sin), dim=-1)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each [T, 1, head_dim / 2], broadcasting over heads."""
+        """(cos, signed sin), each [T, 1, head_dim], broadcasting over heads."""
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints).
+
+    transformers computes x * cos + cat(-x2, x1) * sin; rolling x by half gives cat(x2, x1), and the sign lives
+    in the table (-sin | sin): the same products and sums, bit for bit, in half the ops.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
