@@ -44,3 +44,15 @@ def test_choose_dtype_auto_follows_the_cpu_there_and_the_checkpoint_elsewhere():
     assert choose_dtype("auto", {}, "cuda").dtype == torch.float32
     asked = choose_dtype("bfloat16", {}, "cpu")
     assert asked.dtype == torch.bfloat16 and asked.reason == "as asked"
+
+
+def test_engine_info_says_which_dtype_and_why(tmp_path):
+    from tiny_models import save_tiny_llama
+
+    from kvd.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model=str(save_tiny_llama(tmp_path)), kv_cache_memory=1 << 20)
+    info = engine.info()
+    here = pick_cpu_dtype(cpu_flags())
+    assert (info["dtype"], info["dtype_reason"]) == (str(here.dtype).removeprefix("torch."), here.reason)
+    assert info["quantization"] == "none"  # auto: a safetensors folder holds float weights
