@@ -129,3 +129,10 @@ def test_plan_uses_fast_paths():
 def test_invalid_steps_raise(tables, context_lens, query_lens, match):
     with pytest.raises(AttentionMetadataError, match=match):
         build_attention_metadata(tables, context_lens, query_lens, BLOCK_SIZE, "cpu")
+
+
+def test_host_to_device_keeps_values_and_dtype_on_cpu():
+    from kvd.model.layers.attention import host_to_device
+
+    out = host_to_device([[3, 1], [2, 7]], torch.int32, "cpu")
+    assert out.dtype == torch.int32 and out.tolist() == [[3, 1], [2, 7]]

@@ -8,7 +8,7 @@ from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
-from kvd.model.layers.attention import build_attention_metadata
+from kvd.model.layers.attention import build_attention_metadata, host_to_device
 from kvd.model.layers.graph_decode import GraphDecodeBackend
 from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.llama import CausalLM
@@ -84,18 +84,14 @@ class ModelRunner:
                 device=self.device,
                 backend=self.model.attention_backend,
             )
-            hidden = self.model(self._to_device(input_ids), self._to_device(positions), attn)
+            hidden = self.model(
+                host_to_device(input_ids, torch.long, self.device),
+                host_to_device(positions, torch.long, self.device),
+                attn,
+            )
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[self._to_device(logits_indices)])
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        """A long tensor on the device; on CUDA copied without blocking from pinned memory (torch's host
-        allocator reuses the pinned blocks once their copies are done)."""
-        if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-        host = torch.tensor(values, dtype=torch.long, pin_memory=True)
-        return host.to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[host_to_device(logits_indices, torch.long, self.device)])
 
     def _replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""

@@ -9,6 +9,15 @@ from typing import ClassVar
 import torch
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of host-side step data on `device`. On CUDA it is staged in pinned memory and copied without
+    blocking (torch's caching host allocator keeps those pinned blocks and reuses each once its copy is done),
+    so building a step's metadata never waits on a pageable copy."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class AttentionMetadataError(ValueError):
     """The block tables, context lengths and query lengths of a step do not describe a valid batch."""
 
@@ -64,10 +73,10 @@ class AttentionBackend(ABC):
         width = max((len(t) for t in layout.block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in layout.block_tables]
         return AttentionMetadata(
-            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), width),
-            context_lens=torch.tensor(layout.context_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(layout.query_starts, dtype=torch.int32, device=device),
+            slot_mapping=host_to_device(layout.slot_mapping, torch.long, device),
+            block_tables=host_to_device(padded, torch.int32, device).view(len(padded), width),
+            context_lens=host_to_device(layout.context_lens, torch.int32, device),
+            query_start_loc=host_to_device(layout.query_starts, torch.int32, device),
             max_query_len=max(layout.query_lens, default=0),
             max_context_len=max(layout.context_lens, default=0),
             block_size=layout.block_size,

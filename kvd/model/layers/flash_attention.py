@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels.store_kvcache import store_kvcache
-from kvd.model.layers.attention import AttentionMetadata, StepLayout
+from kvd.model.layers.attention import AttentionMetadata, StepLayout, host_to_device
 from kvd.model.layers.graph_decode import GraphDecodeBackend
 from kvd.model.layers.selector import AttentionBackendUnavailableError, resolve_block_size
 
@@ -60,7 +60,7 @@ class FlashAttentionBackend(GraphDecodeBackend):
             cu_seqlens_k.append(cu_seqlens_k[-1] + n)
         return FlashAttentionMetadata(
             **vars(base),
-            cu_seqlens_k=torch.tensor(cu_seqlens_k, dtype=torch.int32, device=device),
+            cu_seqlens_k=host_to_device(cu_seqlens_k, torch.int32, device),
             is_decode=base.max_query_len == 1,
         )
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, StepLayout
+from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, StepLayout, host_to_device
 
 
 @dataclass
@@ -85,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         all_rows_written = len(valid) == len(layout.slot_mapping)
         return TorchAttentionMetadata(
             **vars(base),
-            write_rows=None if all_rows_written else torch.tensor(valid, dtype=torch.long, device=device),
+            write_rows=None if all_rows_written else host_to_device(valid, torch.long, device),
             write_slots=base.slot_mapping if all_rows_written else base.slot_mapping[valid],
             decode=_decode_plan(layout, decode, starts, device) if decode else None,
             prefill=_prefill_plan(layout, prefill, starts, device) if prefill else None,
@@ -206,12 +206,12 @@ def _block_gather(
     num_slots = max(ctx)  # attend up to the longest context, not to the end of its last block
     visible = None
     if query_width > 1 or any(c != num_slots for c in ctx):
-        ctx_t = torch.tensor(ctx, device=device)[:, None]
-        first = ctx_t - torch.tensor([layout.query_lens[s] for s in seqs], device=device)[:, None]
+        ctx_t = host_to_device(ctx, torch.long, device)[:, None]
+        first = ctx_t - host_to_device([layout.query_lens[s] for s in seqs], torch.long, device)[:, None]
         # Query i of a sequence sits at position first + i and sees slots 0..that position.
         last_visible = torch.minimum(first + torch.arange(query_width, device=device), ctx_t - 1)
         visible = (torch.arange(num_slots, device=device) <= last_visible[:, :, None]).unsqueeze(1)
-    block_ids = torch.tensor(ids, dtype=torch.long, device=device).view(len(seqs), num_blocks)
+    block_ids = host_to_device(ids, torch.long, device).view(len(seqs), num_blocks)
     return BlockGather(block_ids, num_slots, visible)
 
 
@@ -220,7 +220,7 @@ def _decode_plan(
 ) -> DecodePlan:
     rows = None
     if len(seqs) < len(layout.query_lens):
-        rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device)
+        rows = host_to_device([starts[s] for s in seqs], torch.long, device)
     return DecodePlan(rows, _block_gather(layout, seqs, 1, device))
 
 
@@ -240,9 +240,11 @@ def _prefill_plan(
         out_rows.extend(range(starts[s], starts[s] + n))
         out_pos.extend(range(i * width, i * width + n))
 
-    def as_tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
     return PrefillPlan(
-        len(seqs), width, as_tensor(pad_index), as_tensor(out_rows), as_tensor(out_pos), gather
+        len(seqs),
+        width,
+        host_to_device(pad_index, torch.long, device),
+        host_to_device(out_rows, torch.long, device),
+        host_to_device(out_pos, torch.long, device),
+        gather,
     )

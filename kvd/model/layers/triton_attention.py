@@ -14,7 +14,7 @@ import torch
 
 from kvd.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kvd.kernels.store_kvcache import store_kvcache
-from kvd.model.layers.attention import AttentionMetadata, StepLayout
+from kvd.model.layers.attention import AttentionMetadata, StepLayout, host_to_device
 from kvd.model.layers.graph_decode import GraphDecodeBackend
 from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -127,7 +127,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
         if len(seqs) == len(layout.query_lens):
             return PrefillGroup(None, metadata)
         rows = [r for s in seqs for r in range(starts[s], starts[s + 1])]
-        return PrefillGroup(torch.tensor(rows, dtype=torch.long, device=device), metadata)
+        return PrefillGroup(host_to_device(rows, torch.long, device), metadata)
 
 
 def _decode_group(
@@ -141,8 +141,8 @@ def _decode_group(
     splits = default_num_splits(len(seqs), max_context_len, _num_sms(torch.device(device)))
     if len(seqs) == base.num_seqs:
         return DecodeGroup(None, base.block_tables, base.context_lens, splits)
-    index = torch.tensor(seqs, dtype=torch.long, device=device)
-    rows = torch.tensor([starts[s] for s in seqs], dtype=torch.long, device=device)
+    index = host_to_device(seqs, torch.long, device)
+    rows = host_to_device([starts[s] for s in seqs], torch.long, device)
     return DecodeGroup(rows, base.block_tables[index], base.context_lens[index], splits)
 
 
