@@ -55,7 +55,11 @@ def _wait_ready(daemon: subprocess.Popen, endpoint: str) -> bool:
 def _chat(client: Client) -> None:
     info = client.info()
     pool = f"{info['num_blocks']} KV blocks of {info['block_size']} tokens"
-    print(f"\nConnected: {info['model']} ({info['dtype']}), {pool}")
+    quantization = info.get("quantization", "none")
+    numbers = (
+        info["dtype"] if quantization == "none" else f"{quantization} weights, {info['dtype']} activations"
+    )
+    print(f"\nConnected: {info['model']} ({numbers}), {pool}")
     history: list[dict[str, str]] = []
     for question in QUESTIONS:
         history.append({"role": "user", "content": question})
