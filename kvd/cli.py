@@ -151,8 +151,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--attention-backend",
         default=e.attention_backend,
-        choices=["auto", "torch", "triton", "flash-attn"],
-        help="auto: flash-attn, else triton on CUDA; torch on CPU (%(default)s)",
+        choices=["auto", "torch", "native", "triton", "flash-attn"],
+        help="auto: flash-attn, else triton on CUDA; native (kvd's kernels), else torch on CPU (%(default)s)",
     )
     model.add_argument(
         "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs and no torch.compile"

@@ -1,4 +1,5 @@
-"""The torch attention backend against a dense per-sequence reference, over every batch shape it plans for."""
+"""The torch and native (CPU kernels) attention backends against a dense per-sequence reference, over every batch
+shape they plan for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from kvd.model.layers.attention import AttentionMetadataError, build_attention_metadata
+from kvd.model.layers.native_attention import NativeAttentionBackend
+from kvd.model.layers.torch_attention import TorchAttentionBackend
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -25,12 +28,17 @@ def reference(q, keys, values, context_len, scale):
     return torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v.float())
 
 
+BACKENDS = {
+    "one_gather": lambda: TorchAttentionBackend(),
+    "gather_per_sequence": lambda: TorchAttentionBackend(gather_chunk_bytes=1),
+    "native": lambda: NativeAttentionBackend(),
+}
+
+
 def run_case(
-    seqs, num_heads=4, num_kv_heads=2, dtype=torch.float32, seed=0, slot_override=None, chunk_bytes=4 << 20
+    seqs, num_heads=4, num_kv_heads=2, dtype=torch.float32, seed=0, slot_override=None, backend="native"
 ):
     """seqs: list of (cached_len, new_len). Returns (backend output, reference output, pool, metadata, data)."""
-    from kvd.model.layers.torch_attention import TorchAttentionBackend
-
     gen = torch.Generator().manual_seed(seed)
     free = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(free)
@@ -51,7 +59,7 @@ def run_case(
         vs.append(v[cached:])
         full_k.append(k)
         full_v.append(v)
-    backend = TorchAttentionBackend(gather_chunk_bytes=chunk_bytes)
+    backend = BACKENDS[backend]()
     attn = build_attention_metadata(
         tables, [c + n for c, n in seqs], [n for _, n in seqs], BLOCK_SIZE, "cpu", backend, slot_override
     )
@@ -77,43 +85,47 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
-@pytest.mark.parametrize("chunk_bytes", [4 << 20, 1], ids=["one_gather", "gather_per_sequence"])
-def test_matches_dense_reference(case, heads, chunk_bytes):
-    """gather_per_sequence: the decode path gathers and attends one sequence at a time."""
-    out, expected, *_ = run_case(CASES[case], *heads, chunk_bytes=chunk_bytes)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_dense_reference(case, heads, backend):
+    """gather_per_sequence: the torch decode path gathers and attends one sequence at a time; native reads the
+    pool in place."""
+    out, expected, *_ = run_case(CASES[case], *heads, backend=backend)
     assert out.shape == expected.shape
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_new_kv_lands_in_the_mapped_slots():
-    _, _, pool, attn, (k, v) = run_case(CASES["mixed"])
+@pytest.mark.parametrize("backend", ["one_gather", "native"])
+def test_new_kv_lands_in_the_mapped_slots(backend):
+    _, _, pool, attn, (k, v) = run_case(CASES["mixed"], backend=backend)
     flat = pool.view(2, -1, *pool.shape[-2:])
     assert torch.equal(flat[0, attn.slot_mapping], k)
     assert torch.equal(flat[1, attn.slot_mapping], v)
 
 
-def test_slot_minus_one_is_not_written():
+@pytest.mark.parametrize("backend", ["one_gather", "native"])
+def test_slot_minus_one_is_not_written(backend):
     seqs = [(0, 6)]
     slots = run_case(seqs)[3].slot_mapping.tolist()
-    _, _, pool, attn, (k, _) = run_case(seqs, slot_override=[*slots[:2], -1, *slots[3:]])
+    _, _, pool, attn, (k, _) = run_case(seqs, slot_override=[*slots[:2], -1, *slots[3:]], backend=backend)
     flat = pool.view(2, -1, *pool.shape[-2:])
     assert torch.count_nonzero(flat[:, slots[2]]) == 0
     written = [r for r in range(6) if r != 2]
     assert torch.equal(flat[0, attn.slot_mapping[written]], k[written])
 
 
-def test_bfloat16_close_to_float32_reference():
-    out, expected, *_ = run_case(CASES["mixed"], dtype=torch.bfloat16)
+@pytest.mark.parametrize("backend", ["one_gather", "native"])
+def test_bfloat16_close_to_float32_reference(backend):
+    out, expected, *_ = run_case(CASES["mixed"], dtype=torch.bfloat16, backend=backend)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_plan_uses_fast_paths():
     """Pure decode and uniform prefill batches need no row shuffling; cached prefixes need a gather."""
-    decode = run_case(CASES["decode_equal_contexts"])[3]
+    decode = run_case(CASES["decode_equal_contexts"], backend="one_gather")[3]
     assert decode.prefill is None and decode.decode.rows is None and decode.decode.gather.visible is None
-    prefill = run_case(CASES["equal_prefills"])[3]
+    prefill = run_case(CASES["equal_prefills"], backend="one_gather")[3]
     assert prefill.decode is None and prefill.prefill.pad_index is None and prefill.prefill.gather is None
-    cached = run_case(CASES["prefill_over_cached_prefix"])[3]
+    cached = run_case(CASES["prefill_over_cached_prefix"], backend="one_gather")[3]
     assert cached.prefill.gather is not None
 
 

@@ -47,6 +47,7 @@ from kvd.model.layers.flash_attention import (
     load_flash_attn_ops,
 )
 from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.layers.native_attention import NativeAttentionBackend
 from kvd.model.layers.selector import (
     AttentionBackendError,
     AttentionBackendUnavailableError,
@@ -81,7 +82,9 @@ def installed(monkeypatch):
 @pytest.mark.parametrize(
     ("packages", "device", "dtype", "expected"),
     [
-        ({"triton", "flash_attn"}, CPU, torch.bfloat16, "torch"),
+        ({"triton", "flash_attn"}, CPU, torch.bfloat16, "native"),
+        (set(), CPU, torch.float32, "native"),
+        (set(), CPU, torch.float16, "torch"),  # the native kernels take float32 and bfloat16
         ({"triton", "flash_attn"}, CUDA, torch.bfloat16, "flash-attn"),
         ({"triton", "flash_attn"}, CUDA, torch.float16, "flash-attn"),
         ({"triton", "flash_attn"}, CUDA, torch.float32, "triton"),  # flash-attn has no fp32
@@ -118,11 +121,28 @@ def test_triton_runs_on_cpu_only_in_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     selection = select_attention_backend("triton", CPU, torch.float32)
     assert isinstance(selection.backend, TritonAttentionBackend) and selection.block_size == 16
-    assert isinstance(select_attention_backend("auto", CPU, torch.float32).backend, TorchAttentionBackend)
+    assert isinstance(select_attention_backend("auto", CPU, torch.float32).backend, NativeAttentionBackend)
+
+
+def test_native_backend_runs_on_the_cpu_only(monkeypatch):
+    assert isinstance(select_attention_backend("native", CPU, torch.bfloat16).backend, NativeAttentionBackend)
+    with pytest.raises(AttentionBackendError, match="on the CPU in float32 or bfloat16"):
+        resolve_backend_name("native", CUDA, torch.float32)
+    with pytest.raises(AttentionBackendError, match="on the CPU in float32 or bfloat16"):
+        resolve_backend_name("native", CPU, torch.float16)
+    monkeypatch.setattr(selector.cpu_native, "available", lambda: False)  # as on a host without a C compiler
+    assert resolve_backend_name("auto", CPU, torch.float32) == "torch"
+    with pytest.raises(AttentionBackendUnavailableError, match="C compiler"):
+        resolve_backend_name("native", CPU, torch.float32)
 
 
 def test_block_size_defaults_and_rules():
-    assert [resolve_block_size(n, None) for n in ("torch", "triton", "flash-attn")] == [16, 16, 256]
+    assert [resolve_block_size(n, None) for n in ("torch", "native", "triton", "flash-attn")] == [
+        16,
+        16,
+        16,
+        256,
+    ]
     assert resolve_block_size("flash-attn", 512) == 512
     assert resolve_block_size("torch", 4) == 4
     with pytest.raises(AttentionBackendError, match="multiple of 256"):
@@ -573,6 +593,7 @@ def test_gpu_bench_smoke_run_on_cpu():
     assert parity[0] == ("torch", "float32", "4/4", True) and parity[1][:2] == ("torch", "bfloat16")
     # Every request ran to its max_tokens (ignore_eos) in both modes; without CUDA no step replays a graph.
     rows = result["throughput"]
-    assert [(r["mode"], r["attention_backend"]) for r in rows] == [("graphs", "torch"), ("eager", "torch")]
+    # auto: the native backend on a CPU.
+    assert [(r["mode"], r["attention_backend"]) for r in rows] == [("graphs", "native"), ("eager", "native")]
     assert all(r["output_tokens"] == result["expected_output_tokens"] for r in rows)
     assert all(r["graph_steps"] == 0 and r["eager_steps"] >= r["output_tokens"] / 8 for r in rows)

@@ -58,6 +58,12 @@ KV = 8 * 1024  # bytes per block of the tiny model in float32
         pytest.param({"max_num_seqs": 1}, id="one-at-a-time"),
         pytest.param({"max_num_seqs": 5, "enable_prefix_caching": False}, id="no-prefix-cache"),
         pytest.param({"max_num_seqs": 4, "max_num_batched_tokens": 16}, id="chunked-prefill"),
+        # auto is the native backend on this CPU; the torch one still runs where the kernels cannot be built.
+        pytest.param({"max_num_seqs": 16, "attention_backend": "torch"}, id="torch-attention"),
+        pytest.param(
+            {"max_num_seqs": 4, "max_num_batched_tokens": 16, "attention_backend": "torch"},
+            id="torch-chunked",
+        ),
     ],
 )
 def test_greedy_equals_transformers(tiny_llama_dir, prompts, reference, engine_args):
@@ -67,6 +73,7 @@ def test_greedy_equals_transformers(tiny_llama_dir, prompts, reference, engine_a
         assert out.token_ids == ref
         assert out.finish_reason == "length"
     engine = llm.engine
+    assert engine.attention_backend == engine_args.get("attention_backend", "native")
     assert engine.block_manager.usage().used_blocks == 0
     engine.block_manager.check_invariants()
     if engine_args.get("enable_prefix_caching", True) and engine_args["max_num_seqs"] < 16:

@@ -1,4 +1,5 @@
-"""Weight-only quantized linears (torch's int4 / int8 CPU kernels) against the float weights they stand for."""
+"""Weight-only quantized linears (kvd's native kernels and torch's int4 / int8 CPU kernels) against the float
+weights they stand for."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from kvd.model.layers.linear import Linear
 from kvd.model.layers.quantized_linear import (
     Int4Linear,
     Int8Linear,
+    NativeInt4Linear,
+    NativeInt8Linear,
     QuantizationError,
     QuantizedLinear,
+    linear_class,
     linear_weight_bytes,
     quantize_linears,
     quantize_output,
@@ -32,18 +36,71 @@ def _linear(weight: torch.Tensor, out_sizes: list[int], bias: bool = False) -> L
     return layer
 
 
-def test_int4_reproduces_a_q4_1_grid():
-    """Weights already on a 4-bit grid per group of 32 (as a Q4_1 file holds) come back up to bf16 scales."""
+def _q4_1_grid(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights on a 4-bit grid per group of 32, as a Q4_1 file holds them, and the grid's largest step."""
     torch.manual_seed(0)
-    rows, cols = 96, 128
     codes = torch.randint(0, 16, (rows, cols // 32, 32))
     codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 quantizes each block from its own minimum and maximum
     scales, mins = torch.rand(rows, cols // 32, 1) * 0.01 + 1e-3, torch.randn(rows, cols // 32, 1) * 0.05
-    weight = (codes * scales + mins).reshape(rows, cols)
-    layer = Int4Linear(weight)
-    step = scales.max().item()
-    # bf16 scale and zero: error below 1 % of a step times the code range, plus the zero's rounding.
-    assert (layer.dequantized_weight() - weight).abs().max() < 0.1 * step + weight.abs().max() * 2**-8
+    return (codes * scales + mins).reshape(rows, cols), scales.max().item()
+
+
+def test_int4_reproduces_a_q4_1_grid():
+    """A Q4_1 grid comes back up to the rounding of its scales: bf16 in torch's layout, fp16 in the native one."""
+    weight, step = _q4_1_grid(96, 128)
+    # Error below 1 % of a step times the code range, plus the minimum's rounding.
+    assert (
+        Int4Linear(weight).dequantized_weight() - weight
+    ).abs().max() < 0.1 * step + weight.abs().max() * 2**-8
+    assert (NativeInt4Linear(weight).dequantized_weight() - weight).abs().max() < (
+        0.01 * step + weight.abs().max() * 2**-11
+    )
+
+
+def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the native kernels see it: int8 per block of 32 with the block's largest magnitude at 127."""
+    blocks = x.double().view(*x.shape[:-1], -1, 32)
+    scale = (blocks.abs().amax(dim=-1, keepdim=True).float() / 127).double()
+    return ((blocks / scale).nan_to_num(0.0).round() * scale).view(x.shape)
+
+
+@pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
+@pytest.mark.parametrize("batch", [1, 3, 4, 7, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
+    """Integer block dot products: equal to float64 on the int8 activations and the stored weights; every
+    activation-row tiling (1, 4, ragged, several tiles of 64) and a zero block (scale 0) included."""
+    torch.manual_seed(batch)
+    weight = torch.randn(80, 96) * 0.05
+    layer = cls(weight, torch.randn(80), [48, 32])
+    x = torch.randn(batch, 96) * 3
+    x[0, :32] = 0
+    x = x.to(dtype)
+    want = F.linear(
+        _quantized_activations(x.float()), layer.dequantized_weight().double(), layer.bias.double()
+    )
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (batch, 80)
+    tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
+    assert torch.equal(torch.cat(layer.forward_shards(x), dim=-1), got)
+
+
+def test_native_int8_matches_gguf_q8_0():
+    """The native int8 layout is GGUF Q8_0's: gguf's own quantizer gives the same values."""
+    gguf_quants = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType
+
+    torch.manual_seed(0)
+    weight = torch.randn(16, 256)
+    packed = gguf_quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(gguf_quants.dequantize(packed, GGMLQuantizationType.Q8_0))
+    assert torch.equal(NativeInt8Linear(weight).dequantized_weight(), want.float())
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_native_kernels_are_picked_where_built(mode):
+    assert linear_class(mode) is {"int4": NativeInt4Linear, "int8": NativeInt8Linear}[mode]
 
 
 @pytest.mark.parametrize("cls", [Int4Linear, Int8Linear])
@@ -97,7 +154,7 @@ def test_quantized_smollm2_against_its_dequantized_model(smollm2, mode):
     for ours, ref in zip(quantized.model.layers.modules(), reference.model.layers.modules(), strict=True):
         if isinstance(ours, QuantizedLinear):
             ref.weight.data.copy_(ours.dequantized_weight())
-    assert isinstance(quantized.output_proj, Int8Linear)  # logits stay 8-bit in either mode
+    assert isinstance(quantized.output_proj, linear_class("int8"))  # logits stay 8-bit in either mode
     # int4 of a Q4_1 file keeps the file's 4-bit values: a quarter of the linears' float32 bytes or less.
     ratio = linear_weight_bytes(quantized.model.layers) / linear_weight_bytes(reference.model.layers)
     assert ratio < (0.17 if mode == "int4" else 0.27)
@@ -105,6 +162,6 @@ def test_quantized_smollm2_against_its_dequantized_model(smollm2, mode):
     prompt = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
     got = greedy_generate(quantized, prompt, 8)
     want = greedy_generate(reference, prompt, 8)
-    # Stated tolerance: activations enter the kernels in bf16, so a few greedy steps may part ways on a
-    # near-tie; the first tokens (a well-determined answer) agree.
+    # Stated tolerance: activations enter the kernels as int8 blocks (bf16 for torch's), so a few greedy steps may
+    # part ways on a near-tie; the first tokens (a well-determined answer) agree.
     assert got[:3] == want[:3], (got, want)

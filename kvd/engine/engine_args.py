@@ -34,7 +34,7 @@ class EngineArgs:
     kv_cache_memory: int | str | None = None  # bytes or "512M"; None = sized from the two settings below
     kv_cache_memory_fraction: float = 0.1  # CPU: this fraction of available memory
     gpu_memory_utilization: float = 0.9  # CUDA: this process's share of the device memory
-    attention_backend: str = "auto"  # auto | torch | triton | flash-attn (kvd.model.layers.selector)
+    attention_backend: str = "auto"  # auto | torch | native | triton | flash-attn (kvd.model.layers.selector)
     enforce_eager: bool = False  # CUDA: no torch.compile and no CUDA graphs
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048

@@ -13,7 +13,7 @@ from kvd.model.layers.activation import silu_and_mul
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm
-from kvd.model.layers.rotary import RotaryEmbedding, apply_rotary
+from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
 from kvd.model.layers.torch_attention import TorchAttentionBackend
 
 # Hugging Face projection names that live stacked in one of our fused weights: (hf part, our part, shard).
@@ -50,16 +50,14 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise KVCacheNotBoundError("call model.bind_kv_cache(allocate_kv_cache(...)) before forward")
         tokens = x.shape[0]
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv_proj.forward_shards(x))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
@@ -87,13 +85,12 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryRows,
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, attn)
+        hidden = self.self_attn(hidden, rope, attn)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -127,11 +124,11 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions)
+        rope = self.rotary.lookup(positions)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attn)
+            hidden, residual = layer(hidden, residual, rope, attn)
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

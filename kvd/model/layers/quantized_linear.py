@@ -1,8 +1,13 @@
-"""Weight-only quantized linears run by torch's CPU kernels: 4-bit in groups along K, or 8-bit per row.
+"""Weight-only quantized linears on the CPU: 4-bit (asymmetric) or 8-bit (symmetric) in blocks of 32 along K.
 
-Activations enter the kernels as bfloat16: torch's float32 and float16 paths of these kernels are 10-100x
-slower (measured on AVX2), while the bfloat16 ones beat a float32 matmul at decode batch sizes even without
-native bf16 units. The output is cast back to the caller's dtype.
+Two implementations of each, picked by what this host can run:
+- kvd's native kernels (kvd.kernels.cpu_native, built on the host): the weights in GGUF Q4_1 / Q8_0's block
+  layout, activations quantized per block to int8 and multiplied in integer SIMD, float32 or bfloat16 in and
+  out. 1.2-2x faster than torch's kernels below (benchmarks/forward.py), and batch-1 decode becomes bound by
+  reading the weights.
+- torch's weight-only kernels, where the native ones cannot be built: 4-bit groups, 8-bit per row.
+  Activations enter them as bfloat16: their float32 and float16 paths are 10-100x slower (measured on AVX2),
+  while the bfloat16 ones beat a float32 matmul at decode batch sizes even without native bf16 units.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvd.kernels import cpu_native
 from kvd.model.layers.linear import Linear
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -104,6 +110,64 @@ class Int8Linear(QuantizedLinear):
         return self.weight_int8.float() * self.scales.float()[:, None]
 
 
+class NativeInt4Linear(QuantizedLinear):
+    """W in GGUF Q4_1's blocks: 32 codes 0..15 along K with an fp16 scale and minimum; the native kernel."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
+        super().__init__(weight, bias, out_sizes)
+        codes, scales, mins = quantize_int4(weight.float(), cpu_native.QBLOCK)
+        rows, cols = codes.shape
+        # Byte j of a block holds codes j (low nibble) and j + 16 (high), as in GGUF files.
+        halves = codes.to(torch.uint8).view(rows, cols // cpu_native.QBLOCK, 2, cpu_native.QBLOCK // 2)
+        self.register_buffer("codes", (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, cols // 2))
+        self.register_buffer("scales", scales.half())
+        self.register_buffer("mins", mins.half())
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % cpu_native.QBLOCK == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_native.quantized_linear(x, 4, self.codes, self.scales, self.mins)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        rows = self.codes.shape[0]
+        halves = self.codes.view(rows, -1, 1, cpu_native.QBLOCK // 2)
+        codes = torch.cat((halves & 15, halves >> 4), dim=2).view(rows, -1, cpu_native.QBLOCK).float()
+        weight = codes * self.scales.float()[..., None] + self.mins.float()[..., None]
+        return weight.view(rows, -1)
+
+
+class NativeInt8Linear(QuantizedLinear):
+    """W in GGUF Q8_0's blocks: 32 int8 values along K with an fp16 scale; the native kernel."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
+        super().__init__(weight, bias, out_sizes)
+        blocks = weight.float().view(weight.shape[0], -1, cpu_native.QBLOCK)
+        # As GGUF's Q8_0 quantizer does: codes from the float32 scale, which is then stored in fp16.
+        scales = blocks.abs().amax(dim=-1) / 127
+        codes = (blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_()
+        self.register_buffer("codes", codes.to(torch.int8).view(weight.shape))
+        self.register_buffer("scales", scales.half())
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % cpu_native.QBLOCK == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = cpu_native.quantized_linear(x, 8, self.codes, self.scales, None)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        blocks = self.codes.view(self.codes.shape[0], -1, cpu_native.QBLOCK).float()
+        return (blocks * self.scales.float()[..., None]).view(self.codes.shape)
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(int32 codes 0..15 [N, K], scales [N, K / group], minimums [N, K / group]): W ~ code * scale + min."""
     rows, cols = weight.shape
@@ -114,7 +178,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return codes.to(torch.int32).reshape(rows, cols), scales, mins
 
 
-_LINEARS: dict[str, type[QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear}
+def linear_class(mode: str) -> type[QuantizedLinear]:
+    """The linear for int4 / int8 on this host: the native kernels where they are built, else torch's."""
+    if cpu_native.available():
+        return {"int4": NativeInt4Linear, "int8": NativeInt8Linear}[mode]
+    return {"int4": Int4Linear, "int8": Int8Linear}[mode]
+
+
 # The output projection is quantized to int8 in either mode: logits are the most sensitive product of the
 # model (and GGUF files keep it in 8 bits or more).
 _OUTPUT_MODE = "int8"
@@ -129,7 +199,7 @@ def quantize_linears(layers: nn.Module, mode: str) -> int:
         raise QuantizationError(f"quantization {mode!r} is not one of {', '.join(QUANTIZATIONS)}")
     if mode == "none":
         return 0
-    cls = _LINEARS[mode]
+    cls = linear_class(mode)
     targets = [
         (parent, name, child)
         for parent in layers.modules()
@@ -156,7 +226,7 @@ def quantize_output(weight: torch.Tensor, mode: str) -> QuantizedLinear | None:
     """The quantized output projection for `mode` (None for none); the float table stays for embeddings."""
     if mode == "none":
         return None
-    return _LINEARS[_OUTPUT_MODE](weight)
+    return linear_class(_OUTPUT_MODE)(weight)
 
 
 def linear_weight_bytes(model: nn.Module) -> int:

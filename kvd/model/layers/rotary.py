@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from kvd.kernels import cpu_native
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -30,6 +33,17 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     raise ValueError(f"unknown rope_type {rope_type!r}")
 
 
+@dataclass
+class RotaryRows:
+    """One forward pass's angles: (cos, signed sin) rows [T, 1, head_dim] for torch, or for the native kernel
+    (CPU) the whole table and the positions, which it reads in place."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
 class RotaryEmbedding(nn.Module):
     """Holds cos and signed sin, full width, for every position up to max_positions; rows are looked up once
     per forward pass, so that a rotation costs four ops (apply_rotary)."""
@@ -45,16 +59,20 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat((cos, cos, -sin, sin), dim=-1)
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin), each [T, 1, head_dim], broadcasting over heads."""
+    def lookup(self, positions: torch.Tensor) -> RotaryRows:
+        if cpu_native.supports(self.cos_sin_cache):
+            return RotaryRows(table=self.cos_sin_cache, positions=positions.contiguous())
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return cos, sin
+        return RotaryRows(cos, sin)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
     """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints).
 
     transformers computes x * cos + cat(-x2, x1) * sin; rolling x by half gives cat(x2, x1), and the sign lives
-    in the table (-sin | sin): the same products and sums, bit for bit, in half the ops.
+    in the table (-sin | sin): the same products and sums, bit for bit, in half the ops. The native kernel does
+    the same arithmetic in place (x is the caller's fresh projection output).
     """
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    if rows.table is not None:
+        return cpu_native.rotary(x, rows.table, rows.positions)
+    return x * rows.cos + x.roll(x.shape[-1] // 2, dims=-1) * rows.sin

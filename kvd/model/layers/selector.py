@@ -1,6 +1,7 @@
-"""--attention-backend auto|torch|triton|flash-attn: which backend runs, and the block size it wants.
+"""--attention-backend auto|torch|native|triton|flash-attn: which backend runs, and the block size it wants.
 
-auto = flash-attn on CUDA when it is installed and the dtype is 16-bit, else triton on CUDA, else torch.
+auto = flash-attn on CUDA when it is installed and the dtype is 16-bit, else triton on CUDA; on the CPU native
+(kvd's own kernels) when they could be built on this host, else torch.
 Asking for a backend whose package or device is missing is an error that says what to install or pick instead.
 """
 
@@ -12,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionBackend
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash-attn")
+BACKEND_NAMES = ("auto", "torch", "native", "triton", "flash-attn")
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class AttentionBackendError(ValueError):
@@ -34,6 +37,7 @@ class BlockSizeRule:
 
 BLOCK_SIZE_RULES = {
     "torch": BlockSizeRule(16, 1),
+    "native": BlockSizeRule(16, 1),
     "triton": BlockSizeRule(16, 1),
     "flash-attn": BlockSizeRule(256, 256),  # flash-attn's paged KV reads whole 256-token pages
 }
@@ -53,7 +57,7 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "native" if cpu_native.available() and dtype in _NATIVE_DTYPES else "torch"
         if dtype in _HALF_DTYPES and _installed("flash_attn"):
             return "flash-attn"
         return "triton" if _installed("triton") else "torch"
@@ -67,6 +71,17 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
             raise AttentionBackendError(
                 f"the triton attention backend runs on CUDA, not {device}; use --attention-backend torch "
                 "(TRITON_INTERPRET=1 runs it on CPU for testing only)"
+            )
+    elif name == "native":
+        if device.type != "cpu" or dtype not in _NATIVE_DTYPES:
+            raise AttentionBackendError(
+                f"the native attention backend runs on the CPU in float32 or bfloat16, not {device} {dtype}; "
+                "use --attention-backend torch"
+            )
+        if not cpu_native.available():
+            raise AttentionBackendUnavailableError(
+                "the native attention backend needs kvd's CPU kernels, which could not be built here (see the "
+                "log: a C compiler is needed); pick --attention-backend torch"
             )
     elif name == "flash-attn":
         if device.type != "cuda":
@@ -107,6 +122,10 @@ def create_attention_backend(backend_name: str) -> AttentionBackend:
         from kvd.model.layers.torch_attention import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if backend_name == "native":
+        from kvd.model.layers.native_attention import NativeAttentionBackend
+
+        return NativeAttentionBackend()
     if backend_name == "triton":
         from kvd.model.layers.triton_attention import TritonAttentionBackend
 

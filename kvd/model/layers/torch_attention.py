@@ -87,9 +87,18 @@ class TorchAttentionBackend(AttentionBackend):
             **vars(base),
             write_rows=None if all_rows_written else host_to_device(valid, torch.long, device),
             write_slots=base.slot_mapping if all_rows_written else base.slot_mapping[valid],
-            decode=_decode_plan(layout, decode, starts, device) if decode else None,
+            decode=self.decode_plan(layout, decode, starts, device) if decode else None,
             prefill=_prefill_plan(layout, prefill, starts, device) if prefill else None,
         )
+
+    def decode_plan(
+        self, layout: StepLayout, seqs: list[int], starts: list[int], device: torch.device | str
+    ) -> DecodePlan:
+        """What _decode needs for the one-token sequences `seqs` (backends on this one plan their own way)."""
+        rows = None
+        if len(seqs) < len(layout.query_lens):
+            rows = host_to_device([starts[s] for s in seqs], torch.long, device)
+        return DecodePlan(rows, _block_gather(layout, seqs, 1, device))
 
     def forward(
         self,
@@ -104,13 +113,13 @@ class TorchAttentionBackend(AttentionBackend):
         self._write(k, v, kv_cache, attn)
         decode, prefill = attn.decode, attn.prefill
         if prefill is None and decode is not None and decode.rows is None:
-            return self._decode(q, kv_cache, decode.gather, scale)
+            return self._decode(q, kv_cache, decode, scale)
         if decode is None and prefill is not None and prefill.pad_index is None:
             return self._prefill(q, k, v, kv_cache, prefill, scale)
         out = torch.empty_like(q)
         if decode is not None:
             out.index_copy_(
-                0, decode.rows, self._decode(q.index_select(0, decode.rows), kv_cache, decode.gather, scale)
+                0, decode.rows, self._decode(q.index_select(0, decode.rows), kv_cache, decode, scale)
             )
         if prefill is not None:
             padded = self._prefill(q, k, v, kv_cache, prefill, scale)
@@ -141,9 +150,10 @@ class TorchAttentionBackend(AttentionBackend):
         return kv[0], kv[1]
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, gather: BlockGather, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float
     ) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
+        gather = plan.gather
         # GQA by reshape: the query heads that share a kv head become its query rows; K/V are not repeated.
         q = q.view(n, kv_cache.shape[-2], -1, head_dim)
         bias = gather.attn_bias(q.dtype)
@@ -213,15 +223,6 @@ def _block_gather(
         visible = (torch.arange(num_slots, device=device) <= last_visible[:, :, None]).unsqueeze(1)
     block_ids = host_to_device(ids, torch.long, device).view(len(seqs), num_blocks)
     return BlockGather(block_ids, num_slots, visible)
-
-
-def _decode_plan(
-    layout: StepLayout, seqs: list[int], starts: list[int], device: torch.device | str
-) -> DecodePlan:
-    rows = None
-    if len(seqs) < len(layout.query_lens):
-        rows = host_to_device([starts[s] for s in seqs], torch.long, device)
-    return DecodePlan(rows, _block_gather(layout, seqs, 1, device))
 
 
 def _prefill_plan(

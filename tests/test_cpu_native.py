@@ -1,0 +1,131 @@
+"""kvd's native CPU kernels against torch references, and how they are built, cached and switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvd.kernels import cpu_native
+from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
+
+ROOT = Path(__file__).resolve().parent.parent
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """q, k, v as the model has them: strided views of one projection output [T, (H + 2 KV) * D]."""
+    fused = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    return [t.view(tokens, -1, head_dim) for t in fused.split(sizes, dim=-1)]
+
+
+def _attention_reference(q, pool, tables, lens, scale):
+    block_size, group = pool.shape[2], q.shape[1] // pool.shape[3]
+    flat = pool.view(2, -1, *pool.shape[-2:]).float()
+    out = []
+    for s, ctx in enumerate(lens.tolist()):
+        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(ctx)]
+        k = flat[0, slots].repeat_interleave(group, dim=1)
+        v = flat[1, slots].repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[s].float(), k) * scale
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 8), (6, 1, 12)])
+def test_paged_decode_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim):
+    """Contexts of 1 token, exactly one block, across blocks, scattered block ids; q strided as in the model;
+    head_dim 12 runs the kernel's non-SIMD tail."""
+    torch.manual_seed(head_dim)
+    num_blocks, block_size = 40, 16
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    lens = torch.tensor([1, 16, 17, 100, 37], dtype=torch.int32)
+    order = torch.randperm(num_blocks).tolist()
+    tables = torch.zeros(len(lens), 7, dtype=torch.int32)
+    for s, ctx in enumerate(lens.tolist()):
+        for b in range(-(-ctx // block_size)):
+            tables[s, b] = order.pop()
+    q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
+    got = cpu_native.paged_decode_attention(q, pool, tables, lens, head_dim**-0.5)
+    want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_rows_of_their_own_strides_and_skips_minus_one(dtype):
+    """k normalized apart (contiguous) while v is still a view of the projection: each has its own stride."""
+    _, k, v = _qkv_views(5, 4, 2, 8, dtype)
+    k = k.contiguous()
+    pool = torch.zeros(2, 6, 4, 2, 8, dtype=dtype)
+    slots = torch.tensor([3, 22, -1, 0, 9])
+    cpu_native.store_kv(k, v, pool, slots)
+    flat = pool.view(2, -1, 2, 8)
+    written = slots >= 0
+    assert torch.equal(flat[0, slots[written]], k[written])
+    assert torch.equal(flat[1, slots[written]], v[written])
+    assert torch.count_nonzero(flat[:, [s for s in range(24) if s not in slots.tolist()]]) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_identical_to_the_torch_ops(dtype):
+    rotary = RotaryEmbedding(64, 4096, 10000.0, None).to(dtype)
+    positions = torch.tensor([0, 1, 17, 300, 4095])
+    q = _qkv_views(5, 9, 3, 64, dtype)[0]
+    cos, sin = rotary.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    want = apply_rotary(q.clone(), RotaryRows(cos, sin))
+    rows = rotary.lookup(positions)
+    assert rows.table is not None  # the native path
+    got = apply_rotary(q, rows)
+    assert torch.equal(got, want)
+    assert got.data_ptr() == q.data_ptr()  # in place, in the projection output
+
+
+def test_add_rms_norm_matches_torch_in_float32():
+    torch.manual_seed(0)
+    x, residual, weight = torch.randn(33, 576), torch.randn(33, 576), torch.rand(576) + 0.5
+    want_residual = residual + x
+    want = F.rms_norm(want_residual, (576,), weight, 1e-5)
+    got, got_residual = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
+    assert got_residual is residual and torch.equal(residual, want_residual)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(cpu_native.NativeKernelError, match="float32"):
+        cpu_native.add_rms_norm(x.bfloat16(), residual.bfloat16(), weight.bfloat16(), 1e-5)
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    code = "from kvd.kernels import cpu_native as c; print(c.available()); print(c.library() and c.library()._name)"
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=os.environ | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_built_once_per_host_then_loaded_from_the_cache(tmp_path):
+    first = _probe({"KVD_CACHE_DIR": str(tmp_path)})
+    assert first.stdout.splitlines()[0] == "True", first.stderr
+    built = Path(first.stdout.splitlines()[1])
+    assert built.parent == tmp_path / "native" and built.suffix == ".so"
+    stamp = built.stat().st_mtime_ns
+    second = _probe({"KVD_CACHE_DIR": str(tmp_path)})
+    assert second.stdout.splitlines()[1] == str(built) and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temporary files left behind
+
+
+def test_without_a_compiler_kvd_says_so_and_runs_plain_torch(tmp_path):
+    proc = _probe({"KVD_CACHE_DIR": str(tmp_path), "CC": "/bin/false"})
+    assert proc.stdout.splitlines()[0] == "False"
+    assert "plain-torch CPU paths run instead" in proc.stderr
+    assert _probe({"KVD_NATIVE": "0"}).stdout.splitlines()[0] == "False"
