@@ -243,11 +243,21 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
 
 #define TILE 64
 
-// y [M, N] = x [M, K] @ W^T for a Q4 (bits 4: qs [N, K/2], d and mn fp16 [N, K/32]) or Q8 (bits 8: qs int8
-// [N, K], d fp16 [N, K/32], mn unused) weight. K must be a multiple of 32. Returns 0, or -1 when out of memory.
-int kvd_quantized_linear(int bits, const void* x, int x_bf16, int64_t M, int64_t K, const void* qs,
-                         const uint16_t* d, const uint16_t* mn, int64_t N, void* y, int y_bf16, int nthreads) {
-    const int64_t nb = K / QBLOCK;
+// A quantized weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
+// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k; bias float32 [n] or NULL.
+typedef struct {
+    const void* qs;
+    const uint16_t* d;
+    const uint16_t* mn;
+    const float* bias;
+    int64_t n, k;
+    int32_t bits;
+} kvd_qweight;
+
+// y [M, n] = x [M, k] @ W^T (+ bias). Returns 0, or -1 when out of memory.
+int kvd_quantized_linear(const kvd_qweight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
+                         int nthreads) {
+    const int64_t K = w->k, N = w->n, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
     float* sx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -259,24 +269,25 @@ int kvd_quantized_linear(int bits, const void* x, int x_bf16, int64_t M, int64_t
     }
     quantize_rows(x, x_bf16, M, K, q, dx, sx);
     // Threads split the weight rows: each reads its own share of the weights once, for every activation row.
-    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    const int64_t row_bytes = w->bits == 4 ? K / 2 : K;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wq = (const uint8_t*)qs + n * row_bytes;
+        const uint8_t* wq = (const uint8_t*)w->qs + n * row_bytes;
         // The row's fp16 scales (and minimums) as float32, converted once for all activation rows.
-        float wd[nb], wm[bits == 4 ? nb : 1];
-        for (int64_t b = 0; b < nb; b++) wd[b] = f16_to_f32(d[n * nb + b]);
-        if (bits == 4)
-            for (int64_t b = 0; b < nb; b++) wm[b] = f16_to_f32(mn[n * nb + b]);
+        float wd[nb], wm[nb];
+        for (int64_t b = 0; b < nb; b++) wd[b] = f16_to_f32(w->d[n * nb + b]);
+        if (w->bits == 4)
+            for (int64_t b = 0; b < nb; b++) wm[b] = f16_to_f32(w->mn[n * nb + b]);
+        const float bias = w->bias ? w->bias[n] : 0.f;
         // A tile of activation rows at a time, small enough for their results to stay on the stack.
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
             const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
             float out[TILE];
-            if (bits == 4)
+            if (w->bits == 4)
                 dot_rows(4, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
             else
                 dot_rows(8, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
-            for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m], y_bf16);
+            for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m] + bias, y_bf16);
         }
     }
     free(q);
@@ -287,83 +298,115 @@ int kvd_quantized_linear(int bits, const void* x, int x_bf16, int64_t M, int64_t
 
 // ---- paged decode attention --------------------------------------------------------------------------------
 
-static float dot_f(const float* a, const void* b, int bf16, int64_t n) {
 #ifdef __AVX2__
-    if (n % 8 == 0) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 bv;
-            if (bf16) {
-                const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)b + i));
-                bv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            } else {
-                bv = _mm256_loadu_ps((const float*)b + i);
-            }
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), bv, acc);
-        }
-        return hsum(acc);
-    }
+static inline __m256 load8(const char* p, int bf16) {
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+    return _mm256_loadu_ps((const float*)p);
+}
 #endif
-    float s = 0.f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * load_f(b, i, bf16);
-    return s;
-}
 
-// acc[i] += p * v[i]
-static void axpy_f(float* acc, float p, const void* v, int bf16, int64_t n) {
-    for (int64_t i = 0; i < n; i++) acc[i] += p * load_f(v, i, bf16);
-}
-
-// out [S, H, D] = softmax(q K^T * scale) V (q: sequence s at s x q_stride) for each sequence s over its context_lens[s] cached tokens, read
-// from the pool [2, num_blocks, block_size, kv_heads, D] through block_tables [S, table_width]. Query heads
-// h share kv head h / (H / kv_heads). q, out and the pool share one dtype. Returns -1 when out of memory.
-int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int64_t num_blocks,
-                               int64_t block_size, int64_t kv_heads, int64_t D, int64_t S, int64_t H,
-                               const int32_t* block_tables, int64_t table_width, const int32_t* context_lens,
-                               float scale, int nthreads) {
-    const int64_t group = H / kv_heads;
-    const int64_t slot_stride = kv_heads * D;
-    const int64_t v_offset = num_blocks * block_size * slot_stride;
+// a . b for a float32 row and a pool row (float32 or bf16) of D values.
+static inline __attribute__((always_inline)) float dot_row(const float* a, const char* b, int bf16, int64_t D) {
+    int64_t i = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
     const int elem = bf16 ? 2 : 4;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (; i + 16 <= D; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i * elem, bf16), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + (i + 8) * elem, bf16), acc1);
+    }
+    for (; i + 8 <= D; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i * elem, bf16), acc0);
+    sum = hsum(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < D; i++) sum += a[i] * load_f(b, i, bf16);
+    return sum;
+}
+
+// acc += p x a pool row of D values.
+static inline __attribute__((always_inline)) void add_scaled_row(float* acc, float p, const char* v, int bf16, int64_t D) {
+    int64_t i = 0;
+#ifdef __AVX2__
+    const int elem = bf16 ? 2 : 4;
+    const __m256 pv = _mm256_set1_ps(p);
+    for (; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i * elem, bf16), _mm256_loadu_ps(acc + i)));
+#endif
+    for (; i < D; i++) acc[i] += p * load_f(v, i, bf16);
+}
+
+// One sequence's query heads that share kv head `kvh`: scores over its context, softmax, weighted values.
+// work: group x (ctx + 2 D) floats. D is a constant where it is expanded for the common head sizes, so a
+// head's query and accumulator rows stay in registers across the context.
+static inline __attribute__((always_inline)) void attend_group(
+    const void* q, void* out, const char* keys, const char* values, int bf16, int64_t s, int64_t kvh,
+    int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
+    const int32_t* table, int64_t ctx, float scale, float* work) {
+    float* scores = work;            // [group, ctx]
+    float* qf = work + group * ctx;  // [group, D], pre-scaled
+    float* acc = qf + group * D;     // [group, D]
+    const int elem = bf16 ? 2 : 4;
+    const int64_t head = kvh * D * elem;
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < D; i++)
+            qf[g * D + i] = load_f(q, s * q_stride + (kvh * group + g) * D + i, bf16) * scale;
+    for (int64_t g = 0; g < group; g++) {
+        float* sc = scores + g * ctx;
+        // Block by block: the slots of a block are consecutive rows of the pool.
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t = 0; t < n; t++) sc[t0 + t] = dot_row(qf + g * D, k + t * slot_bytes, bf16, D);
+        }
+        float mx = -INFINITY, sum = 0.f;
+        for (int64_t t = 0; t < ctx; t++) mx = sc[t] > mx ? sc[t] : mx;
+        for (int64_t t = 0; t < ctx; t++) {
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        float* a = acc + g * D;
+        memset(a, 0, sizeof(float) * (size_t)D);
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t = 0; t < n; t++) add_scaled_row(a, sc[t0 + t], v + t * slot_bytes, bf16, D);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, a[i] * inv, bf16);
+    }
+}
+
+// out [S, H, D] = softmax(q K^T * scale) V (q: sequence s at s x q_stride) for each sequence s over its
+// context_lens[s] cached tokens, read from the pool [2, num_blocks, block_size, kv_heads, D] through
+// block_tables [S, table_width]. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
+// dtype. Returns -1 when out of memory.
+int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+                               int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
+                               int64_t H, const int32_t* block_tables, int64_t table_width,
+                               const int32_t* context_lens, float scale, int nthreads) {
+    const int64_t group = H / kv_heads;
+    const int64_t slot_bytes = kv_heads * D * (bf16 ? 2 : 4);
+    const char* keys = pool;
+    const char* values = keys + num_blocks * block_size * slot_bytes;
     int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) collapse(2)
+#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
     for (int64_t s = 0; s < S; s++) {
         for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            const int64_t ctx = context_lens[s];
-            float* work = malloc(sizeof(float) * (size_t)(group * (ctx + 2 * D)));
+            float* work = malloc(sizeof(float) * (size_t)(group * (context_lens[s] + 2 * D)));
             if (!work) {
                 failed = 1;
                 continue;
             }
-            float* scores = work;                 // [group, ctx]
-            float* qf = work + group * ctx;       // [group, D]
-            float* acc = qf + group * D;          // [group, D]
-            for (int64_t g = 0; g < group; g++)
-                for (int64_t i = 0; i < D; i++) qf[g * D + i] = load_f(q, s * q_stride + (kvh * group + g) * D + i, bf16);
             const int32_t* table = block_tables + s * table_width;
-            for (int64_t t = 0; t < ctx; t++) {
-                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                const char* k = (const char*)pool + (slot * slot_stride + kvh * D) * elem;
-                for (int64_t g = 0; g < group; g++) scores[g * ctx + t] = dot_f(qf + g * D, k, bf16, D) * scale;
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(group * D));
-            for (int64_t g = 0; g < group; g++) {
-                float* sc = scores + g * ctx;
-                float mx = -INFINITY;
-                for (int64_t t = 0; t < ctx; t++) mx = sc[t] > mx ? sc[t] : mx;
-                float sum = 0.f;
-                for (int64_t t = 0; t < ctx; t++) {
-                    sc[t] = expf(sc[t] - mx);
-                    sum += sc[t];
-                }
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < ctx; t++) {
-                    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                    const char* v = (const char*)pool + (v_offset + slot * slot_stride + kvh * D) * elem;
-                    axpy_f(acc + g * D, sc[t] * inv, v, bf16, D);
-                }
-                for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, acc[g * D + i], bf16);
-            }
+            if (D == 64)
+                attend_group(q, out, keys, values, bf16, s, kvh, group, 64, q_stride, H, block_size, slot_bytes,
+                             table, context_lens[s], scale, work);
+            else if (D == 128)
+                attend_group(q, out, keys, values, bf16, s, kvh, group, 128, q_stride, H, block_size, slot_bytes,
+                             table, context_lens[s], scale, work);
+            else
+                attend_group(q, out, keys, values, bf16, s, kvh, group, D, q_stride, H, block_size, slot_bytes,
+                             table, context_lens[s], scale, work);
             free(work);
         }
     }
@@ -429,4 +472,85 @@ void kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int
             for (int64_t i = 0; i < D; i++) store_f(x, base + i, rotated[i], bf16);
         }
     }
+}
+
+// ---- a decode step through every decoder layer ----------------------------------------------------------------
+
+// out = x / rms(x) * weight over each head's D values of x [tokens, heads, D] (token t at t x stride, out at
+// t x out_stride; out may be x), in float32: RMSNorm of single heads (Qwen3's q/k norms) or of whole rows.
+void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const float* weight, float eps) {
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float* row = x + t * stride + h * D;
+            float* dst = out + t * out_stride + h * D;
+            float ss = 0.f;
+            for (int64_t i = 0; i < D; i++) ss += row[i] * row[i];
+            const float inv = 1.f / sqrtf(ss / (float)D + eps);
+            for (int64_t i = 0; i < D; i++) dst[i] = row[i] * inv * weight[i];
+        }
+    }
+}
+
+// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim] (float32).
+typedef struct {
+    const float* input_norm;
+    const float* post_attention_norm;
+    const float* q_norm;  // NULL without per-head q/k norms
+    const float* k_norm;
+    kvd_qweight qkv, o, gate_up, down;
+    float* kv_cache;
+} kvd_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    float eps, scale;
+} kvd_shape;
+
+// Every decoder layer for S sequences of one new token each, in float32: hidden [S, hidden] (the embeddings in,
+// the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that output out), as
+// the model's own layer loop leaves them. positions, slots [S]; block tables [S, table_width] and context
+// lengths [S] of the native attention. Returns 0, or -1 when out of memory.
+int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, float* hidden,
+                      float* residual, int64_t S, const float* cos_sin, const int64_t* positions,
+                      const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
+                      int nthreads) {
+    const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = m->intermediate;
+    float* x = malloc(sizeof(float) * (size_t)(S * m->hidden));
+    float* qkv = malloc(sizeof(float) * (size_t)(S * qkv_size));
+    float* att = malloc(sizeof(float) * (size_t)(S * q_size));
+    float* gate_up = malloc(sizeof(float) * (size_t)(S * 2 * I));
+    int status = (x && qkv && att && gate_up) ? 0 : -1;
+    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+        const kvd_layer* L = layers + l;
+        kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, nthreads);
+        status |= kvd_quantized_linear(&L->qkv, x, 0, S, qkv, 0, nthreads);
+        float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+        if (L->q_norm) {
+            kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps);
+            kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps);
+        }
+        kvd_rotary(q, qkv_size, 0, S, m->heads, D, cos_sin, positions);
+        kvd_rotary(k, qkv_size, 0, S, m->kv_heads, D, cos_sin, positions);
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, 0, m->num_blocks * m->block_size, kv_size, slots, S);
+        status |= kvd_paged_decode_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
+                                             m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
+                                             nthreads);
+        status |= kvd_quantized_linear(&L->o, att, 0, S, hidden, 0, nthreads);
+        kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, nthreads);
+        status |= kvd_quantized_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads);
+        for (int64_t s = 0; s < S; s++) {  // SiLU(gate) x up, into the gate half
+            float* g = gate_up + s * 2 * I;
+            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+        }
+        // The down projection reads rows I apart within rows 2I apart: pack them first.
+        for (int64_t s = 1; s < S; s++) memmove(gate_up + s * I, gate_up + s * 2 * I, sizeof(float) * (size_t)I);
+        status |= kvd_quantized_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads);
+    }
+    free(x);
+    free(qkv);
+    free(att);
+    free(gate_up);
+    return status ? -1 : 0;
 }

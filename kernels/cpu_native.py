@@ -85,13 +85,15 @@ def _compile(compiler: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvd_quantized_linear.argtypes = [i32, p, i32, i64, i64, p, p, p, i64, p, i32, i32]
+    lib.kvd_quantized_linear.argtypes = [ctypes.POINTER(QWeight), p, i32, i64, p, i32, i32]
     attention = [p, i64, p, p, i32, i64, i64, i64, i64, i64, i64, p, i64, p, f32, i32]
     lib.kvd_paged_decode_attention.argtypes = attention
     lib.kvd_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.kvd_store_kv.argtypes = [p, i64, p, i64, p, i32, i64, i64, p, i64]
     lib.kvd_rotary.argtypes = [p, i64, i32, i64, i64, i64, p, p]
-    for fn in (lib.kvd_add_rms_norm, lib.kvd_store_kv, lib.kvd_rotary):
+    lib.kvd_rms_norm.argtypes = [p, i64, p, i64, i64, i64, i64, p, f32]
+    lib.kvd_decode_layers.argtypes = [p, p, i64, p, p, i64, p, p, p, p, i64, p, i32]
+    for fn in (lib.kvd_add_rms_norm, lib.kvd_rms_norm, lib.kvd_store_kv, lib.kvd_rotary):
         fn.restype = None
     return lib
 
@@ -139,20 +141,44 @@ def _check(status: int, what: str) -> None:
         raise NativeKernelError(f"{what}: out of memory")
 
 
-def quantized_linear(
-    x: torch.Tensor, bits: int, qs: torch.Tensor, d: torch.Tensor, mn: torch.Tensor | None
-) -> torch.Tensor:
-    """x [..., K] @ W^T for a weight in 4-bit (qs uint8 [N, K/2], d/mn float16 [N, K/32]) or 8-bit
-    (qs int8 [N, K], d [N, K/32]) blocks; output in x's dtype."""
+def address(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class QWeight(ctypes.Structure):
+    """kvd_qweight: a quantized weight's buffers and shape. Addresses are plain integers (not ctypes pointers),
+    so a module holding one can still be deep-copied; its owner rebuilds it when its buffers move."""
+
+    _fields_ = [
+        ("qs", ctypes.c_size_t),
+        ("d", ctypes.c_size_t),
+        ("mn", ctypes.c_size_t),
+        ("bias", ctypes.c_size_t),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+    ]
+
+
+def qweight(
+    bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None
+) -> QWeight:
+    """A 4-bit (codes uint8 [N, K/2], scales/mins float16 [N, K/32]) or 8-bit (codes int8 [N, K], scales
+    float16 [N, K/32]) weight in blocks of 32 along K, with an optional float32 bias [N]."""
+    if bias is not None and bias.dtype != torch.float32:
+        raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
+    n, k = scales.shape[0], scales.shape[1] * QBLOCK
+    return QWeight(codes.data_ptr(), scales.data_ptr(), address(mins), address(bias), n, k, bits)
+
+
+def quantized_linear(x: torch.Tensor, weight: QWeight) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias), in x's dtype."""
     x = x.contiguous()
-    k, n = x.shape[-1], d.shape[0]
-    rows = x.numel() // k
-    y = torch.empty(*x.shape[:-1], n, dtype=x.dtype)
+    y = torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
     status = library().kvd_quantized_linear(
-        bits, x.data_ptr(), bf16, rows, k, qs.data_ptr(), d.data_ptr(),
-        None if mn is None else mn.data_ptr(), n, y.data_ptr(), bf16, _threads(),
-    )  # fmt: skip
+        ctypes.byref(weight), x.data_ptr(), bf16, x.numel() // weight.k, y.data_ptr(), bf16, _threads()
+    )
     _check(status, "quantized linear")
     return y
 
@@ -205,6 +231,19 @@ def rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> t
         cos_sin.data_ptr(), positions.data_ptr(),
     )  # fmt: skip
     return x
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * weight over x's last dimension, float32; x [T, heads, D] with packed heads, or [T, D]."""
+    if not x.dtype == weight.dtype == torch.float32:
+        raise NativeKernelError(f"rms_norm runs in float32, not {x.dtype}")
+    rows = x if x.dim() == 3 else x.contiguous().view(-1, 1, x.shape[-1])
+    out = torch.empty(rows.shape, dtype=torch.float32)
+    library().kvd_rms_norm(
+        rows.data_ptr(), _token_stride(rows), out.data_ptr(), out.stride(0), rows.shape[0], rows.shape[1],
+        rows.shape[2], weight.data_ptr(), eps,
+    )  # fmt: skip
+    return out.view(x.shape)
 
 
 def add_rms_norm(

@@ -101,6 +101,19 @@ def test_add_rms_norm_matches_torch_in_float32():
         cpu_native.add_rms_norm(x.bfloat16(), residual.bfloat16(), weight.bfloat16(), 1e-5)
 
 
+def test_rms_norm_of_heads_and_of_rows_matches_torch():
+    torch.manual_seed(0)
+    q = _qkv_views(7, 4, 2, 32, torch.float32)[0]  # per-head norm of a strided view, as Qwen3's q_norm
+    weight = torch.rand(32) + 0.5
+    torch.testing.assert_close(
+        cpu_native.rms_norm(q, weight, 1e-6), F.rms_norm(q, (32,), weight, 1e-6), rtol=1e-6, atol=1e-6
+    )
+    rows, weight = torch.randn(5, 96), torch.rand(96)
+    torch.testing.assert_close(
+        cpu_native.rms_norm(rows, weight, 1e-6), F.rms_norm(rows, (96,), weight, 1e-6), rtol=1e-6, atol=1e-6
+    )
+
+
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
     code = "from kvd.kernels import cpu_native as c; print(c.available()); print(c.library() and c.library()._name)"
     return subprocess.run(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from copy import deepcopy
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
 from kvd.model.layers.torch_attention import TorchAttentionBackend
+from kvd.model.native_decode import NativeDecoder
 
 # Hugging Face projection names that live stacked in one of our fused weights: (hf part, our part, shard).
 _STACKED = (
@@ -119,6 +121,8 @@ class CausalLM(nn.Module):
         )
         # A quantized copy of the output projection (kvd.model.layers.quantized_linear), set after loading.
         self.output_proj: nn.Module | None = None
+        # The native layer loop for decode steps, bound on first use (None: not yet, False: not applicable).
+        self._native_decoder: NativeDecoder | bool | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
@@ -127,9 +131,34 @@ class CausalLM(nn.Module):
         rope = self.rotary.lookup(positions)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
-        for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, rope, attn)
+        decoder = self._decoder_for(hidden, attn)
+        if decoder is not None:
+            decoder.forward(hidden, residual, self.rotary.cos_sin_cache, positions, attn)
+        else:
+            for layer in self.model.layers:
+                hidden, residual = layer(hidden, residual, rope, attn)
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def _decoder_for(self, hidden: torch.Tensor, attn: AttentionMetadata) -> NativeDecoder | None:
+        """The native layer loop when it can run this step (kvd.model.native_decode), else None."""
+        if self._native_decoder is False or not NativeDecoder.takes(hidden, attn):
+            return None
+        if self._native_decoder is None or not self._native_decoder.valid_for(self):
+            self._native_decoder = NativeDecoder(self) if NativeDecoder.applies(self) else False
+        return self._native_decoder or None
+
+    def __deepcopy__(self, memo: dict) -> CausalLM:
+        """A copy binds its own native layer loop (the original's points at the original's buffers)."""
+        decoder, self._native_decoder = self._native_decoder, None
+        try:
+            cls = type(self)
+            copy = cls.__new__(cls)
+            memo[id(self)] = copy
+            for key, value in self.__dict__.items():
+                setattr(copy, key, deepcopy(value, memo))
+        finally:
+            self._native_decoder = decoder
+        return copy
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled)."""
@@ -151,6 +180,7 @@ class CausalLM(nn.Module):
                     f"[2, num_blocks, block_size, {heads}, {head_dim}]: use allocate_kv_cache"
                 )
             layer.self_attn.kv_cache = cache
+        self._native_decoder = None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters, casting to their dtype."""

@@ -17,6 +17,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if cpu_native.supports(x) and x.dim() <= 3 and x.stride(-1) == 1:
+                # The native layer loop of decode steps (kvd.model.native_decode) uses the same kernel.
+                return cpu_native.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Below float32, round as transformers does (normalize in float32, cast, then scale): tokens agree.
         h = x.float()

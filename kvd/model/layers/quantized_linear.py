@@ -12,6 +12,8 @@ Two implementations of each, picked by what this host can run:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -110,8 +112,42 @@ class Int8Linear(QuantizedLinear):
         return self.weight_int8.float() * self.scales.float()[:, None]
 
 
-class NativeInt4Linear(QuantizedLinear):
-    """W in GGUF Q4_1's blocks: 32 codes 0..15 along K with an fp16 scale and minimum; the native kernel."""
+class NativeQuantizedLinear(QuantizedLinear):
+    """Base of the native linears: codes, fp16 scales (and minimums) in GGUF's blocks of 32 along K."""
+
+    bits: ClassVar[int]
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
+    ) -> None:
+        # The kernel adds a float32 bias before rounding to the activations' dtype.
+        super().__init__(weight, None if bias is None else bias.detach().float().contiguous(), out_sizes)
+        self._native: cpu_native.QWeight | None = None
+
+    @staticmethod
+    def supports(in_features: int) -> bool:
+        return in_features % cpu_native.QBLOCK == 0
+
+    def native_weight(self) -> cpu_native.QWeight:
+        """The kernel's view of the buffers, rebuilt when they moved (a copy of the module, a new bias)."""
+        native = self._native
+        if native is None or (native.qs, native.bias) != (
+            self.codes.data_ptr(),
+            cpu_native.address(self.bias),
+        ):
+            native = self._native = cpu_native.qweight(
+                self.bits, self.codes, self.scales, self.mins, self.bias
+            )
+        return native
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_native.quantized_linear(x, self.native_weight())
+
+
+class NativeInt4Linear(NativeQuantizedLinear):
+    """W in GGUF Q4_1's blocks: 32 codes 0..15 along K with an fp16 scale and minimum."""
+
+    bits = 4
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
@@ -125,14 +161,6 @@ class NativeInt4Linear(QuantizedLinear):
         self.register_buffer("scales", scales.half())
         self.register_buffer("mins", mins.half())
 
-    @staticmethod
-    def supports(in_features: int) -> bool:
-        return in_features % cpu_native.QBLOCK == 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_native.quantized_linear(x, 4, self.codes, self.scales, self.mins)
-        return y if self.bias is None else y.add_(self.bias)
-
     def dequantized_weight(self) -> torch.Tensor:
         rows = self.codes.shape[0]
         halves = self.codes.view(rows, -1, 1, cpu_native.QBLOCK // 2)
@@ -141,8 +169,10 @@ class NativeInt4Linear(QuantizedLinear):
         return weight.view(rows, -1)
 
 
-class NativeInt8Linear(QuantizedLinear):
-    """W in GGUF Q8_0's blocks: 32 int8 values along K with an fp16 scale; the native kernel."""
+class NativeInt8Linear(NativeQuantizedLinear):
+    """W in GGUF Q8_0's blocks: 32 int8 values along K with an fp16 scale."""
+
+    bits = 8
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
@@ -154,14 +184,7 @@ class NativeInt8Linear(QuantizedLinear):
         codes = (blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_()
         self.register_buffer("codes", codes.to(torch.int8).view(weight.shape))
         self.register_buffer("scales", scales.half())
-
-    @staticmethod
-    def supports(in_features: int) -> bool:
-        return in_features % cpu_native.QBLOCK == 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_native.quantized_linear(x, 8, self.codes, self.scales, None)
-        return y if self.bias is None else y.add_(self.bias)
+        self.mins = None
 
     def dequantized_weight(self) -> torch.Tensor:
         blocks = self.codes.view(self.codes.shape[0], -1, cpu_native.QBLOCK).float()
