@@ -133,6 +133,14 @@ static inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
+static void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+#endif
+    for (; i < n; i++) dst[i] = f16_to_f32(src[i]);
+}
+
 // a . b over n floats.
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
@@ -275,9 +283,8 @@ int kvd_quantized_linear(const kvd_qweight* w, const void* x, int x_bf16, int64_
         const uint8_t* wq = (const uint8_t*)w->qs + n * row_bytes;
         // The row's fp16 scales (and minimums) as float32, converted once for all activation rows.
         float wd[nb], wm[nb];
-        for (int64_t b = 0; b < nb; b++) wd[b] = f16_to_f32(w->d[n * nb + b]);
-        if (w->bits == 4)
-            for (int64_t b = 0; b < nb; b++) wm[b] = f16_to_f32(w->mn[n * nb + b]);
+        f16_row_to_f32(w->d + n * nb, wd, nb);
+        if (w->bits == 4) f16_row_to_f32(w->mn + n * nb, wm, nb);
         const float bias = w->bias ? w->bias[n] : 0.f;
         // A tile of activation rows at a time, small enough for their results to stay on the stack.
         for (int64_t m0 = 0; m0 < M; m0 += TILE) {
