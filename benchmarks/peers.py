@@ -97,6 +97,11 @@ class KvdSide:
             max_num_batched_tokens=max(2048, max_seqs),
             kv_cache_memory=args.kv_cache_memory,
         )
+        # One request before timing, as llama-server runs its own warm-up at start: first-use costs (the KV
+        # pool's pages, allocator pools) would otherwise land in whichever figure is taken first.
+        self.llm.generate(
+            [list(range(100, 100 + args.single_len))], SamplingParams(max_tokens=4), use_tqdm=False
+        )
 
     def run(self, workload: Workload) -> tuple[float, float]:
         """(seconds, output tokens) for the workload submitted at once, from an empty prefix cache."""
