@@ -1,6 +1,7 @@
 // kvd's native CPU kernels, compiled on the host at first use (kernels/cpu_native.py) with -march=native.
 //
-// - Quantized linears: weights stay in 4-bit (asymmetric, GGUF Q4_1's block layout) or 8-bit (symmetric,
+// - Linears at decode batch sizes: float32 weights streamed once for all rows, or quantized weights: they stay
+//   in 4-bit (asymmetric, GGUF Q4_1's block layout) or 8-bit (symmetric,
 //   Q8_0's) blocks of 32 along K; activations are quantized per block of 32 to int8, and each block's dot
 //   product runs in integer SIMD (AVX2: unsigned x signed byte multiply-add), scaled once per block.
 // - Decode attention over the paged KV pool in place: no gather of each sequence's K/V into a workspace.
@@ -251,8 +252,9 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
 
 #define TILE 64
 
-// A quantized weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
-// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k; bias float32 [n] or NULL.
+// A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
+// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float32 (bits 32: qs float32 [n, k], d and
+// mn NULL); bias float32 [n] or NULL.
 typedef struct {
     const void* qs;
     const uint16_t* d;
@@ -260,11 +262,54 @@ typedef struct {
     const float* bias;
     int64_t n, k;
     int32_t bits;
-} kvd_qweight;
+} kvd_weight;
+
+// Float32 weight rows against activation rows [0, mr) (float32, K apart): out[m]. Four rows share each load of
+// the weight, and each row keeps two accumulators.
+static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr, float* out) {
+    int64_t m = 0;
+#ifdef __AVX2__
+    if (K % 16 == 0) {
+        for (; m + 4 <= mr; m += 4) {
+            const float* a = x + m * K;
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < K; i += 16) {
+                const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+                for (int r = 0; r < 4; r++) {
+                    acc[2 * r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(a + r * K + i), acc[2 * r]);
+                    acc[2 * r + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(a + r * K + i + 8), acc[2 * r + 1]);
+                }
+            }
+            for (int r = 0; r < 4; r++) out[m + r] = hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
+        }
+    }
+#endif
+    for (; m < mr; m++) out[m] = dot_f32(w, x + m * K, K);
+}
 
 // y [M, n] = x [M, k] @ W^T (+ bias). Returns 0, or -1 when out of memory.
-int kvd_quantized_linear(const kvd_qweight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
-                         int nthreads) {
+static void float_linear(const kvd_weight* w, const float* x, int64_t M, float* y, int nthreads) {
+    const int64_t K = w->k, N = w->n;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float bias = w->bias ? w->bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+            const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
+            float out[TILE];
+            float_dot_rows((const float*)w->qs + n * K, x + m0 * K, K, mr, out);
+            for (int64_t m = 0; m < mr; m++) y[(m0 + m) * N + n] = out[m] + bias;
+        }
+    }
+}
+
+// y [M, n] = x [M, k] @ W^T (+ bias); a float32 weight takes float32 activations only. Returns 0, or -1 when
+// out of memory.
+int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
+    if (w->bits == 32) {
+        float_linear(w, x, M, y, nthreads);
+        return 0;
+    }
     const int64_t K = w->k, N = w->n, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -505,7 +550,7 @@ typedef struct {
     const float* post_attention_norm;
     const float* q_norm;  // NULL without per-head q/k norms
     const float* k_norm;
-    kvd_qweight qkv, o, gate_up, down;
+    kvd_weight qkv, o, gate_up, down;
     float* kv_cache;
 } kvd_layer;
 
@@ -532,7 +577,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const kvd_layer* L = layers + l;
         kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, nthreads);
-        status |= kvd_quantized_linear(&L->qkv, x, 0, S, qkv, 0, nthreads);
+        status |= kvd_linear(&L->qkv, x, 0, S, qkv, 0, nthreads);
         float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
         if (L->q_norm) {
             kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps);
@@ -544,16 +589,16 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         status |= kvd_paged_decode_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
                                              m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
                                              nthreads);
-        status |= kvd_quantized_linear(&L->o, att, 0, S, hidden, 0, nthreads);
+        status |= kvd_linear(&L->o, att, 0, S, hidden, 0, nthreads);
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, nthreads);
-        status |= kvd_quantized_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads);
+        status |= kvd_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads);
         for (int64_t s = 0; s < S; s++) {  // SiLU(gate) x up, into the gate half
             float* g = gate_up + s * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
         }
         // The down projection reads rows I apart within rows 2I apart: pack them first.
         for (int64_t s = 1; s < S; s++) memmove(gate_up + s * I, gate_up + s * 2 * I, sizeof(float) * (size_t)I);
-        status |= kvd_quantized_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads);
+        status |= kvd_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads);
     }
     free(x);
     free(qkv);

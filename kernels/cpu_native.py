@@ -85,7 +85,7 @@ def _compile(compiler: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvd_quantized_linear.argtypes = [ctypes.POINTER(QWeight), p, i32, i64, p, i32, i32]
+    lib.kvd_linear.argtypes = [ctypes.POINTER(LinearWeight), p, i32, i64, p, i32, i32]
     attention = [p, i64, p, p, i32, i64, i64, i64, i64, i64, i64, p, i64, p, f32, i32]
     lib.kvd_paged_decode_attention.argtypes = attention
     lib.kvd_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
@@ -145,14 +145,14 @@ def address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class QWeight(ctypes.Structure):
-    """kvd_qweight: a quantized weight's buffers and shape. Addresses are plain integers (not ctypes pointers),
-    so a module holding one can still be deep-copied; its owner rebuilds it when its buffers move."""
+class LinearWeight(ctypes.Structure):
+    """kvd_weight: a linear's buffers and shape. Addresses are plain integers (not ctypes pointers), so a module
+    holding one can still be deep-copied; its owner rebuilds it when its buffers move (linear_weight)."""
 
     _fields_ = [
-        ("qs", ctypes.c_size_t),
-        ("d", ctypes.c_size_t),
-        ("mn", ctypes.c_size_t),
+        ("data", ctypes.c_size_t),
+        ("scales", ctypes.c_size_t),
+        ("mins", ctypes.c_size_t),
         ("bias", ctypes.c_size_t),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
@@ -160,26 +160,36 @@ class QWeight(ctypes.Structure):
     ]
 
 
-def qweight(
-    bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, bias: torch.Tensor | None
-) -> QWeight:
-    """A 4-bit (codes uint8 [N, K/2], scales/mins float16 [N, K/32]) or 8-bit (codes int8 [N, K], scales
-    float16 [N, K/32]) weight in blocks of 32 along K, with an optional float32 bias [N]."""
+def linear_weight(
+    cached: LinearWeight | None,
+    bits: int,
+    data: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    mins: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> LinearWeight:
+    """The kernel's view of a weight [N, K]: 4-bit (data uint8 [N, K/2], scales/mins float16 [N, K/32]), 8-bit
+    (data int8 [N, K], scales float16 [N, K/32]) in blocks of 32 along K, or float32 (bits 32: data [N, K]); an
+    optional float32 bias [N]. `cached` is returned when it still points at these buffers."""
+    if cached is not None and (cached.data, cached.bias) == (data.data_ptr(), address(bias)):
+        return cached
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
-    n, k = scales.shape[0], scales.shape[1] * QBLOCK
-    return QWeight(codes.data_ptr(), scales.data_ptr(), address(mins), address(bias), n, k, bits)
+    k = data.shape[1] * 2 if bits == 4 else data.shape[1]
+    return LinearWeight(
+        data.data_ptr(), address(scales), address(mins), address(bias), data.shape[0], k, bits
+    )
 
 
-def quantized_linear(x: torch.Tensor, weight: QWeight) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias), in x's dtype."""
+def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias), in x's dtype (float32 only for a float32 weight)."""
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype)
     bf16 = int(x.dtype == torch.bfloat16)
-    status = library().kvd_quantized_linear(
+    status = library().kvd_linear(
         ctypes.byref(weight), x.data_ptr(), bf16, x.numel() // weight.k, y.data_ptr(), bf16, _threads()
     )
-    _check(status, "quantized linear")
+    _check(status, "linear")
     return y
 
 

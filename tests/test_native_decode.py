@@ -8,6 +8,7 @@ import pytest
 
 from kvd import LLM
 from kvd.engine.sampling_params import SamplingParams
+from kvd.model.layers.linear import NATIVE_MAX_ROWS
 from kvd.model.native_decode import NativeDecoder
 
 PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 90)), [200] * 19]  # crossing 16-token blocks
@@ -53,9 +54,36 @@ def test_batches_of_one_and_of_many(tiny_checkpoint):
     assert [o.token_ids for o in one] == [o.token_ids for o in many]
 
 
+def test_float_weights_up_to_the_native_row_limit(tiny_checkpoint):
+    """Float32 linears run natively for small batches; a batch above NATIVE_MAX_ROWS goes through the Python
+    loop (torch's matmul), with the same tokens."""
+    folder = tiny_checkpoint("qwen3")
+    fused, model = _run(folder, True, quantization="none")
+    assert model._native_decoder.max_rows == NATIVE_MAX_ROWS
+    loop, _ = _run(folder, False, quantization="none")
+    assert [o.token_ids for o in fused] == [o.token_ids for o in loop]
+    prompts = [[7 + i, 11, 13] for i in range(NATIVE_MAX_ROWS + 1)]
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=2**24, max_num_seqs=NATIVE_MAX_ROWS + 1)
+    calls = []
+    decoder_forward = NativeDecoder.forward
+    NativeDecoder.forward = lambda self, hidden, *args: (
+        calls.append(hidden.shape[0]) or decoder_forward(self, hidden, *args)
+    )
+    try:
+        wide = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        NativeDecoder.forward = decoder_forward
+    # Bound, but every decode step was 17 wide: all of them took the Python loop.
+    assert isinstance(llm.engine.runner.model._native_decoder, NativeDecoder) and calls == []
+    alone = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert wide[0].token_ids == alone[0].token_ids
+
+
 def test_not_used_where_a_piece_has_no_native_kernel(tiny_checkpoint):
-    _, model = _run(tiny_checkpoint("llama"), True, quantization="none")  # float linears run in torch
-    assert model._native_decoder is False
+    folder = tiny_checkpoint("llama")
+    llm = LLM(str(folder), dtype="float32", attention_backend="torch", kv_cache_memory=2**24)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not isinstance(llm.engine.runner.model._native_decoder, NativeDecoder)
 
 
 def test_a_copied_model_binds_its_own(tiny_checkpoint):

@@ -6,7 +6,6 @@ from collections.abc import Iterable
 from copy import deepcopy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvd.model.config import ModelConfig
@@ -141,11 +140,12 @@ class CausalLM(nn.Module):
 
     def _decoder_for(self, hidden: torch.Tensor, attn: AttentionMetadata) -> NativeDecoder | None:
         """The native layer loop when it can run this step (kvd.model.native_decode), else None."""
-        if self._native_decoder is False or not NativeDecoder.takes(hidden, attn):
+        if self._native_decoder is False or not NativeDecoder.decodes(hidden, attn):
             return None
         if self._native_decoder is None or not self._native_decoder.valid_for(self):
             self._native_decoder = NativeDecoder(self) if NativeDecoder.applies(self) else False
-        return self._native_decoder or None
+        decoder = self._native_decoder
+        return decoder if decoder and decoder.takes(hidden) else None
 
     def __deepcopy__(self, memo: dict) -> CausalLM:
         """A copy binds its own native layer loop (the original's points at the original's buffers)."""
@@ -164,8 +164,9 @@ class CausalLM(nn.Module):
         """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled)."""
         if self.output_proj is not None:
             return self.output_proj(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return self.model.embed_tokens.as_output(hidden).float()
+        return self.lm_head(hidden).float()
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""

@@ -1,9 +1,10 @@
-"""Decode steps through all decoder layers in one native call (CPU, float32, quantized linears).
+"""Decode steps through all decoder layers in one native call (CPU, float32).
 
 Between kernels, a Python layer loop costs more than the kernels of a small model at batch 1: each layer makes
 a dozen calls, and the weights streamed through the caches evict the interpreter's own data between them. When
 every piece of the model has a native kernel, a step whose tokens all decode (one new token per sequence) runs
 the layer loop in C instead: the same kernels in the same order as the Python loop, so the results are equal.
+Quantized linears take any batch; float32 ones up to linear.NATIVE_MAX_ROWS (beyond, torch's matmul is faster).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionMetadata
+from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
 from kvd.model.layers.native_attention import NativeAttentionBackend, NativeDecodePlan
 from kvd.model.layers.quantized_linear import NativeQuantizedLinear
 
@@ -26,10 +28,10 @@ class LayerWeights(ctypes.Structure):
         ("post_attention_norm", ctypes.c_size_t),
         ("q_norm", ctypes.c_size_t),
         ("k_norm", ctypes.c_size_t),
-        ("qkv", cpu_native.QWeight),
-        ("o", cpu_native.QWeight),
-        ("gate_up", cpu_native.QWeight),
-        ("down", cpu_native.QWeight),
+        ("qkv", cpu_native.LinearWeight),
+        ("o", cpu_native.LinearWeight),
+        ("gate_up", cpu_native.LinearWeight),
+        ("down", cpu_native.LinearWeight),
         ("kv_cache", ctypes.c_size_t),
     ]
 
@@ -47,6 +49,19 @@ class ModelShape(ctypes.Structure):
         ("block_size", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
+    ]
+
+
+def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    return [
+        m
+        for layer in layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
     ]
 
 
@@ -82,12 +97,16 @@ class NativeDecoder:
             )
         self.layers = (LayerWeights * len(weights))(*weights)
         self.key = self._key(model)
+        float_linears = any(isinstance(m, Linear) for m in _linears(layers))
+        self.max_rows = NATIVE_MAX_ROWS if float_linears else None
 
     @staticmethod
     def _key(model: torch.nn.Module) -> tuple[int, ...]:
-        """Where the first layer's buffers lie: a model whose weights or pool moved is bound anew."""
+        """The first layer's projection and where its weight and pool lie: a model whose modules were replaced
+        or whose buffers moved is bound anew."""
         attn = model.model.layers[0].self_attn
-        return attn.qkv_proj.codes.data_ptr(), attn.kv_cache.data_ptr()
+        weight = getattr(attn.qkv_proj, "native_weight", None)
+        return id(attn.qkv_proj), weight().data if weight else 0, attn.kv_cache.data_ptr()
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
@@ -97,25 +116,30 @@ class NativeDecoder:
             return False
         if layers[0].self_attn.kv_cache is None or model.rotary.cos_sin_cache.dtype != torch.float32:
             return False
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)]
-        linears += [m for layer in layers for m in (layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         caches = [layer.self_attn.kv_cache for layer in layers]
-        return all(isinstance(m, NativeQuantizedLinear) for m in linears) and all(
-            c.dtype == torch.float32 and c.is_contiguous() for c in caches
+        natives = all(
+            isinstance(m, NativeQuantizedLinear)
+            or (isinstance(m, Linear) and m.weight.dtype == torch.float32)
+            for m in _linears(layers)
         )
+        return natives and all(c.dtype == torch.float32 and c.is_contiguous() for c in caches)
 
     def valid_for(self, model: torch.nn.Module) -> bool:
         return self.key == self._key(model)
 
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether this bound loop runs a step of hidden.shape[0] tokens (see max_rows)."""
+        return self.max_rows is None or hidden.shape[0] <= self.max_rows
+
     @staticmethod
-    def takes(hidden: torch.Tensor, attn: AttentionMetadata) -> bool:
+    def decodes(hidden: torch.Tensor, attn: AttentionMetadata) -> bool:
         """A float32 step in which every sequence decodes one token, in batch order."""
         decode = getattr(attn, "decode", None)
         return (
-            hidden.dtype == torch.float32
+            isinstance(decode, NativeDecodePlan)
             and attn.prefill is None
-            and isinstance(decode, NativeDecodePlan)
             and decode.rows is None
+            and hidden.dtype == torch.float32
         )
 
     def forward(

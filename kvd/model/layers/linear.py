@@ -8,6 +8,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvd.kernels import cpu_native
+
+# Rows up to which kvd's native float32 kernel (weights streamed once for all rows) beats torch's matmul on the
+# CPU: 1.5-4x at 1-8 rows on SmolLM2's shapes, even at 16 (AVX2, 2 threads); beyond, MKL's sgemm wins.
+NATIVE_MAX_ROWS = 16
+
+
+def native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T runs in the native float32 kernel (see NATIVE_MAX_ROWS)."""
+    return (
+        weight.dtype == torch.float32
+        and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
+        and cpu_native.supports(x)
+        and x.dtype == torch.float32
+    )
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). With several out_sizes, W stacks that many checkpoint matrices row-wise, in order.
@@ -26,14 +42,22 @@ class Linear(nn.Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.shard_sizes = sizes
+        self._native: cpu_native.LinearWeight | None = None
+
+    def native_weight(self) -> cpu_native.LinearWeight:
+        """The native kernel's view of the float32 weight (see cpu_native.linear_weight)."""
+        self._native = cpu_native.linear_weight(self._native, 32, self.weight, bias=self.bias)
+        return self._native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native_rows(x, self.weight):
+            return cpu_native.linear(x, self.native_weight())
         return F.linear(x, self.weight, self.bias)
 
     def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per stacked matrix (q, k, v or gate, up)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu":
-            return list(F.linear(x, self.weight, self.bias).split(self.out_sizes, dim=-1))
+        if native_rows(x, self.weight) or x.dtype != torch.float32 or x.device.type != "cpu":
+            return list(self.forward(x).split(self.out_sizes, dim=-1))
         # Only float32 on CPU splits: there MKL's sgemm ran a whole SmolLM2 step 3-6 % faster with the stacked
         # matrices one by one (decode batch 16, prefill; AVX2, one thread), while bfloat16 ran 5 % faster
         # fused at decode batches 1-16 (benchmarks in docs/architecture.md). The views cost no copy.
@@ -48,6 +72,14 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self._native: cpu_native.LinearWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+    def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden @ table^T: the output projection of a model with tied embeddings."""
+        if native_rows(hidden, self.weight):
+            self._native = cpu_native.linear_weight(self._native, 32, self.weight)
+            return cpu_native.linear(hidden, self._native)
+        return F.linear(hidden, self.weight)

@@ -122,26 +122,21 @@ class NativeQuantizedLinear(QuantizedLinear):
     ) -> None:
         # The kernel adds a float32 bias before rounding to the activations' dtype.
         super().__init__(weight, None if bias is None else bias.detach().float().contiguous(), out_sizes)
-        self._native: cpu_native.QWeight | None = None
+        self._native: cpu_native.LinearWeight | None = None
 
     @staticmethod
     def supports(in_features: int) -> bool:
         return in_features % cpu_native.QBLOCK == 0
 
-    def native_weight(self) -> cpu_native.QWeight:
+    def native_weight(self) -> cpu_native.LinearWeight:
         """The kernel's view of the buffers, rebuilt when they moved (a copy of the module, a new bias)."""
-        native = self._native
-        if native is None or (native.qs, native.bias) != (
-            self.codes.data_ptr(),
-            cpu_native.address(self.bias),
-        ):
-            native = self._native = cpu_native.qweight(
-                self.bits, self.codes, self.scales, self.mins, self.bias
-            )
-        return native
+        self._native = cpu_native.linear_weight(
+            self._native, self.bits, self.codes, self.scales, self.mins, self.bias
+        )
+        return self._native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_native.quantized_linear(x, self.native_weight())
+        return cpu_native.linear(x, self.native_weight())
 
 
 class NativeInt4Linear(NativeQuantizedLinear):
