@@ -26,6 +26,7 @@ from kvd.model.config import ModelConfig
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.layers.quantized_linear import quantize_model
+from kvd.model.layers.selector import select_attention_backend
 from kvd.model.llama import CausalLM
 
 # SmolLM2-135M's architecture, with random weights (nothing to download).
@@ -84,7 +85,7 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype):
     if args.model:
         from kvd.model.loader import load_model
 
-        loaded = load_model(args.model, dtype=dtype)
+        loaded = load_model(args.model, dtype=dtype, attention_backend="auto")
         folder, gguf = (os.path.dirname(args.model), os.path.basename(args.model))
         if args.model.endswith(".gguf"):
             hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=dtype)
@@ -94,7 +95,9 @@ def build_models(args: argparse.Namespace, dtype: torch.dtype):
     hf_config = transformers.LlamaConfig(**(TINY if args.quick else SMOLLM2_135M))
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    ours = CausalLM(ModelConfig.from_hf_dict(hf_config.to_dict()))
+    # kvd's own pick for this host (auto: the native backend on a CPU that built its kernels).
+    backend = select_attention_backend("auto", "cpu", dtype).backend
+    ours = CausalLM(ModelConfig.from_hf_dict(hf_config.to_dict()), backend)
     ours.load_weights(hf.state_dict().items())
     return ours.to(dtype).eval(), hf.to(dtype).eval()
 
@@ -146,7 +149,9 @@ class PagedBatch:
         ids = ids.reshape(-1)
         positions = torch.cat([torch.arange(n, n + tokens_per_seq) for n in self.lens])
         self.lens = [n + tokens_per_seq for n in self.lens]
-        attn = build_attention_metadata(self.tables, self.lens, [tokens_per_seq] * batch, BLOCK_SIZE, "cpu")
+        attn = build_attention_metadata(
+            self.tables, self.lens, [tokens_per_seq] * batch, BLOCK_SIZE, "cpu", self.model.attention_backend
+        )
         hidden = self.model(ids, positions, attn)
         last_rows = torch.arange(tokens_per_seq - 1, batch * tokens_per_seq, tokens_per_seq)
         return self.model.compute_logits(hidden[last_rows])

@@ -103,10 +103,10 @@ def load_model(
 
     `model`: a folder with config.json, *.safetensors and tokenizer files; a .gguf file; a folder holding a
     single .gguf file; a Hugging Face id (cache first, see kvd.model.hub); or None for SmolLM2-135M-Instruct.
-    `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|triton|flash-attn), or
+    `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|native|triton|flash-attn), or
     None for the torch backend.
     `quantization`: none | int8 | int4 | auto (on CPU, what a GGUF file holds): the decoder layers' weights stay
-    quantized in memory and run through torch's weight-only CPU kernels (kvd.model.layers.quantized_linear).
+    quantized in memory and run through kvd's native CPU kernels, else torch's (kvd.model.layers.quantized_linear).
     """
     device = check_device(device)
     path = resolve_model_path(model)
