@@ -606,3 +606,44 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     free(gate_up);
     return status ? -1 : 0;
 }
+
+// ---- dequantization ---------------------------------------------------------------------------------------------
+
+// out [count, k] (float32, or bfloat16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight,
+// for the matmuls of many rows (prefill), where a float GEMM on the dequantized weight beats the integer dot
+// products.
+void kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
+    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = first; n < first + count; n++) {
+        const uint8_t* qs = (const uint8_t*)w->qs + n * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            const float d = f16_to_f32(w->d[n * nb + b]);
+            const float m = w->bits == 4 ? f16_to_f32(w->mn[n * nb + b]) : 0.f;
+#ifdef __AVX2__
+            if (!out_bf16) {  // 8 values at a time: bytes widened to int32, converted, scaled
+                const __m256i codes = w->bits == 4 ? unpack_q4(qs + b * QBLOCK / 2)
+                                                   : _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
+                const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+                float* dst = (float*)out + (n - first) * K + b * QBLOCK;
+                for (int j = 0; j < 4; j++) {
+                    const __m128i part = _mm_loadl_epi64((const __m128i*)((const int8_t*)&codes + 8 * j));
+                    const __m256i wide = w->bits == 4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+                    _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
+                }
+                continue;
+            }
+#endif
+            float v[QBLOCK];
+            if (w->bits == 4) {
+                for (int i = 0; i < QBLOCK / 2; i++) {
+                    v[i] = (float)(qs[b * QBLOCK / 2 + i] & 15) * d + m;
+                    v[i + QBLOCK / 2] = (float)(qs[b * QBLOCK / 2 + i] >> 4) * d + m;
+                }
+            } else {
+                for (int i = 0; i < QBLOCK; i++) v[i] = (float)((const int8_t*)qs)[b * QBLOCK + i] * d;
+            }
+            for (int i = 0; i < QBLOCK; i++) store_f(out, (n - first) * K + b * QBLOCK + i, v[i], out_bf16);
+        }
+    }
+}

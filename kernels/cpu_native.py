@@ -93,7 +93,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kvd_rotary.argtypes = [p, i64, i32, i64, i64, i64, p, p]
     lib.kvd_rms_norm.argtypes = [p, i64, p, i64, i64, i64, i64, p, f32]
     lib.kvd_decode_layers.argtypes = [p, p, i64, p, p, i64, p, p, p, p, i64, p, i32]
-    for fn in (lib.kvd_add_rms_norm, lib.kvd_rms_norm, lib.kvd_store_kv, lib.kvd_rotary):
+    lib.kvd_dequantize.argtypes = [ctypes.POINTER(LinearWeight), i64, i64, p, i32, i32]
+    for fn in (lib.kvd_add_rms_norm, lib.kvd_rms_norm, lib.kvd_store_kv, lib.kvd_rotary, lib.kvd_dequantize):
         fn.restype = None
     return lib
 
@@ -191,6 +192,14 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     )
     _check(status, "linear")
     return y
+
+
+def dequantize(weight: LinearWeight, first: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows first .. first + len(out) of a 4- or 8-bit weight into out [rows, K] (float32 or bfloat16,
+    contiguous); returns out."""
+    bf16 = int(out.dtype == torch.bfloat16)
+    library().kvd_dequantize(ctypes.byref(weight), first, out.shape[0], out.data_ptr(), bf16, _threads())
+    return out
 
 
 def _token_stride(x: torch.Tensor) -> int:

@@ -11,9 +11,12 @@ import torch.nn.functional as F
 from greedy_helper import greedy_generate
 
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
+from kvd.kernels import cpu_native
 from kvd.model.gguf_loader import GGUFFile, native_quantization
+from kvd.model.layers import quantized_linear
 from kvd.model.layers.linear import Linear
 from kvd.model.layers.quantized_linear import (
+    DEQUANTIZE_MIN_ROWS,
     Int4Linear,
     Int8Linear,
     NativeInt4Linear,
@@ -79,11 +82,29 @@ def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
     want = F.linear(
         _quantized_activations(x.float()), layer.dequantized_weight().double(), layer.bias.double()
     )
-    got = layer(x)
+    got = cpu_native.linear(x, layer.native_weight())  # the kernel itself, at every batch
     assert got.dtype == dtype and got.shape == (batch, 80)
     tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-    assert torch.equal(torch.cat(layer.forward_shards(x), dim=-1), got)
+    if batch < DEQUANTIZE_MIN_ROWS:  # the layer runs the kernel for decode-sized batches
+        assert torch.equal(layer(x), got)
+        assert torch.equal(torch.cat(layer.forward_shards(x), dim=-1), got)
+
+
+@pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_multiply_the_dequantized_weight_tile_by_tile(cls, dtype, monkeypatch):
+    """Prefill-sized batches: torch's GEMM on the weight dequantized a tile of rows at a time (tiles of 64 rows
+    here, the last one ragged), bias sliced along."""
+    monkeypatch.setattr(quantized_linear, "DEQUANTIZE_TILE_BYTES", 64 * 96 * 4)
+    torch.manual_seed(1)
+    layer = cls(torch.randn(150, 96) * 0.05, torch.randn(150), [100, 50])
+    x = torch.randn(2, DEQUANTIZE_MIN_ROWS, 96).to(dtype)
+    want = F.linear(x.double(), layer.dequantized_weight().double(), layer.bias.double())
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (2, DEQUANTIZE_MIN_ROWS, 150)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
 
 
 def test_native_int8_matches_gguf_q8_0():
