@@ -115,8 +115,9 @@ class Int8Linear(QuantizedLinear):
 
 
 # Rows from which torch's GEMM on the weight dequantized for the call beats the integer kernel, whose cost
-# grows with every row: a whole SmolLM2 prefill (AVX2, 2 threads) ran 1.1x faster at 128 tokens, 1.4x at 512.
-DEQUANTIZE_MIN_ROWS = 32
+# grows with every row: a SmolLM2 layer's four linears (AVX2, 2 threads) break even at 64-128 rows, run 1.2x
+# faster at 256 and 1.4x at 512.
+DEQUANTIZE_MIN_ROWS = 64
 DEQUANTIZE_TILE_BYTES = 4 << 20  # the dequantized tile: weight rows one GEMM takes at a time
 _scratch_buffers = threading.local()
 
