@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.gpu_bench import shared_prefix
 from benchmarks.peers import bundled_gguf
 from kvd import LLM
 from kvd.engine.sampling_params import SamplingParams
@@ -30,13 +31,6 @@ PROMPTS = [
     "List three uses of a paperclip:",
 ]
 MODES = ("none", "int8", "int4")
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def run_mode(model: str, mode: str, tokens: int, threads: int) -> dict:

@@ -12,7 +12,7 @@ import torch
 
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import StepLayout, host_to_device
-from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
+from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata, decode_rows
 
 
 @dataclass
@@ -28,13 +28,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def decode_plan(
         self, layout: StepLayout, seqs: list[int], starts: list[int], device: torch.device | str
     ) -> NativeDecodePlan:
-        rows = None
-        if len(seqs) < len(layout.query_lens):
-            rows = host_to_device([starts[s] for s in seqs], torch.long, device)
         width = max(len(layout.block_tables[s]) for s in seqs)
         tables = [layout.block_tables[s] + [0] * (width - len(layout.block_tables[s])) for s in seqs]
         return NativeDecodePlan(
-            rows,
+            decode_rows(layout, seqs, starts, device),
             host_to_device(tables, torch.int32, device).view(len(seqs), width),
             host_to_device([layout.context_lens[s] for s in seqs], torch.int32, device),
         )

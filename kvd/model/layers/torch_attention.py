@@ -95,10 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
         self, layout: StepLayout, seqs: list[int], starts: list[int], device: torch.device | str
     ) -> DecodePlan:
         """What _decode needs for the one-token sequences `seqs` (backends on this one plan their own way)."""
-        rows = None
-        if len(seqs) < len(layout.query_lens):
-            rows = host_to_device([starts[s] for s in seqs], torch.long, device)
-        return DecodePlan(rows, _block_gather(layout, seqs, 1, device))
+        return DecodePlan(decode_rows(layout, seqs, starts, device), _block_gather(layout, seqs, 1, device))
 
     def forward(
         self,
@@ -204,6 +201,15 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=True,
             )
         return out.transpose(1, 2).reshape(n * width, *q.shape[1:])
+
+
+def decode_rows(
+    layout: StepLayout, seqs: list[int], starts: list[int], device: torch.device | str
+) -> torch.Tensor | None:
+    """Batch rows of the decode sequences `seqs`; None when the step is all decode (every row, in order)."""
+    if len(seqs) == len(layout.query_lens):
+        return None
+    return host_to_device([starts[s] for s in seqs], torch.long, device)
 
 
 def _block_gather(
