@@ -67,6 +67,7 @@ def _compile(compiler: str) -> Path:
     target = _cache_dir() / f"kvd_cpu_{key}.so"
     if target.exists():
         return target
+    log.info("building kvd's native CPU kernels for this host (once): %s", target)
     # Build beside the target and rename: another process may be building the same file at the same time.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
