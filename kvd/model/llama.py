@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from copy import deepcopy
 
 import torch
 from torch import nn
@@ -146,19 +145,6 @@ class CausalLM(nn.Module):
             self._native_decoder = NativeDecoder(self) if NativeDecoder.applies(self) else False
         decoder = self._native_decoder
         return decoder if decoder and decoder.takes(hidden) else None
-
-    def __deepcopy__(self, memo: dict) -> CausalLM:
-        """A copy binds its own native layer loop (the original's points at the original's buffers)."""
-        decoder, self._native_decoder = self._native_decoder, None
-        try:
-            cls = type(self)
-            copy = cls.__new__(cls)
-            memo[id(self)] = copy
-            for key, value in self.__dict__.items():
-                setattr(copy, key, deepcopy(value, memo))
-        finally:
-            self._native_decoder = decoder
-        return copy
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled)."""
