@@ -1,13 +1,14 @@
 // kvd's native CPU kernels, compiled on the host at first use (kernels/cpu_native.py) with -march=native.
 //
-// - Linears at decode batch sizes: float32 weights streamed once for all rows, or quantized weights: they stay
-//   in 4-bit (asymmetric, GGUF Q4_1's block layout) or 8-bit (symmetric,
-//   Q8_0's) blocks of 32 along K; activations are quantized per block of 32 to int8, and each block's dot
-//   product runs in integer SIMD (AVX2: unsigned x signed byte multiply-add), scaled once per block.
+// - Linears: quantized weights stay in GGUF's blocks of 32 along K, 4-bit (asymmetric, Q4_1's layout) or 8-bit
+//   (symmetric, Q8_0's); activations are quantized per block to int8 and each block's dot product runs in
+//   integer SIMD (AVX2: unsigned x signed byte multiply-add), scaled once per block. Float32 weights at decode
+//   batch sizes are streamed once for all rows. Dequantization for the GEMMs of prefill.
 // - Decode attention over the paged KV pool in place: no gather of each sequence's K/V into a workspace.
-// - The residual add fused with RMSNorm.
-// Activations and the KV pool are float32 or bfloat16. Without AVX2 the same arithmetic runs in portable C.
-// Threads: OpenMP (torch's own runtime once torch has loaded it), the count passed in by the caller.
+// - K/V store, rotary embedding, RMSNorm (with the residual add fused), and a decode step through every layer.
+// Activations and the KV pool are float32 or bfloat16 (the norms and the layer loop: float32). Without AVX2 the
+// same arithmetic runs in portable C. Threads: OpenMP (torch's own runtime once torch has loaded it), the count
+// passed in by the caller.
 
 #include <math.h>
 #include <stdint.h>
@@ -44,14 +45,6 @@ static inline void store_f(void* base, int64_t i, float v, int bf16) {
         ((uint16_t*)base)[i] = f32_to_bf16(v);
     else
         ((float*)base)[i] = v;
-}
-
-int kvd_has_avx2(void) {
-#ifdef __AVX2__
-    return 1;
-#else
-    return 0;
-#endif
 }
 
 // ---- activation quantization ------------------------------------------------------------------------------
@@ -288,7 +281,7 @@ static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr
     for (; m < mr; m++) out[m] = dot_f32(w, x + m * K, K);
 }
 
-// y [M, n] = x [M, k] @ W^T (+ bias). Returns 0, or -1 when out of memory.
+// y [M, n] = x [M, k] @ W^T (+ bias) for a float32 weight.
 static void float_linear(const kvd_weight* w, const float* x, int64_t M, float* y, int nthreads) {
     const int64_t K = w->k, N = w->n;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -467,19 +460,30 @@ int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const
 
 // ---- residual add + RMSNorm ----------------------------------------------------------------------------------
 
-// residual [M, H] += x; out = residual / rms(residual) * weight, in float32.
+// out[0..D) = x / rms(x) * weight, in float32 (out may be x).
+static void norm_row(const float* x, float* out, int64_t D, const float* weight, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * inv * weight[i];
+}
+
+// RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
+// may be x): single heads (Qwen3's q/k norms) or, with one head, whole rows.
+void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const float* weight, float eps) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) norm_row(x + t * stride + h * D, out + t * out_stride + h * D, D, weight, eps);
+}
+
+// residual [M, H] += x; out = RMSNorm(residual) * weight, in float32.
 void kvd_add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
                       float eps, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 65536)
     for (int64_t r = 0; r < M; r++) {
         float* res = residual + r * H;
-        float ss = 0.f;
-        for (int64_t i = 0; i < H; i++) {
-            res[i] += x[r * H + i];
-            ss += res[i] * res[i];
-        }
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) out[r * H + i] = res[i] * inv * weight[i];
+        for (int64_t i = 0; i < H; i++) res[i] += x[r * H + i];
+        norm_row(res, out + r * H, H, weight, eps);
     }
 }
 
@@ -527,22 +531,6 @@ void kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int
 }
 
 // ---- a decode step through every decoder layer ----------------------------------------------------------------
-
-// out = x / rms(x) * weight over each head's D values of x [tokens, heads, D] (token t at t x stride, out at
-// t x out_stride; out may be x), in float32: RMSNorm of single heads (Qwen3's q/k norms) or of whole rows.
-void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
-                  int64_t D, const float* weight, float eps) {
-    for (int64_t t = 0; t < tokens; t++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const float* row = x + t * stride + h * D;
-            float* dst = out + t * out_stride + h * D;
-            float ss = 0.f;
-            for (int64_t i = 0; i < D; i++) ss += row[i] * row[i];
-            const float inv = 1.f / sqrtf(ss / (float)D + eps);
-            for (int64_t i = 0; i < D; i++) dst[i] = row[i] * inv * weight[i];
-        }
-    }
-}
 
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim] (float32).
 typedef struct {

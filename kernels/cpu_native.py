@@ -87,8 +87,24 @@ def _compile(compiler: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.kvd_linear.argtypes = [ctypes.POINTER(LinearWeight), p, i32, i64, p, i32, i32]
-    attention = [p, i64, p, p, i32, i64, i64, i64, i64, i64, i64, p, i64, p, f32, i32]
-    lib.kvd_paged_decode_attention.argtypes = attention
+    lib.kvd_paged_decode_attention.argtypes = [
+        p,
+        i64,
+        p,
+        p,
+        i32,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        p,
+        i64,
+        p,
+        f32,
+        i32,
+    ]
     lib.kvd_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
     lib.kvd_store_kv.argtypes = [p, i64, p, i64, p, i32, i64, i64, p, i64]
     lib.kvd_rotary.argtypes = [p, i64, i32, i64, i64, i64, p, p]

@@ -3,8 +3,8 @@
 Two implementations of each, picked by what this host can run:
 - kvd's native kernels (kvd.kernels.cpu_native, built on the host): the weights in GGUF Q4_1 / Q8_0's block
   layout, activations quantized per block to int8 and multiplied in integer SIMD, float32 or bfloat16 in and
-  out. 1.2-2x faster than torch's kernels below (benchmarks/forward.py), and batch-1 decode becomes bound by
-  reading the weights.
+  out; from DEQUANTIZE_MIN_ROWS rows, torch's GEMM on dequantized tiles. Per matmul on SmolLM2's shapes 1.2-2x
+  faster than torch's kernels below, and batch-1 decode becomes bound by reading the weights.
 - torch's weight-only kernels, where the native ones cannot be built: 4-bit groups, 8-bit per row.
   Activations enter them as bfloat16: their float32 and float16 paths are 10-100x slower (measured on AVX2),
   while the bfloat16 ones beat a float32 matmul at decode batch sizes even without native bf16 units.
@@ -163,9 +163,10 @@ class NativeQuantizedLinear(QuantizedLinear):
         tile = max(64, DEQUANTIZE_TILE_BYTES // (cols * x.element_size()))
         y = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        native = self.native_weight()
         for first in range(0, rows, tile):
             count = min(tile, rows - first)
-            weight = cpu_native.dequantize(self.native_weight(), first, _scratch(count, cols, x.dtype))
+            weight = cpu_native.dequantize(native, first, _scratch(count, cols, x.dtype))
             part = None if bias is None else bias[first : first + count]
             y[..., first : first + count] = F.linear(x, weight, part)
         return y
