@@ -1,109 +1,28 @@
-"""Attention over the paged KV pool: per-step metadata and the backend interface that kernels plug into."""
+"""Attention over the paged KV pool: the step metadata every layer shares, built by the model's backend.
+
+Backends build on attention_base; the names model code uses are re-exported here.
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
+from kvd.model.layers.attention_base import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataError,
+    StepLayout,
+    host_to_device,
+)
+from kvd.model.layers.torch_attention import TorchAttentionBackend
 
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A tensor of host-side step data on `device`. On CUDA it is staged in pinned memory and copied without
-    blocking (torch's caching host allocator keeps those pinned blocks and reuses each once its copy is done),
-    so building a step's metadata never waits on a pageable copy."""
-    if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
-class AttentionMetadataError(ValueError):
-    """The block tables, context lengths and query lengths of a step do not describe a valid batch."""
-
-
-@dataclass
-class AttentionMetadata:
-    """One flat varlen step: sequence s owns rows query_start_loc[s] : query_start_loc[s + 1] of the batch."""
-
-    # long [T]: the pool slot (block * block_size + offset) of each new token's K/V; -1 = do not write
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor  # int32 [S, max_blocks], padded with 0
-    context_lens: torch.Tensor  # int32 [S]: tokens in the cache after this step (cached + new)
-    query_start_loc: torch.Tensor  # int32 [S + 1]: cu_seqlens of the new tokens
-    max_query_len: int
-    max_context_len: int
-    block_size: int
-
-    @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
-
-@dataclass
-class StepLayout:
-    """The host-side description of a step that backends precompute their metadata from."""
-
-    block_tables: list[list[int]]  # each trimmed to the blocks its context uses
-    context_lens: list[int]
-    query_lens: list[int]
-    slot_mapping: list[int]
-    block_size: int
-
-    @property
-    def query_starts(self) -> list[int]:
-        starts = [0]
-        for n in self.query_lens:
-            starts.append(starts[-1] + n)
-        return starts
-
-
-class AttentionBackend(ABC):
-    """Writes a layer's new K/V into the pool and attends each new token over its sequence's context."""
-
-    name: ClassVar[str]
-    metadata_cls: ClassVar[type[AttentionMetadata]] = AttentionMetadata
-
-    def build_metadata(self, layout: StepLayout, device: torch.device | str) -> AttentionMetadata:
-        """Tensors for one step; backends extend this to precompute what every layer would otherwise redo."""
-        width = max((len(t) for t in layout.block_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in layout.block_tables]
-        return AttentionMetadata(
-            slot_mapping=host_to_device(layout.slot_mapping, torch.long, device),
-            block_tables=host_to_device(padded, torch.int32, device).view(len(padded), width),
-            context_lens=host_to_device(layout.context_lens, torch.int32, device),
-            query_start_loc=host_to_device(layout.query_starts, torch.int32, device),
-            max_query_len=max(layout.query_lens, default=0),
-            max_context_len=max(layout.context_lens, default=0),
-            block_size=layout.block_size,
-        )
-
-    def check_metadata(self, attn: AttentionMetadata) -> None:
-        """Refuse metadata built for another backend (it lacks what this one precomputes)."""
-        if not isinstance(attn, self.metadata_cls):
-            raise TypeError(
-                f"the {self.name} attention backend got {type(attn).__name__}; build the step's metadata with "
-                "build_attention_metadata(..., backend=<this backend>)"
-            )
-
-    @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        attn: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] (after RoPE) -> output [T, heads, head_dim].
-
-        kv_cache is the layer's [2, num_blocks, block_size, kv_heads, head_dim] pool tensor.
-        """
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "AttentionMetadataError",
+    "build_attention_metadata",
+    "host_to_device",
+]
 
 
 def build_attention_metadata(
@@ -150,8 +69,5 @@ def build_attention_metadata(
         trimmed, list(context_lens), list(query_lens), slot_mapping or derived_slots, block_size
     )
     if backend is None:
-        # Imported here: the torch backend builds on this module.
-        from kvd.model.layers.torch_attention import TorchAttentionBackend
-
         backend = TorchAttentionBackend()
     return backend.build_metadata(layout, device)

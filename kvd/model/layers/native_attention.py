@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.attention import StepLayout, host_to_device
+from kvd.model.layers.attention_base import StepLayout, host_to_device
 from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata, decode_rows
 
 

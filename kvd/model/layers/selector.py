@@ -14,33 +14,30 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.attention import AttentionBackend
+from kvd.model.layers.attention_base import (
+    AttentionBackend,
+    AttentionBackendError,
+    AttentionBackendUnavailableError,
+    resolve_block_size,
+)
+from kvd.model.layers.flash_attention import FlashAttentionBackend
+from kvd.model.layers.native_attention import NativeAttentionBackend
+from kvd.model.layers.torch_attention import TorchAttentionBackend
+from kvd.model.layers.triton_attention import TritonAttentionBackend
 
-BACKEND_NAMES = ("auto", "torch", "native", "triton", "flash-attn")
+# Importing a backend is cheap: triton and flash_attn are imported when a kernel is launched or a backend built.
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    backend.name: backend
+    for backend in (
+        TorchAttentionBackend,
+        NativeAttentionBackend,
+        TritonAttentionBackend,
+        FlashAttentionBackend,
+    )
+}
+BACKEND_NAMES = ("auto", *BACKENDS)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-class AttentionBackendError(ValueError):
-    """The attention backend or block size asked for cannot run with this device, dtype or block size."""
-
-
-class AttentionBackendUnavailableError(AttentionBackendError):
-    """The attention backend asked for needs a package that is not installed."""
-
-
-@dataclass(frozen=True)
-class BlockSizeRule:
-    default: int
-    multiple_of: int
-
-
-BLOCK_SIZE_RULES = {
-    "torch": BlockSizeRule(16, 1),
-    "native": BlockSizeRule(16, 1),
-    "triton": BlockSizeRule(16, 1),
-    "flash-attn": BlockSizeRule(256, 256),  # flash-attn's paged KV reads whole 256-token pages
-}
 
 
 def _installed(package: str) -> bool:
@@ -103,38 +100,11 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
     return name
 
 
-def resolve_block_size(backend_name: str, block_size: int | None) -> int:
-    """The block size to run with: the backend's default when None, else checked against its rule."""
-    rule = BLOCK_SIZE_RULES[backend_name]
-    if block_size is None:
-        return rule.default
-    if block_size < 1 or block_size % rule.multiple_of:
-        raise AttentionBackendError(
-            f"the {backend_name} attention backend needs a block size that is a positive multiple of "
-            f"{rule.multiple_of}, got {block_size}; leave --block-size unset for its default ({rule.default})"
-        )
-    return block_size
-
-
 def create_attention_backend(backend_name: str) -> AttentionBackend:
-    """An instance of a resolved backend (see resolve_backend_name); imports its kernels only now."""
-    if backend_name == "torch":
-        from kvd.model.layers.torch_attention import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if backend_name == "native":
-        from kvd.model.layers.native_attention import NativeAttentionBackend
-
-        return NativeAttentionBackend()
-    if backend_name == "triton":
-        from kvd.model.layers.triton_attention import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    if backend_name == "flash-attn":
-        from kvd.model.layers.flash_attention import FlashAttentionBackend
-
-        return FlashAttentionBackend()
-    raise AttentionBackendError(f"{backend_name!r} is not a concrete backend; resolve it first")
+    """An instance of a resolved backend (see resolve_backend_name)."""
+    if backend_name not in BACKENDS:
+        raise AttentionBackendError(f"{backend_name!r} is not a concrete backend; resolve it first")
+    return BACKENDS[backend_name]()
 
 
 @dataclass(frozen=True)
@@ -146,7 +116,9 @@ class AttentionSelection:
 def select_attention_backend(
     name: str, device: torch.device | str, dtype: torch.dtype, block_size: int | None = None
 ) -> AttentionSelection:
-    """Resolve `name` (auto|torch|triton|flash-attn), check the block size, build the backend."""
+    """Resolve `name` (one of BACKEND_NAMES), check the block size, build the backend."""
     resolved = resolve_backend_name(name, device, dtype)
-    size = resolve_block_size(resolved, block_size)  # before building: a bad size fails without imports
+    size = resolve_block_size(
+        resolved, block_size
+    )  # before building: a bad size fails before flash_attn loads
     return AttentionSelection(create_attention_backend(resolved), size)
