@@ -168,14 +168,13 @@ def main(argv: list[str] | None = None) -> dict:
     # Heavy imports here, not at the top: the spawned client processes import this module too.
     from benchmarks.throughput import make_workload, run_kvd
     from kvd import LLM
-    from kvd.cli import parse_size
 
     llm = LLM(
         args.model,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory=parse_size(args.kv_cache_memory),
+        kv_cache_memory=args.kv_cache_memory,  # EngineArgs parses sizes such as 1G
         num_threads=args.threads,
     )
     workload = make_workload(

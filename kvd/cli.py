@@ -10,34 +10,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import kvd
-from kvd.engine import engine_args
-from kvd.engine.engine_args import EngineArgs, EngineArgsError
+from kvd.engine.engine_args import EngineArgs
 from kvd.gateway.server import DEFAULT_HTTP
 from kvd.server.config import ServerConfig
 from kvd.server.config_file import ConfigFileError, apply_config_file
+from kvd.settings import add_flags, from_flags, positive_int
 from kvd_client import Client, KvdError
 from kvd_client.client import DEFAULT_TIMEOUT_S
 from kvd_client.endpoint import resolve_endpoint
 
 CHAT_HELP = "/reset clears the history, /help shows this, /exit (or Ctrl-D) quits"
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "1073741824", "512M", "2G", "1.5GiB" (binary units), as an argparse type."""
-    try:
-        return engine_args.parse_size(text)
-    except EngineArgsError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,131 +83,16 @@ def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.Argument
 
 
 def _serve_parser(p: argparse.ArgumentParser) -> None:
-    # Defaults come from the settings classes themselves, so the flags cannot drift from them.
-    e, c = EngineArgs, ServerConfig
     p.add_argument(
         "--config",
         type=Path,
         help="a TOML file of these settings, named without dashes (systemd/kvd.toml.example); flags win",
     )
-    model = p.add_argument_group("model and engine")
-    model.add_argument(
-        "--model", help="folder, .gguf file or Hugging Face id (default: bundled SmolLM2-135M)"
-    )
-    model.add_argument("--dtype", default=e.dtype, help="auto, float32, bfloat16 or float16 (%(default)s)")
-    model.add_argument("--device", default=e.device, help="cpu or cuda[:N] (%(default)s)")
-    model.add_argument(
-        "--quantization",
-        default=e.quantization,
-        choices=["auto", "none", "int8", "int4"],
-        help="CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",
-    )
-    model.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        help=f"KV pool size, e.g. 512M or 2G (default: {e.kv_cache_memory_fraction:.0%}% of free)",
-    )
-    model.add_argument(
-        "--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences per batch (%(default)s)"
-    )
-    model.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=e.max_num_batched_tokens,
-        help="tokens per step (%(default)s)",
-    )
-    model.add_argument("--max-model-len", type=int, help="context length cap (default: the model's)")
-    model.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=e.block_size,
-        help="tokens per KV block (default: the attention backend's; 16, or 256 for flash-attn)",
-    )
-    model.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    model.add_argument(
-        "--num-threads",
-        "--threads",
-        type=positive_int,
-        help="CPU threads for torch, num_threads in the Python API (default: all cores)",
-    )
-    model.add_argument(
-        "--attention-backend",
-        default=e.attention_backend,
-        choices=["auto", "torch", "native", "triton", "flash-attn"],
-        help="auto: flash-attn, else triton on CUDA; native (kvd's kernels), else torch on CPU (%(default)s)",
-    )
-    model.add_argument(
-        "--enforce-eager", action="store_true", help="CUDA: no CUDA graphs and no torch.compile"
-    )
-    model.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=e.gpu_memory_utilization,
-        help="CUDA: the share of the device's memory this process may use, KV pool included (%(default)s)",
-    )
-
-    server = p.add_argument_group("daemon")
-    server.add_argument(
-        "--listen", help="ipc://PATH or tcp://127.0.0.1:PORT (default: $KVD_ENDPOINT or per-user)"
-    )
-    server.add_argument(
-        "--events", help="publish queued/scheduled/preempted/finished events on this endpoint (default: off)"
-    )
-    server.add_argument("--socket-group", help="make the ipc socket 0660 with this group (default: 0600)")
-    server.add_argument(
-        "--allow-remote", action="store_true", help="permit a non-loopback tcp or --http address"
-    )
-    server.add_argument(
-        "--http",
-        metavar="HOST:PORT",
-        help=f"also run the OpenAI-compatible HTTP gateway (kvd gateway) there, e.g. {DEFAULT_HTTP} (default: off)",
-    )
-    server.add_argument(
-        "--shared-prefix-cache",
-        action="store_true",
-        help="let different users share cached prompt prefixes (trusted single-tenant hosts only)",
-    )
-    server.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=c.drain_timeout,
-        help="seconds to finish on SIGTERM (%(default)s)",
-    )
-    server.add_argument(
-        "--client-timeout",
-        type=float,
-        default=c.client_timeout,
-        help="seconds a client may leave replies unread (%(default)s)",
-    )
-    server.add_argument(
-        "--max-message-bytes",
-        type=parse_size,
-        default=c.max_message_bytes,
-        help="request size limit (%(default)s)",
-    )
-    server.add_argument(
-        "--max-prompt-tokens", type=int, help="prompt length limit (default: max_model_len - 1)"
-    )
-    server.add_argument(
-        "--max-queued-per-client",
-        type=int,
-        default=c.max_queued_per_client,
-        help="requests in flight per client (%(default)s)",
-    )
-    server.add_argument(
-        "--max-queued", type=int, default=c.max_queued, help="requests in flight in total (%(default)s)"
-    )
-    server.add_argument(
-        "--max-running-per-client",
-        type=int,
-        help="requests per client in the engine at once; the rest wait their turn (default: no cap)",
-    )
-    server.add_argument(
-        "--max-blocks-per-client",
-        type=int,
-        help="KV blocks one client's requests may hold; more of them wait (default: no cap)",
-    )
-    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # The settings classes make their flags (kvd.settings), so a new setting is added in one place.
+    add_flags(p.add_argument_group("model and engine"), EngineArgs)
+    daemon = p.add_argument_group("daemon")
+    add_flags(daemon, ServerConfig)
+    daemon.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=_serve)
 
 
@@ -277,38 +144,8 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     try:
-        engine_args = EngineArgs(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            quantization=args.quantization,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            num_threads=args.num_threads,
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-        )
-        config = ServerConfig(
-            listen=args.listen,
-            socket_group=args.socket_group,
-            events=args.events,
-            allow_remote=args.allow_remote,
-            http=args.http,
-            shared_prefix_cache=args.shared_prefix_cache,
-            drain_timeout=args.drain_timeout,
-            client_timeout=args.client_timeout,
-            max_message_bytes=args.max_message_bytes,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_queued_per_client=args.max_queued_per_client,
-            max_queued=args.max_queued,
-            max_running_per_client=args.max_running_per_client,
-            max_blocks_per_client=args.max_blocks_per_client,
-        )
+        engine_args = from_flags(EngineArgs, args)
+        config = from_flags(ServerConfig, args)
         serve(engine_args, config)
     except (ListenError, ValueError, FileNotFoundError, GatewayConfigError) as e:
         # Configuration and input mistakes: one clear line, no traceback.

@@ -136,6 +136,12 @@ def test_native_backend_runs_on_the_cpu_only(monkeypatch):
         resolve_backend_name("native", CPU, torch.float32)
 
 
+def test_the_cli_offers_every_backend():
+    from kvd.engine.engine_args import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == selector.BACKEND_NAMES
+
+
 def test_block_size_defaults_and_rules():
     assert [resolve_block_size(n, None) for n in ("torch", "native", "triton", "flash-attn")] == [
         16,

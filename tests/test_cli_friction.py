@@ -88,6 +88,20 @@ def test_the_python_api_takes_what_the_cli_takes():
     assert _sampling(generate)["ignore_eos"] is True and generate.max_tokens is None
 
 
+def test_serve_flags_are_the_settings_classes_fields():
+    from kvd.server.config import ServerConfig
+    from kvd.settings import from_flags
+
+    defaults = build_parser().parse_args(["serve"])
+    assert from_flags(EngineArgs, defaults) == EngineArgs()
+    assert from_flags(ServerConfig, defaults) == ServerConfig()
+    flags = ["serve", "--no-prefix-caching", "--kv-cache-memory", "1G", "--max-message-bytes", "2M"]
+    args = build_parser().parse_args(flags)
+    engine, config = from_flags(EngineArgs, args), from_flags(ServerConfig, args)
+    assert (engine.enable_prefix_caching, engine.kv_cache_memory) == (False, 1 << 30)
+    assert config.max_message_bytes == 2 << 20
+
+
 def test_a_truncated_or_empty_gguf_names_the_file(tmp_path: Path):
     truncated = tmp_path / "truncated.gguf"
     with open(default_model_path(), "rb") as f:

@@ -5,9 +5,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvd.settings import positive_int, setting
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# kvd.model.layers.selector's BACKEND_NAMES, spelt out: importing it would load torch for every command.
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
 
 
 class EngineArgsError(ValueError):
@@ -27,23 +32,55 @@ def parse_size(text: str) -> int:
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # folder, .gguf file or hub id; None = the bundled SmolLM2-135M-Instruct
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int | None = None  # tokens per KV block; None = the attention backend's default
-    kv_cache_memory: int | str | None = None  # bytes or "512M"; None = sized from the two settings below
-    kv_cache_memory_fraction: float = 0.1  # CPU: this fraction of available memory
-    gpu_memory_utilization: float = 0.9  # CUDA: this process's share of the device memory
-    attention_backend: str = "auto"  # auto | torch | native | triton | flash-attn (kvd.model.layers.selector)
-    enforce_eager: bool = False  # CUDA: no torch.compile and no CUDA graphs
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None = the model's context length, capped by the pool
-    enable_prefix_caching: bool = True
-    num_threads: int | None = None  # CPU threads for torch; None = all cores
+    """The engine's settings; each field's help is its `kvd serve` flag's (kvd.settings)."""
+
+    model: str | None = setting(None, "folder, .gguf file or Hugging Face id (default: bundled SmolLM2-135M)")
+    dtype: str = setting("auto", "auto, float32, bfloat16 or float16 (%(default)s)")
+    device: str = setting("cpu", "cpu or cuda[:N] (%(default)s)")
+    block_size: int | None = setting(
+        None,
+        "tokens per KV block (default: the attention backend's; 16, or 256 for flash-attn)",
+        type=positive_int,
+    )
+    # Bytes or "512M"; None = sized by kv_cache_memory_fraction (CPU) or gpu_memory_utilization (CUDA).
+    kv_cache_memory: int | str | None = setting(
+        None,
+        "KV pool size, e.g. 512M or 2G "
+        "(default: sized by --kv-cache-memory-fraction or --gpu-memory-utilization)",
+        type=parse_size,
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.1, "CPU: the share of available memory the KV pool takes without --kv-cache-memory (%(default)s)"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: the share of the device's memory this process may use, KV pool included (%(default)s)"
+    )
+    attention_backend: str = setting(
+        "auto",
+        "auto: flash-attn, else triton on CUDA; native (kvd's kernels), else torch on CPU (%(default)s)",
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = setting(False, "CUDA: no CUDA graphs and no torch.compile")
+    max_num_seqs: int = setting(128, "sequences per batch (%(default)s)")
+    max_num_batched_tokens: int = setting(2048, "tokens per step (%(default)s)")
+    # None = the model's context length, capped by the pool
+    max_model_len: int | None = setting(None, "context length cap (default: the model's)")
+    enable_prefix_caching: bool = setting(
+        True, "do not reuse cached prompt prefixes", name="--no-prefix-caching"
+    )
+    num_threads: int | None = setting(
+        None,
+        "CPU threads for torch, num_threads in the Python API (default: all cores)",
+        aliases=("--threads",),
+        type=positive_int,
+    )
     # Decoder weights kept quantized (CPU): auto = what a GGUF file holds (int4 for Q4_0/Q4_1, int8 for
     # Q8_0), none = dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
-    quantization: str = "auto"
+    quantization: str = setting(
+        "auto",
+        "CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",
+        choices=QUANTIZATIONS,
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -54,7 +91,7 @@ class EngineArgs:
             raise EngineArgsError(
                 f"num_threads must be >= 1 (leave it unset for all cores), got {self.num_threads}"
             )
-        if self.quantization not in ("auto", "none", "int8", "int4"):
+        if self.quantization not in QUANTIZATIONS:
             raise EngineArgsError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")

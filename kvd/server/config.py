@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.engine.engine_args import parse_size
+from kvd.gateway.server import DEFAULT_HTTP
+from kvd.settings import setting
+
 # How often a client with requests in flight hears from the daemon at least (see docs/protocol.md, liveness).
 HEARTBEAT_INTERVAL_S = 1.0
 
@@ -14,21 +18,36 @@ class ServerConfigError(ValueError):
 
 @dataclass
 class ServerConfig:
-    listen: str | None = None  # None: the per-user default endpoint (kvd_client.endpoint)
-    socket_group: str | None = None  # ipc only: socket mode 0660 with this group instead of 0600
-    events: str | None = None  # where to publish the event stream (ipc:// or tcp://); None: no events
-    allow_remote: bool = False  # permit a tcp (or --http) address that is not loopback
-    http: str | None = None  # HOST:PORT of an OpenAI-compatible gateway run beside the daemon; None: none
-    shared_prefix_cache: bool = False  # let different users share cached prompt blocks (single-tenant hosts)
-    drain_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
-    client_timeout: float = 10.0  # seconds a client may leave replies unread (or a tcp peer stay silent)
-    max_message_bytes: int = 1 << 20
-    max_prompt_tokens: int | None = None  # None: the model's max_model_len - 1
-    max_queued_per_client: int = 256  # generate/chat requests in flight per client
-    max_queued: int = 4096  # in flight over all clients
-    max_running_per_client: int | None = None  # requests per client in the engine at once; None: no cap
-    max_blocks_per_client: int | None = (
-        None  # KV blocks a client's requests may hold before more are admitted
+    """The daemon's settings; each field's help is its `kvd serve` flag's (kvd.settings)."""
+
+    listen: str | None = setting(
+        None, "ipc://PATH or tcp://127.0.0.1:PORT (default: $KVD_ENDPOINT or per-user)"
+    )
+    socket_group: str | None = setting(None, "make the ipc socket 0660 with this group (default: 0600)")
+    events: str | None = setting(
+        None, "publish queued/scheduled/preempted/finished events on this endpoint (default: off)"
+    )
+    allow_remote: bool = setting(False, "permit a non-loopback tcp or --http address")
+    http: str | None = setting(
+        None,
+        f"also run the OpenAI-compatible HTTP gateway (kvd gateway) there, e.g. {DEFAULT_HTTP} (default: off)",
+        metavar="HOST:PORT",
+    )
+    shared_prefix_cache: bool = setting(
+        False, "let different users share cached prompt prefixes (trusted single-tenant hosts only)"
+    )
+    drain_timeout: float = setting(30.0, "seconds to finish on SIGTERM (%(default)s)")
+    # Also how long a tcp peer may stay silent.
+    client_timeout: float = setting(10.0, "seconds a client may leave replies unread (%(default)s)")
+    max_message_bytes: int = setting(1 << 20, "request size limit (%(default)s)", type=parse_size)
+    max_prompt_tokens: int | None = setting(None, "prompt length limit (default: max_model_len - 1)")
+    max_queued_per_client: int = setting(256, "requests in flight per client (%(default)s)")
+    max_queued: int = setting(4096, "requests in flight in total (%(default)s)")
+    max_running_per_client: int | None = setting(
+        None, "requests per client in the engine at once; the rest wait their turn (default: no cap)"
+    )
+    max_blocks_per_client: int | None = setting(
+        None, "KV blocks one client's requests may hold; more of them wait (default: no cap)"
     )
 
     def __post_init__(self) -> None:
