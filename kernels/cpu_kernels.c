@@ -8,18 +8,30 @@
 // - K/V store, rotary embedding, RMSNorm (with the residual add fused), and a decode step through every layer.
 // Activations and the KV pool are float32 or bfloat16 (the norms and the layer loop: float32). Without AVX2 the
 // same arithmetic runs in portable C. Threads: OpenMP (torch's own runtime once torch has loaded it), the count
-// passed in by the caller.
+// passed in by the caller. Indices into the KV pool and the rotary table are checked before anything is written
+// (KVD_BAD_INDEX). The ABI is declared in cpu_kernels.h.
+
+#include "cpu_kernels.h"
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX2__
+// The SIMD paths use AVX2 integer ops and FMA together; a CPU (or build) with one but not the other runs the
+// portable C. F16C has its own guard.
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVD_AVX2 1
+#else
+#define KVD_AVX2 0
+#endif
+#if KVD_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #define QBLOCK 32
+
+const char* kvd_isa(void) { return KVD_AVX2 ? "avx2+fma" : "portable"; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -78,7 +90,7 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
 
 // ---- block dot products: 32 weights x 32 int8 activations -> int32 sum -------------------------------------
 
-#ifdef __AVX2__
+#if KVD_AVX2
 static inline __m256i unpack_q4(const uint8_t* qs) {
     const __m128i bytes = _mm_loadu_si128((const __m128i*)qs);
     const __m128i mask = _mm_set1_epi8(0x0f);
@@ -139,7 +151,7 @@ static void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
     float sum = 0.f;
-#ifdef __AVX2__
+#if KVD_AVX2
     __m256 acc = _mm256_setzero_ps();
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     sum = hsum(acc);
@@ -148,7 +160,7 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
     return sum;
 }
 
-#ifdef __AVX2__
+#if KVD_AVX2
 // Block b of a weight row as 32 unsigned bytes (|w| for Q8, whose signs go to the activations), and the signs.
 static inline __attribute__((always_inline)) __m256i load_weight_block(int bits, const uint8_t* qs, int64_t b,
                                                                         __m256i* wsign) {
@@ -235,7 +247,7 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
                                                             const float* sx, int64_t K, int64_t mr, float* out) {
     const int64_t nb = K / QBLOCK;
     int64_t m = 0;
-#ifdef __AVX2__
+#if KVD_AVX2
     for (; m + ROWS <= mr; m += ROWS) dot_4rows(bits, qs, d, q + m * K, dx + m * nb, K, out + m);
 #endif
     for (; m < mr; m++) out[m] = dot_1row(bits, qs, d, q + m * K, dx + m * nb, K);
@@ -245,23 +257,11 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
 
 #define TILE 64
 
-// A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
-// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float32 (bits 32: qs float32 [n, k], d and
-// mn NULL); bias float32 [n] or NULL.
-typedef struct {
-    const void* qs;
-    const uint16_t* d;
-    const uint16_t* mn;
-    const float* bias;
-    int64_t n, k;
-    int32_t bits;
-} kvd_weight;
-
 // Float32 weight rows against activation rows [0, mr) (float32, K apart): out[m]. Four rows share each load of
 // the weight, and each row keeps two accumulators.
 static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr, float* out) {
     int64_t m = 0;
-#ifdef __AVX2__
+#if KVD_AVX2
     if (K % 16 == 0) {
         for (; m + 4 <= mr; m += 4) {
             const float* a = x + m * K;
@@ -296,54 +296,66 @@ static void float_linear(const kvd_weight* w, const float* x, int64_t M, float* 
     }
 }
 
-// y [M, n] = x [M, k] @ W^T (+ bias); a float32 weight takes float32 activations only. Returns 0, or -1 when
-// out of memory.
+// y [M, n] = the int8 activation rows (q, dx, sx of quantize_rows) @ W^T (+ bias) for a 4- or 8-bit weight.
+// Returns 1 when out of memory, else 0.
+static int quantized_linear(const kvd_weight* w, const int8_t* q, const float* dx, const float* sx, int64_t M,
+                            void* y, int y_bf16, int nthreads) {
+    const int64_t K = w->k, N = w->n, nb = K / QBLOCK;
+    // Threads split the weight rows: each reads its own share of the weights once, for every activation row.
+    const int64_t row_bytes = w->bits == 4 ? K / 2 : K;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        // The row's fp16 scales (and minimums) as float32, converted once for all activation rows.
+        float* wd = malloc(sizeof(float) * (size_t)(2 * nb));
+        float* wm = wd ? wd + nb : NULL;
+        failed |= !wd;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            if (!wd) continue;
+            const uint8_t* wq = (const uint8_t*)w->qs + n * row_bytes;
+            f16_row_to_f32(w->d + n * nb, wd, nb);
+            if (w->bits == 4) f16_row_to_f32(w->mn + n * nb, wm, nb);
+            const float bias = w->bias ? w->bias[n] : 0.f;
+            // A tile of activation rows at a time, small enough for their results to stay on the stack.
+            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+                const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
+                float out[TILE];
+                if (w->bits == 4)
+                    dot_rows(4, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
+                else
+                    dot_rows(8, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
+                for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m] + bias, y_bf16);
+            }
+        }
+        free(wd);
+    }
+    return failed;
+}
+
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
     if (w->bits == 32) {
         float_linear(w, x, M, y, nthreads);
-        return 0;
+        return KVD_OK;
     }
-    const int64_t K = w->k, N = w->n, nb = K / QBLOCK;
+    const int64_t K = w->k, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
     float* sx = malloc(sizeof(float) * (size_t)(M * nb));
-    if (!q || !dx || !sx) {
-        free(q);
-        free(dx);
-        free(sx);
-        return -1;
-    }
-    quantize_rows(x, x_bf16, M, K, q, dx, sx);
-    // Threads split the weight rows: each reads its own share of the weights once, for every activation row.
-    const int64_t row_bytes = w->bits == 4 ? K / 2 : K;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t* wq = (const uint8_t*)w->qs + n * row_bytes;
-        // The row's fp16 scales (and minimums) as float32, converted once for all activation rows.
-        float wd[nb], wm[nb];
-        f16_row_to_f32(w->d + n * nb, wd, nb);
-        if (w->bits == 4) f16_row_to_f32(w->mn + n * nb, wm, nb);
-        const float bias = w->bias ? w->bias[n] : 0.f;
-        // A tile of activation rows at a time, small enough for their results to stay on the stack.
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-            const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
-            float out[TILE];
-            if (w->bits == 4)
-                dot_rows(4, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
-            else
-                dot_rows(8, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
-            for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m] + bias, y_bf16);
-        }
+    int failed = !q || !dx || !sx;
+    if (!failed) {
+        quantize_rows(x, x_bf16, M, K, q, dx, sx);
+        failed = quantized_linear(w, q, dx, sx, M, y, y_bf16, nthreads);
     }
     free(q);
     free(dx);
     free(sx);
-    return 0;
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
 // ---- paged decode attention --------------------------------------------------------------------------------
 
-#ifdef __AVX2__
+#if KVD_AVX2
 static inline __m256 load8(const char* p, int bf16) {
     if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
     return _mm256_loadu_ps((const float*)p);
@@ -354,7 +366,7 @@ static inline __m256 load8(const char* p, int bf16) {
 static inline __attribute__((always_inline)) float dot_row(const float* a, const char* b, int bf16, int64_t D) {
     int64_t i = 0;
     float sum = 0.f;
-#ifdef __AVX2__
+#if KVD_AVX2
     const int elem = bf16 ? 2 : 4;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
     for (; i + 16 <= D; i += 16) {
@@ -371,7 +383,7 @@ static inline __attribute__((always_inline)) float dot_row(const float* a, const
 // acc += p x a pool row of D values.
 static inline __attribute__((always_inline)) void add_scaled_row(float* acc, float p, const char* v, int bf16, int64_t D) {
     int64_t i = 0;
-#ifdef __AVX2__
+#if KVD_AVX2
     const int elem = bf16 ? 2 : 4;
     const __m256 pv = _mm256_set1_ps(p);
     for (; i + 8 <= D; i += 8)
@@ -421,41 +433,58 @@ static inline __attribute__((always_inline)) void attend_group(
     }
 }
 
-// out [S, H, D] = softmax(q K^T * scale) V (q: sequence s at s x q_stride) for each sequence s over its
-// context_lens[s] cached tokens, read from the pool [2, num_blocks, block_size, kv_heads, D] through
-// block_tables [S, table_width]. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
-// dtype. Returns -1 when out of memory.
+// The longest of the S contexts, or -1 when a context length or a block table entry it covers is out of range
+// (lengths in [1, table_width x block_size], entries in [0, num_blocks)).
+static int64_t checked_max_context(const int32_t* tables, int64_t table_width, const int32_t* lens, int64_t S,
+                                   int64_t num_blocks, int64_t block_size) {
+    int64_t longest = 0;
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t ctx = lens[s];
+        if (ctx < 1 || ctx > table_width * block_size) return -1;
+        for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; b++) {
+            const int32_t block = tables[s * table_width + b];
+            if (block < 0 || block >= num_blocks) return -1;
+        }
+        longest = ctx > longest ? ctx : longest;
+    }
+    return longest;
+}
+
 int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
                                const int32_t* context_lens, float scale, int nthreads) {
+    const int64_t longest = checked_max_context(block_tables, table_width, context_lens, S, num_blocks, block_size);
+    if (longest < 0) return KVD_BAD_INDEX;
     const int64_t group = H / kv_heads;
     const int64_t slot_bytes = kv_heads * D * (bf16 ? 2 : 4);
     const char* keys = pool;
     const char* values = keys + num_blocks * block_size * slot_bytes;
     int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(static) collapse(2)
-    for (int64_t s = 0; s < S; s++) {
-        for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-            float* work = malloc(sizeof(float) * (size_t)(group * (context_lens[s] + 2 * D)));
-            if (!work) {
-                failed = 1;
-                continue;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        // One work area per thread, for the longest context: no allocation per (sequence, head).
+        float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D)));
+        failed |= !work;
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t s = 0; s < S; s++) {
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+                if (!work) continue;
+                const int32_t* table = block_tables + s * table_width;
+                if (D == 64)
+                    attend_group(q, out, keys, values, bf16, s, kvh, group, 64, q_stride, H, block_size,
+                                 slot_bytes, table, context_lens[s], scale, work);
+                else if (D == 128)
+                    attend_group(q, out, keys, values, bf16, s, kvh, group, 128, q_stride, H, block_size,
+                                 slot_bytes, table, context_lens[s], scale, work);
+                else
+                    attend_group(q, out, keys, values, bf16, s, kvh, group, D, q_stride, H, block_size,
+                                 slot_bytes, table, context_lens[s], scale, work);
             }
-            const int32_t* table = block_tables + s * table_width;
-            if (D == 64)
-                attend_group(q, out, keys, values, bf16, s, kvh, group, 64, q_stride, H, block_size, slot_bytes,
-                             table, context_lens[s], scale, work);
-            else if (D == 128)
-                attend_group(q, out, keys, values, bf16, s, kvh, group, 128, q_stride, H, block_size, slot_bytes,
-                             table, context_lens[s], scale, work);
-            else
-                attend_group(q, out, keys, values, bf16, s, kvh, group, D, q_stride, H, block_size, slot_bytes,
-                             table, context_lens[s], scale, work);
-            free(work);
         }
+        free(work);
     }
-    return failed ? -1 : 0;
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
 // ---- residual add + RMSNorm ----------------------------------------------------------------------------------
@@ -489,10 +518,16 @@ void kvd_add_rms_norm(const float* x, float* residual, const float* weight, floa
 
 // ---- K/V store and rotary embedding --------------------------------------------------------------------------
 
-// The pool's K and V rows at slots[t] = k[t], v[t] (row = kv_heads x D values; token t at t x k_stride in k,
-// t x v_stride in v); slot -1 is skipped.
-void kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16,
-                  int64_t num_slots, int64_t row, const int64_t* slots, int64_t T) {
+// Whether every slot lies in [-1, num_slots) and every position in [0, num_positions).
+static int indices_in_range(const int64_t* idx, int64_t T, int64_t low, int64_t end) {
+    for (int64_t t = 0; t < T; t++)
+        if (idx[t] < low || idx[t] >= end) return 0;
+    return 1;
+}
+
+int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16,
+                 int64_t num_slots, int64_t row, const int64_t* slots, int64_t T) {
+    if (!indices_in_range(slots, T, -1, num_slots)) return KVD_BAD_INDEX;
     const int elem = bf16 ? 2 : 4;
     const size_t bytes = (size_t)(row * elem);
     char* keys = pool;
@@ -502,105 +537,91 @@ void kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stri
         memcpy(keys + slots[t] * (int64_t)bytes, (const char*)k + t * k_stride * elem, bytes);
         memcpy(values + slots[t] * (int64_t)bytes, (const char*)v + t * v_stride * elem, bytes);
     }
+    return KVD_OK;
 }
 
-// Rotate x [T, heads, D] (token t at t x stride) in place by the rows of cos_sin [positions, 2 * D] (cos |
-// signed sin, full width): x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as
-// torch computes them.
-void kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
-                const int64_t* positions) {
+// x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as torch computes them. Element
+// i and i + D / 2 read each other, so each pair is rotated together, in place.
+int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
+               int64_t num_positions, const int64_t* positions) {
+    if (!indices_in_range(positions, T, 0, num_positions)) return KVD_BAD_INDEX;
     const int64_t half = D / 2;
     for (int64_t t = 0; t < T; t++) {
         const int64_t row = positions[t] * 2 * D;
         for (int64_t h = 0; h < heads; h++) {
             const int64_t base = t * stride + h * D;
-            float rotated[D];
-            for (int64_t i = 0; i < D; i++) {
-                const float c = load_f(cos_sin, row + i, bf16), s = load_f(cos_sin, row + D + i, bf16);
-                float a = load_f(x, base + i, bf16) * c;
-                float b = load_f(x, base + (i + half) % D, bf16) * s;
-                if (bf16) {
-                    a = bf16_to_f32(f32_to_bf16(a));
-                    b = bf16_to_f32(f32_to_bf16(b));
-                }
-                rotated[i] = a + b;
+            for (int64_t i = 0; i < half; i++) {
+                const float lo = load_f(x, base + i, bf16), hi = load_f(x, base + i + half, bf16);
+                float prod[4] = {lo * load_f(cos_sin, row + i, bf16), hi * load_f(cos_sin, row + D + i, bf16),
+                                 hi * load_f(cos_sin, row + i + half, bf16),
+                                 lo * load_f(cos_sin, row + D + i + half, bf16)};
+                if (bf16)
+                    for (int j = 0; j < 4; j++) prod[j] = bf16_to_f32(f32_to_bf16(prod[j]));
+                store_f(x, base + i, prod[0] + prod[1], bf16);
+                store_f(x, base + i + half, prod[2] + prod[3], bf16);
             }
-            for (int64_t i = 0; i < D; i++) store_f(x, base + i, rotated[i], bf16);
         }
     }
+    return KVD_OK;
 }
 
 // ---- a decode step through every decoder layer ----------------------------------------------------------------
 
-// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim] (float32).
-typedef struct {
-    const float* input_norm;
-    const float* post_attention_norm;
-    const float* q_norm;  // NULL without per-head q/k norms
-    const float* k_norm;
-    kvd_weight qkv, o, gate_up, down;
-    float* kv_cache;
-} kvd_layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
-    float eps, scale;
-} kvd_shape;
-
-// Every decoder layer for S sequences of one new token each, in float32: hidden [S, hidden] (the embeddings in,
-// the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that output out), as
-// the model's own layer loop leaves them. positions, slots [S]; block tables [S, table_width] and context
-// lengths [S] of the native attention. Returns 0, or -1 when out of memory.
+// The indices are checked once, before layer 0 writes anything; after that only memory can run out.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, float* hidden,
                       float* residual, int64_t S, const float* cos_sin, const int64_t* positions,
                       const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
                       int nthreads) {
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    if (checked_max_context(tables, table_width, lens, S, m->num_blocks, m->block_size) < 0 ||
+        !indices_in_range(slots, S, -1, num_slots) || !indices_in_range(positions, S, 0, m->num_positions))
+        return KVD_BAD_INDEX;
     const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m->intermediate;
     float* x = malloc(sizeof(float) * (size_t)(S * m->hidden));
     float* qkv = malloc(sizeof(float) * (size_t)(S * qkv_size));
     float* att = malloc(sizeof(float) * (size_t)(S * q_size));
     float* gate_up = malloc(sizeof(float) * (size_t)(S * 2 * I));
-    int status = (x && qkv && att && gate_up) ? 0 : -1;
-    for (int64_t l = 0; l < num_layers && status == 0; l++) {
+    int failed = !x || !qkv || !att || !gate_up;
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;
         kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, nthreads);
-        status |= kvd_linear(&L->qkv, x, 0, S, qkv, 0, nthreads);
+        failed |= kvd_linear(&L->qkv, x, 0, S, qkv, 0, nthreads) != KVD_OK;
         float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
         if (L->q_norm) {
             kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps);
             kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps);
         }
-        kvd_rotary(q, qkv_size, 0, S, m->heads, D, cos_sin, positions);
-        kvd_rotary(k, qkv_size, 0, S, m->kv_heads, D, cos_sin, positions);
-        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, 0, m->num_blocks * m->block_size, kv_size, slots, S);
-        status |= kvd_paged_decode_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
+        kvd_rotary(q, qkv_size, 0, S, m->heads, D, cos_sin, m->num_positions, positions);
+        kvd_rotary(k, qkv_size, 0, S, m->kv_heads, D, cos_sin, m->num_positions, positions);
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, 0, num_slots, kv_size, slots, S);
+        failed |= kvd_paged_decode_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
                                              m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
-                                             nthreads);
-        status |= kvd_linear(&L->o, att, 0, S, hidden, 0, nthreads);
+                                             nthreads) != KVD_OK;
+        failed |= kvd_linear(&L->o, att, 0, S, hidden, 0, nthreads) != KVD_OK;
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, nthreads);
-        status |= kvd_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads);
+        failed |= kvd_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads) != KVD_OK;
         for (int64_t s = 0; s < S; s++) {  // SiLU(gate) x up, into the gate half
             float* g = gate_up + s * 2 * I;
             for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
         }
         // The down projection reads rows I apart within rows 2I apart: pack them first.
         for (int64_t s = 1; s < S; s++) memmove(gate_up + s * I, gate_up + s * 2 * I, sizeof(float) * (size_t)I);
-        status |= kvd_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads);
+        failed |= kvd_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads) != KVD_OK;
     }
     free(x);
     free(qkv);
     free(att);
     free(gate_up);
-    return status ? -1 : 0;
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
 // ---- dequantization ---------------------------------------------------------------------------------------------
 
-// out [count, k] (float32, or bfloat16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight,
-// for the matmuls of many rows (prefill), where a float GEMM on the dequantized weight beats the integer dot
+// For the matmuls of many rows (prefill), where a float GEMM on the dequantized weight beats the integer dot
 // products.
-void kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
+int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
+    if (first < 0 || count < 0 || first + count > w->n) return KVD_BAD_INDEX;
     const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = first; n < first + count; n++) {
@@ -608,7 +629,7 @@ void kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out
         for (int64_t b = 0; b < nb; b++) {
             const float d = f16_to_f32(w->d[n * nb + b]);
             const float m = w->bits == 4 ? f16_to_f32(w->mn[n * nb + b]) : 0.f;
-#ifdef __AVX2__
+#if KVD_AVX2
             if (!out_bf16) {  // 8 values at a time: bytes widened to int32, converted, scaled
                 const __m256i codes = w->bits == 4 ? unpack_q4(qs + b * QBLOCK / 2)
                                                    : _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
@@ -634,4 +655,5 @@ void kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out
             for (int i = 0; i < QBLOCK; i++) store_f(out, (n - first) * K + b * QBLOCK + i, v[i], out_bf16);
         }
     }
+    return KVD_OK;
 }

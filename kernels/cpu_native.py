@@ -1,139 +1,65 @@
-"""Builds kvd's native CPU kernels (cpu_kernels.c) on this host and calls them on torch tensors.
+"""kvd's native CPU kernels called on torch tensors: every call into cpu_kernels.c goes through this module.
 
-The C file is compiled once per source, compiler and CPU (-march=native, so AVX2/AVX-512 are used where the
-CPU has them) into a cache folder ($KVD_CACHE_DIR, else $XDG_CACHE_HOME/kvd or ~/.cache/kvd, else a temporary
-folder), then loaded with ctypes. Without a C compiler, or with KVD_NATIVE=0, `available()` is False and kvd
-runs its plain-torch paths instead; the reason is logged once.
+The library is built and loaded by native_build (cffi, from the declarations in cpu_kernels.h). The wrappers
+check what the C code cannot (dtypes, shapes, packed rows); the kernels check every index into the KV pool and
+the rotary table themselves and refuse a bad one before writing (NativeKernelError, never a stray write).
+The structs are described to Python by named tuples whose fields are read from the header, so they cannot
+drift from it; a tuple holds addresses as plain integers, so a module holding one can still be deep-copied.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-from functools import cache
-from pathlib import Path
+from collections import namedtuple
+from functools import lru_cache
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvd.kernels.native_build import ffi, library
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
 QBLOCK = 32  # the quantization block along K, as in the C file
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 _DTYPES = (torch.float32, torch.bfloat16)
+_VOID_P = ffi.typeof("void *")
 
 
 class NativeKernelError(RuntimeError):
     """A native kernel refused its input or ran out of memory."""
 
 
-def _cache_dir() -> Path:
-    for candidate in (
-        os.environ.get("KVD_CACHE_DIR"),
-        os.environ.get("XDG_CACHE_HOME") and Path(os.environ["XDG_CACHE_HOME"]) / "kvd",
-        Path.home() / ".cache" / "kvd",
-    ):
-        if candidate:
-            path = Path(candidate) / "native"
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                if os.access(path, os.W_OK):
-                    return path
-            except OSError:
-                continue
-    path = Path(tempfile.gettempdir()) / f"kvd-native-{os.getuid()}"
-    path.mkdir(exist_ok=True)
-    return path
+def _fields(struct: str) -> list[str]:
+    return [name for name, _ in ffi.typeof(struct).fields]
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+# kvd_weight, kvd_layer and kvd_shape as Python values: fields named and ordered as in cpu_kernels.h.
+LinearWeight = namedtuple("LinearWeight", _fields("kvd_weight"))
+LayerWeights = namedtuple("LayerWeights", _fields("kvd_layer"))
+ModelShape = namedtuple("ModelShape", _fields("kvd_shape"))
 
 
-def _compile(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), version, _cpu_flags(), *_FLAGS]).encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"kvd_cpu_{key}.so"
-    if target.exists():
-        return target
-    log.info("building kvd's native CPU kernels for this host (once): %s", target)
-    # Build beside the target and rename: another process may be building the same file at the same time.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *_FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise OSError(result.stderr.strip()[-2000:])
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _fill(target: object, value: tuple) -> None:
+    """Copy a named tuple into the cffi struct `target`, field by field (pointers from integers)."""
+    for (name, field), item in zip(ffi.typeof(target).fields, value, strict=True):
+        if field.type.kind == "struct":
+            _fill(getattr(target, name), item)
+        elif field.type.kind == "pointer":
+            setattr(target, name, ffi.cast(field.type, item))
+        else:
+            setattr(target, name, item)
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvd_linear.argtypes = [ctypes.POINTER(LinearWeight), p, i32, i64, p, i32, i32]
-    lib.kvd_paged_decode_attention.argtypes = [
-        p,
-        i64,
-        p,
-        p,
-        i32,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        p,
-        i64,
-        p,
-        f32,
-        i32,
-    ]
-    lib.kvd_add_rms_norm.argtypes = [p, p, p, p, i64, i64, f32, i32]
-    lib.kvd_store_kv.argtypes = [p, i64, p, i64, p, i32, i64, i64, p, i64]
-    lib.kvd_rotary.argtypes = [p, i64, i32, i64, i64, i64, p, p]
-    lib.kvd_rms_norm.argtypes = [p, i64, p, i64, i64, i64, i64, p, f32]
-    lib.kvd_decode_layers.argtypes = [p, p, i64, p, p, i64, p, p, p, p, i64, p, i32]
-    lib.kvd_dequantize.argtypes = [ctypes.POINTER(LinearWeight), i64, i64, p, i32, i32]
-    for fn in (lib.kvd_add_rms_norm, lib.kvd_rms_norm, lib.kvd_store_kv, lib.kvd_rotary, lib.kvd_dequantize):
-        fn.restype = None
-    return lib
+@lru_cache(maxsize=4096)
+def _struct(ctype: str, value: tuple) -> object:
+    """The C struct for a named tuple, made once per distinct value."""
+    struct = ffi.new(f"{ctype} *")
+    _fill(struct[0], value)
+    return struct
 
 
-@cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (and a logged reason) when they cannot be built or are switched off."""
-    if os.environ.get("KVD_NATIVE", "1") == "0":
-        log.info("native CPU kernels switched off (KVD_NATIVE=0): plain torch paths run")
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        log.warning(
-            "no C compiler found: kvd runs its slower plain-torch CPU paths; install gcc (or set $CC) for its "
-            "native CPU kernels"
-        )
-        return None
-    try:
-        return _declare(ctypes.CDLL(str(_compile(compiler))))
-    except OSError as exc:
-        log.warning("building kvd's native CPU kernels failed, plain-torch CPU paths run instead:\n%s", exc)
-        return None
+@lru_cache(maxsize=8)
+def _layer_array(layers: tuple[LayerWeights, ...]) -> object:
+    array = ffi.new("kvd_layer[]", len(layers))
+    for i, layer in enumerate(layers):
+        _fill(array[i], layer)
+    return array
 
 
 def available() -> bool:
@@ -154,32 +80,41 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-def _check(status: int, what: str) -> None:
-    if status != 0:
-        raise NativeKernelError(f"{what}: out of memory")
+def _ptr(t: torch.Tensor | None) -> object:
+    return ffi.NULL if t is None else ffi.cast(_VOID_P, t.data_ptr())
 
 
 def address(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class LinearWeight(ctypes.Structure):
-    """kvd_weight: a linear's buffers and shape. Addresses are plain integers (not ctypes pointers), so a module
-    holding one can still be deep-copied; its owner rebuilds it when its buffers move (linear_weight)."""
+def _check(status: int, what: str) -> None:
+    if status == 0:
+        return
+    if status == library().KVD_BAD_INDEX:
+        raise NativeKernelError(
+            f"{what}: an index out of range (a slot, block table entry, context length, position or row), "
+            "refused before any write"
+        )
+    raise NativeKernelError(f"{what}: out of memory")
 
-    _fields_ = [
-        ("data", ctypes.c_size_t),
-        ("scales", ctypes.c_size_t),
-        ("mins", ctypes.c_size_t),
-        ("bias", ctypes.c_size_t),
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("bits", ctypes.c_int32),
-    ]
+
+def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """t is on the CPU, of this dtype and shape, contiguous (the message is only built when it is not)."""
+    if t.dtype != dtype or t.shape != shape or not t.is_contiguous() or not t.is_cpu:
+        raise NativeKernelError(
+            f"{name} must be a contiguous {dtype} CPU tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}"
+            f"{'' if t.is_contiguous() else ' (strided)'}"
+        )
+
+
+def _is_bf16(t: torch.Tensor) -> int:
+    if t.dtype not in _DTYPES:
+        raise NativeKernelError(f"native kernels take float32 or bfloat16, not {t.dtype}")
+    return int(t.dtype == torch.bfloat16)
 
 
 def linear_weight(
-    cached: LinearWeight | None,
     bits: int,
     data: torch.Tensor,
     scales: torch.Tensor | None = None,
@@ -188,24 +123,32 @@ def linear_weight(
 ) -> LinearWeight:
     """The kernel's view of a weight [N, K]: 4-bit (data uint8 [N, K/2], scales/mins float16 [N, K/32]), 8-bit
     (data int8 [N, K], scales float16 [N, K/32]) in blocks of 32 along K, or float32 (bits 32: data [N, K]); an
-    optional float32 bias [N]. `cached` is returned when it still points at these buffers."""
-    if cached is not None and (cached.data, cached.bias) == (data.data_ptr(), address(bias)):
-        return cached
+    optional float32 bias [N]. Cheap: callers make one per call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
     k = data.shape[1] * 2 if bits == 4 else data.shape[1]
     return LinearWeight(
-        data.data_ptr(), address(scales), address(mins), address(bias), data.shape[0], k, bits
+        qs=data.data_ptr(),
+        d=address(scales),
+        mn=address(mins),
+        bias=address(bias),
+        n=data.shape[0],
+        k=k,
+        bits=bits,
     )
 
 
 def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias), in x's dtype (float32 only for a float32 weight)."""
+    bf16 = _is_bf16(x)
+    if x.shape[-1] != weight.k or (weight.bits == 32 and bf16):
+        raise NativeKernelError(
+            f"linear: {x.dtype} x with {x.shape[-1]} features for a {weight.bits}-bit weight of {weight.k}"
+        )
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype)
-    bf16 = int(x.dtype == torch.bfloat16)
     status = library().kvd_linear(
-        ctypes.byref(weight), x.data_ptr(), bf16, x.numel() // weight.k, y.data_ptr(), bf16, _threads()
+        _struct("kvd_weight", weight), _ptr(x), bf16, x.numel() // weight.k, _ptr(y), bf16, _threads()
     )
     _check(status, "linear")
     return y
@@ -214,18 +157,34 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
 def dequantize(weight: LinearWeight, first: int, out: torch.Tensor) -> torch.Tensor:
     """Rows first .. first + len(out) of a 4- or 8-bit weight into out [rows, K] (float32 or bfloat16,
     contiguous); returns out."""
-    bf16 = int(out.dtype == torch.bfloat16)
-    library().kvd_dequantize(ctypes.byref(weight), first, out.shape[0], out.data_ptr(), bf16, _threads())
+    if not out.is_contiguous() or out.shape[-1] != weight.k:
+        raise NativeKernelError(f"dequantize: out must be [rows, {weight.k}], contiguous")
+    status = library().kvd_dequantize(
+        _struct("kvd_weight", weight), first, out.shape[0], _ptr(out), _is_bf16(out), _threads()
+    )
+    _check(status, "dequantize")
     return out
 
 
 def _token_stride(x: torch.Tensor) -> int:
     """Elements from one token's row to the next in x [T, heads, D], whose heads must lie packed in a row."""
-    if x.stride(-1) != 1 or x.stride(-2) != x.shape[-1]:
+    strides = x.stride()
+    if strides[-1] != 1 or strides[-2] != x.shape[-1]:
+        raise NativeKernelError(f"heads of a {tuple(x.shape)} tensor with strides {strides} are not packed")
+    return strides[0]
+
+
+def _check_pool(kv_cache: torch.Tensor, x: torch.Tensor) -> None:
+    """The pool is [2, blocks, block_size, kv_heads, D], contiguous, in x's dtype; x's heads fit it."""
+    pool, rows = kv_cache.shape, x.shape
+    if len(pool) != 5 or pool[0] != 2 or not kv_cache.is_contiguous():
         raise NativeKernelError(
-            f"heads of a {tuple(x.shape)} tensor with strides {x.stride()} are not packed"
+            f"the KV pool must be a contiguous [2, blocks, block_size, kv_heads, D] tensor, got {tuple(pool)}"
         )
-    return x.stride(0)
+    if kv_cache.dtype != x.dtype or rows[-1] != pool[4] or rows[1] % pool[3]:
+        raise NativeKernelError(
+            f"a {x.dtype} {tuple(rows)} input does not fit a {kv_cache.dtype} pool of {pool[3]} heads of {pool[4]}"
+        )
 
 
 def paged_decode_attention(
@@ -239,12 +198,16 @@ def paged_decode_attention(
 
     block_tables int32 [S, width] and context_lens int32 [S] (tokens cached, this one included).
     """
-    out = torch.empty(q.shape, dtype=q.dtype)
+    _check_pool(kv_cache, q)
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    seqs = q.shape[0]
+    _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
+    _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
+    out = torch.empty(q.shape, dtype=q.dtype)
     status = library().kvd_paged_decode_attention(
-        q.data_ptr(), _token_stride(q), out.data_ptr(), kv_cache.data_ptr(), int(q.dtype == torch.bfloat16),
-        num_blocks, block_size, kv_heads, head_dim, q.shape[0], q.shape[1], block_tables.data_ptr(),
-        block_tables.shape[1], context_lens.data_ptr(), scale, _threads(),
+        _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), num_blocks, block_size, kv_heads,
+        head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens), scale,
+        _threads(),
     )  # fmt: skip
     _check(status, "paged decode attention")
     return out
@@ -252,20 +215,37 @@ def paged_decode_attention(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Write k and v [T, kv_heads, D] into the pool's slots (long [T]; -1 = skip)."""
+    _check_pool(kv_cache, k)
+    if v.dtype != k.dtype or v.shape != k.shape or k.shape[1] != kv_cache.shape[3]:
+        raise NativeKernelError(f"store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} do not fit the pool")
+    _check_tensor(slots, "slots", torch.int64, (k.shape[0],))
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    library().kvd_store_kv(
-        k.data_ptr(), _token_stride(k), v.data_ptr(), _token_stride(v), kv_cache.data_ptr(),
-        int(k.dtype == torch.bfloat16),
-        num_slots, k.shape[1] * k.shape[2], slots.data_ptr(), k.shape[0],
+    status = library().kvd_store_kv(
+        _ptr(k), _token_stride(k), _ptr(v), _token_stride(v), _ptr(kv_cache), _is_bf16(k), num_slots,
+        k.shape[1] * k.shape[2], _ptr(slots), k.shape[0],
     )  # fmt: skip
+    _check(status, "store_kv")
 
 
 def rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] in place by cos_sin's rows [positions] (cos | signed sin, x's dtype); returns x."""
-    library().kvd_rotary(
-        x.data_ptr(), _token_stride(x), int(x.dtype == torch.bfloat16), x.shape[0], x.shape[1], x.shape[2],
-        cos_sin.data_ptr(), positions.data_ptr(),
+    head_dim = x.shape[2]
+    if (
+        cos_sin.dtype != x.dtype
+        or not cos_sin.is_contiguous()
+        or cos_sin.shape[-1] != 2 * head_dim
+        or head_dim % 2
+    ):
+        raise NativeKernelError(
+            f"rotary: the table must be a contiguous {x.dtype} [positions, {2 * head_dim}] tensor, and the head "
+            f"size even (got {cos_sin.dtype} {tuple(cos_sin.shape)}, head size {head_dim})"
+        )
+    _check_tensor(positions, "positions", torch.int64, (x.shape[0],))
+    status = library().kvd_rotary(
+        _ptr(x), _token_stride(x), _is_bf16(x), x.shape[0], x.shape[1], head_dim, _ptr(cos_sin),
+        cos_sin.shape[0], _ptr(positions),
     )  # fmt: skip
+    _check(status, "rotary")
     return x
 
 
@@ -276,8 +256,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x if x.dim() == 3 else x.contiguous().view(-1, 1, x.shape[-1])
     out = torch.empty(rows.shape, dtype=torch.float32)
     library().kvd_rms_norm(
-        rows.data_ptr(), _token_stride(rows), out.data_ptr(), out.stride(0), rows.shape[0], rows.shape[1],
-        rows.shape[2], weight.data_ptr(), eps,
+        _ptr(rows), _token_stride(rows), _ptr(out), out.stride(0), rows.shape[0], rows.shape[1], rows.shape[2],
+        _ptr(weight), eps,
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -292,7 +272,34 @@ def add_rms_norm(
     out = torch.empty_like(x)
     hidden = x.shape[-1]
     library().kvd_add_rms_norm(
-        x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
-        _threads(),
-    )  # fmt: skip
+        _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), x.numel() // hidden, hidden, eps, _threads()
+    )
     return out, residual
+
+
+def decode_layers(
+    shape: ModelShape,
+    layers: tuple[LayerWeights, ...],
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> None:
+    """Every decoder layer of a float32 decode step, in place on hidden and residual [S, hidden_size]."""
+    seqs = hidden.shape[0]
+    for name, t in (("hidden", hidden), ("residual", residual)):
+        _check_tensor(t, name, torch.float32, (seqs, shape.hidden))
+    _check_tensor(cos_sin, "cos_sin", torch.float32, (shape.num_positions, 2 * shape.head_dim))
+    _check_tensor(positions, "positions", torch.int64, (seqs,))
+    _check_tensor(slots, "slots", torch.int64, (seqs,))
+    _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
+    _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
+    status = library().kvd_decode_layers(
+        _struct("kvd_shape", shape), _layer_array(layers), len(layers), _ptr(hidden), _ptr(residual), seqs,
+        _ptr(cos_sin), _ptr(positions), _ptr(slots), _ptr(block_tables), block_tables.shape[1],
+        _ptr(context_lens), _threads(),
+    )  # fmt: skip
+    _check(status, "decode layers")

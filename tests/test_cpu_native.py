@@ -115,7 +115,9 @@ def test_rms_norm_of_heads_and_of_rows_matches_torch():
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
-    code = "from kvd.kernels import cpu_native as c; print(c.available()); print(c.library() and c.library()._name)"
+    code = (
+        "from kvd.kernels import cpu_native as c, native_build as b; print(c.available()); print(b.library_path())"
+    )
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -142,3 +144,97 @@ def test_without_a_compiler_kvd_says_so_and_runs_plain_torch(tmp_path):
     assert proc.stdout.splitlines()[0] == "False"
     assert "plain-torch CPU paths run instead" in proc.stderr
     assert _probe({"KVD_NATIVE": "0"}).stdout.splitlines()[0] == "False"
+
+
+def _pool_and_query(dtype=torch.float32):
+    pool = torch.randn(2, 4, 16, 2, 8).to(dtype)
+    return pool, torch.randn(2, 4, 8).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("tables", "lens"),
+    [
+        ([[0, 1], [2, 4]], [20, 17]),  # block 4 of a 4-block pool
+        ([[0, 1], [2, -1]], [20, 17]),  # a negative block id
+        ([[0, 1], [2, 3]], [20, 33]),  # a context longer than its table covers
+        ([[0, 1], [2, 3]], [20, 0]),  # an empty context
+    ],
+)
+def test_attention_refuses_indices_outside_the_pool(tables, lens):
+    pool, q = _pool_and_query()
+    tables, lens = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        cpu_native.paged_decode_attention(q, pool, tables, lens, 0.3)
+
+
+def test_attention_checks_dtypes_and_layouts():
+    pool, q = _pool_and_query()
+    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
+    cpu_native.paged_decode_attention(q, pool, tables, lens, 0.3)  # valid as given
+    bad = {
+        "pool dtype": (q, pool.bfloat16(), tables, lens),
+        "table dtype": (q, pool, tables.long(), lens),
+        "strided table": (q, pool, torch.tensor([[0, 9, 1], [2, 9, 3]], dtype=torch.int32)[:, ::2], lens),
+        "lens per sequence": (q, pool, tables, lens[:1]),
+        "strided pool": (q, pool.transpose(1, 2), tables, lens),
+    }
+    for what, args in bad.items():
+        with pytest.raises(cpu_native.NativeKernelError):
+            cpu_native.paged_decode_attention(*args, 0.3)
+            pytest.fail(f"{what} was accepted")
+
+
+@pytest.mark.parametrize("slot", [96, 10**12, -2])
+def test_store_refuses_a_slot_outside_the_pool_and_writes_nothing(slot):
+    k = torch.randn(3, 2, 8)
+    pool = torch.zeros(2, 6, 16, 2, 8)
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        cpu_native.store_kv(k, k, pool, torch.tensor([0, slot, 5]))
+    assert torch.count_nonzero(pool) == 0  # not even the valid slots before the bad one
+    with pytest.raises(cpu_native.NativeKernelError, match="int64"):
+        cpu_native.store_kv(k, k, pool, torch.tensor([0, 1, 5], dtype=torch.int32))
+
+
+def test_rotary_refuses_a_position_past_its_table():
+    rotary = RotaryEmbedding(64, 128, 10000.0, None)
+    q = torch.randn(2, 3, 64)
+    before = q.clone()
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        cpu_native.rotary(q, rotary.cos_sin_cache, torch.tensor([5, 128]))
+    assert torch.equal(q, before)
+
+
+def test_dequantize_refuses_rows_past_the_weight():
+    codes = torch.zeros(8, 32, dtype=torch.int8)
+    weight = cpu_native.linear_weight(8, codes, torch.ones(8, 1, dtype=torch.float16))
+    cpu_native.dequantize(weight, 4, torch.empty(4, 32))
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        cpu_native.dequantize(weight, 5, torch.empty(4, 32))
+
+
+def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
+    """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
+    shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35)
+    empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32)
+    layer = cpu_native.LayerWeights(0, 0, 0, 0, empty, empty, empty, empty, 0)
+    hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)
+    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
+
+    def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens):
+        cpu_native.decode_layers(
+            shape, layers, hidden, residual, cos_sin, torch.tensor(positions), torch.tensor(slots), tables, lens
+        )
+
+    run(())  # valid indices, no layer: nothing to do
+    for bad in ({"slots": (16, 64)}, {"positions": (3, 64)}, {"lens": torch.tensor([17, 40], dtype=torch.int32)}):
+        with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+            run((layer,), **bad)
+
+
+def test_the_struct_views_are_read_from_the_header():
+    """Field names and order come from cpu_kernels.h: the C names, not a hand-written mirror."""
+    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits")
+    header = (ROOT / "kernels" / "cpu_kernels.h").read_text()
+    for struct in (cpu_native.LinearWeight, cpu_native.LayerWeights, cpu_native.ModelShape):
+        for name in struct._fields:
+            assert name in header

@@ -9,8 +9,6 @@ Quantized linears take any batch; float32 ones up to linear.NATIVE_MAX_ROWS (bey
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kvd.kernels import cpu_native
@@ -18,38 +16,6 @@ from kvd.model.layers.attention import AttentionMetadata
 from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
 from kvd.model.layers.native_attention import NativeAttentionBackend, NativeDecodePlan
 from kvd.model.layers.quantized_linear import NativeQuantizedLinear
-
-
-class LayerWeights(ctypes.Structure):
-    """kvd_layer."""
-
-    _fields_ = [
-        ("input_norm", ctypes.c_size_t),
-        ("post_attention_norm", ctypes.c_size_t),
-        ("q_norm", ctypes.c_size_t),
-        ("k_norm", ctypes.c_size_t),
-        ("qkv", cpu_native.LinearWeight),
-        ("o", cpu_native.LinearWeight),
-        ("gate_up", cpu_native.LinearWeight),
-        ("down", cpu_native.LinearWeight),
-        ("kv_cache", ctypes.c_size_t),
-    ]
-
-
-class ModelShape(ctypes.Structure):
-    """kvd_shape."""
-
-    _fields_ = [
-        ("hidden", ctypes.c_int64),
-        ("heads", ctypes.c_int64),
-        ("kv_heads", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("intermediate", ctypes.c_int64),
-        ("num_blocks", ctypes.c_int64),
-        ("block_size", ctypes.c_int64),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-    ]
 
 
 def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
@@ -75,27 +41,32 @@ class NativeDecoder:
     def __init__(self, model: torch.nn.Module) -> None:
         config, layers = model.config, model.model.layers
         cache = layers[0].self_attn.kv_cache
-        self.shape = ModelShape(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            config.intermediate_size, cache.shape[1], cache.shape[2], config.rms_norm_eps, config.head_dim**-0.5,
-        )  # fmt: skip
-        weights = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            weights.append(
-                LayerWeights(
-                    _norm(layer.input_layernorm),
-                    _norm(layer.post_attention_layernorm),
-                    _norm(attn.q_norm),
-                    _norm(attn.k_norm),
-                    attn.qkv_proj.native_weight(),
-                    attn.o_proj.native_weight(),
-                    mlp.gate_up_proj.native_weight(),
-                    mlp.down_proj.native_weight(),
-                    attn.kv_cache.data_ptr(),
-                )
+        self.shape = cpu_native.ModelShape(
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            num_blocks=cache.shape[1],
+            block_size=cache.shape[2],
+            num_positions=model.rotary.cos_sin_cache.shape[0],
+            eps=config.rms_norm_eps,
+            scale=config.head_dim**-0.5,
+        )
+        self.layers = tuple(
+            cpu_native.LayerWeights(
+                input_norm=_norm(layer.input_layernorm),
+                post_attention_norm=_norm(layer.post_attention_layernorm),
+                q_norm=_norm(layer.self_attn.q_norm),
+                k_norm=_norm(layer.self_attn.k_norm),
+                qkv=layer.self_attn.qkv_proj.native_weight(),
+                o=layer.self_attn.o_proj.native_weight(),
+                gate_up=layer.mlp.gate_up_proj.native_weight(),
+                down=layer.mlp.down_proj.native_weight(),
+                kv_cache=layer.self_attn.kv_cache.data_ptr(),
             )
-        self.layers = (LayerWeights * len(weights))(*weights)
+            for layer in layers
+        )
         self.key = self._key(model)
         float_linears = any(isinstance(m, Linear) for m in _linears(layers))
         self.max_rows = NATIVE_MAX_ROWS if float_linears else None
@@ -106,7 +77,7 @@ class NativeDecoder:
         or whose buffers moved is bound anew."""
         attn = model.model.layers[0].self_attn
         weight = getattr(attn.qkv_proj, "native_weight", None)
-        return id(attn.qkv_proj), weight().data if weight else 0, attn.kv_cache.data_ptr()
+        return id(attn.qkv_proj), weight().qs if weight else 0, attn.kv_cache.data_ptr()
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
@@ -152,12 +123,7 @@ class NativeDecoder:
     ) -> None:
         """Run every layer in place on hidden and residual [S, hidden_size] (contiguous float32)."""
         plan: NativeDecodePlan = attn.decode
-        positions = positions.contiguous()
-        status = cpu_native.library().kvd_decode_layers(
-            ctypes.addressof(self.shape), ctypes.addressof(self.layers), len(self.layers), hidden.data_ptr(), residual.data_ptr(),
-            hidden.shape[0], cos_sin.data_ptr(), positions.data_ptr(), attn.slot_mapping.data_ptr(),
-            plan.block_tables.data_ptr(), plan.block_tables.shape[1], plan.context_lens.data_ptr(),
-            torch.get_num_threads(),
+        cpu_native.decode_layers(
+            self.shape, self.layers, hidden, residual, cos_sin, positions.contiguous(), attn.slot_mapping,
+            plan.block_tables, plan.context_lens,
         )  # fmt: skip
-        if status != 0:
-            raise cpu_native.NativeKernelError("decode layers: out of memory")

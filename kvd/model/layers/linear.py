@@ -42,12 +42,10 @@ class Linear(nn.Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.shard_sizes = sizes
-        self._native: cpu_native.LinearWeight | None = None
 
     def native_weight(self) -> cpu_native.LinearWeight:
         """The native kernel's view of the float32 weight (see cpu_native.linear_weight)."""
-        self._native = cpu_native.linear_weight(self._native, 32, self.weight, bias=self.bias)
-        return self._native
+        return cpu_native.linear_weight(32, self.weight, bias=self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native_rows(x, self.weight):
@@ -72,7 +70,6 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self._native: cpu_native.LinearWeight | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
@@ -80,6 +77,5 @@ class Embedding(nn.Module):
     def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table^T: the output projection of a model with tied embeddings."""
         if native_rows(hidden, self.weight):
-            self._native = cpu_native.linear_weight(self._native, 32, self.weight)
-            return cpu_native.linear(hidden, self._native)
+            return cpu_native.linear(hidden, cpu_native.linear_weight(32, self.weight))
         return F.linear(hidden, self.weight)

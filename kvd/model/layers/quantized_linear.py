@@ -51,7 +51,8 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x.reshape(-1, self.in_features).to(_ACT_DTYPE)).to(x.dtype)
+        # torch's int4/int8 kernels take contiguous rows only (a view of the gate/up output is not).
+        y = self._matmul(x.reshape(-1, self.in_features).to(_ACT_DTYPE).contiguous()).to(x.dtype)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y.add_(self.bias)
 
@@ -141,18 +142,14 @@ class NativeQuantizedLinear(QuantizedLinear):
     ) -> None:
         # The kernel adds a float32 bias before rounding to the activations' dtype.
         super().__init__(weight, None if bias is None else bias.detach().float().contiguous(), out_sizes)
-        self._native: cpu_native.LinearWeight | None = None
 
     @staticmethod
     def supports(in_features: int) -> bool:
         return in_features % cpu_native.QBLOCK == 0
 
     def native_weight(self) -> cpu_native.LinearWeight:
-        """The kernel's view of the buffers, rebuilt when they moved (a copy of the module, a new bias)."""
-        self._native = cpu_native.linear_weight(
-            self._native, self.bits, self.codes, self.scales, self.mins, self.bias
-        )
-        return self._native
+        """The kernel's view of the buffers where they lie now (a copy of the module has its own)."""
+        return cpu_native.linear_weight(self.bits, self.codes, self.scales, self.mins, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < DEQUANTIZE_MIN_ROWS * self.in_features:

@@ -1,0 +1,90 @@
+// The C ABI of kvd's native CPU kernels, declared once: cpu_kernels.c includes this header, and
+// kernels/native_build.py hands the declarations between the markers below to cffi, which calls them.
+// Keep the part between the markers plain declarations: no preprocessor lines, no inline code.
+#ifndef KVD_CPU_KERNELS_H
+#define KVD_CPU_KERNELS_H
+
+#include <stdint.h>
+
+// cffi: begin
+
+// What every kernel that can fail returns. KVD_BAD_INDEX: a slot, block table entry, context length, position
+// or row range lies outside the buffer it indexes; the kernel refused it before writing anything.
+enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2 };
+
+// A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
+// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float32 (bits 32: qs float32 [n, k], d and
+// mn NULL); bias float32 [n] or NULL.
+typedef struct {
+    const void* qs;
+    const uint16_t* d;
+    const uint16_t* mn;
+    const float* bias;
+    int64_t n, k;
+    int32_t bits;
+} kvd_weight;
+
+// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim] (float32).
+typedef struct {
+    const float* input_norm;
+    const float* post_attention_norm;
+    const float* q_norm;  // NULL without per-head q/k norms
+    const float* k_norm;
+    kvd_weight qkv, o, gate_up, down;
+    float* kv_cache;
+} kvd_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_positions;
+    float eps, scale;
+} kvd_shape;
+
+// The instruction set this build's SIMD paths use: "avx2+fma" or "portable" (plain C).
+const char* kvd_isa(void);
+
+// y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16), a float32 weight takes
+// float32 activations only.
+int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads);
+
+// out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight.
+int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads);
+
+// out [S, H, D] = softmax(q K^T * scale) V for each sequence s (q: sequence s at s x q_stride) over its
+// context_lens[s] cached tokens, read in place from the pool [2, num_blocks, block_size, kv_heads, D] through
+// block_tables [S, table_width]. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
+// dtype (bf16 or float32).
+int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+                               int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
+                               int64_t H, const int32_t* block_tables, int64_t table_width,
+                               const int32_t* context_lens, float scale, int nthreads);
+
+// The pool's K and V rows at slots[t] = k[t], v[t] (row = kv_heads x D values; token t at t x k_stride in k,
+// t x v_stride in v); slot -1 is skipped.
+int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16,
+                 int64_t num_slots, int64_t row, const int64_t* slots, int64_t T);
+
+// Rotate x [T, heads, D] (token t at t x stride) in place by the rows of cos_sin [num_positions, 2 * D] (cos |
+// signed sin) at positions[t].
+int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
+               int64_t num_positions, const int64_t* positions);
+
+// RMSNorm over each head's D values of x [tokens, heads, D] in float32 (token t at t x stride, out at
+// t x out_stride; out may be x).
+void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const float* weight, float eps);
+
+// residual [M, H] += x; out = RMSNorm(residual) * weight, in float32.
+void kvd_add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
+                      float eps, int nthreads);
+
+// Every decoder layer for S sequences of one new token each, in float32: hidden [S, hidden] (the embeddings in,
+// the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that output out).
+// positions, slots [S]; block tables [S, table_width] and context lengths [S] as for the attention above.
+int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, float* hidden,
+                      float* residual, int64_t S, const float* cos_sin, const int64_t* positions,
+                      const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
+                      int nthreads);
+
+// cffi: end
+
+#endif

@@ -1,0 +1,179 @@
+"""Builds kvd's native CPU kernels (cpu_kernels.c) on this host, caches the library safely, and loads it.
+
+The C file is compiled once per source, compiler, flags and CPU (-march=native, so AVX2/AVX-512 are used where
+the CPU has them) into a cache folder, then opened with cffi, whose declarations are read from cpu_kernels.h:
+the ABI is written once. A shared object runs code in this process, so one is loaded only from a folder and a
+file that no other user can change (owned by this user, not writable by group or others, not a symlink);
+otherwise the cache is refused, with a warning, and the kernels are built into a fresh private folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from cffi import FFI
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+HEADER = Path(__file__).with_name("cpu_kernels.h")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def declarations() -> str:
+    """The header's declarations between its cffi markers (no preprocessor lines: cffi takes plain C)."""
+    text = HEADER.read_text()
+    return text.split("// cffi: begin", 1)[1].split("// cffi: end", 1)[0]
+
+
+ffi = FFI()
+ffi.cdef(declarations())
+
+
+def private(path: Path) -> bool:
+    """Whether only this user (or root) can change `path`: not a symlink, owned by us, no group/other write bit."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    return not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _refuse(path: Path, what: str) -> None:
+    try:
+        st = os.lstat(path)
+        why = f"owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
+    except OSError as e:
+        why = e.strerror
+    log.warning(
+        "refusing %s %s for kvd's native kernels (%s): it must be owned by uid %d and writable by no one else",
+        what,
+        path,
+        why,
+        os.getuid(),
+    )
+
+
+def _candidates() -> list[Path]:
+    """Cache folders in order: $KVD_CACHE_DIR, systemd's $CACHE_DIRECTORY, $XDG_CACHE_HOME/kvd, ~/.cache/kvd."""
+    roots = [
+        os.environ.get("KVD_CACHE_DIR"),
+        os.environ.get("CACHE_DIRECTORY", "").split(":")[0] or None,
+        os.environ.get("XDG_CACHE_HOME") and str(Path(os.environ["XDG_CACHE_HOME"]) / "kvd"),
+        str(Path.home() / ".cache" / "kvd"),
+    ]
+    return [Path(root) / "native" for root in roots if root]
+
+
+def cache_dir() -> Path:
+    """The first private, writable cache folder, else `<tmp>/kvd-native-<uid>` if private, else a fresh one."""
+    for path in [*_candidates(), Path(tempfile.gettempdir()) / f"kvd-native-{os.getuid()}"]:
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if not private(path):
+            _refuse(path, "the cache folder")
+        elif os.access(path, os.W_OK):
+            return path
+    fresh = Path(tempfile.mkdtemp(prefix="kvd-native-"))
+    log.warning("building kvd's native kernels into %s for this process only", fresh)
+    return fresh
+
+
+def extra_flags() -> list[str]:
+    """$KVD_NATIVE_CFLAGS: flags after kvd's own, e.g. `-mno-avx2` to build and test the portable C paths."""
+    return shlex.split(os.environ.get("KVD_NATIVE_CFLAGS", ""))
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+
+
+def _compile(compiler: str) -> Path:
+    flags = [*FLAGS, *extra_flags()]
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    sources = SOURCE.read_text() + HEADER.read_text()
+    key = hashlib.sha256("\0".join([sources, version, _cpu_flags(), *flags]).encode()).hexdigest()[:16]
+    folder = cache_dir()
+    target = folder / f"kvd_cpu_{key}.so"
+    if target.exists():
+        if private(target) and stat.S_ISREG(os.lstat(target).st_mode):
+            return target
+        _refuse(target, "the cached library")
+    log.info("building kvd's native CPU kernels for this host (once): %s", target)
+    # Build beside the target and rename: another process may be building the same file at the same time.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise OSError(result.stderr.strip()[-2000:])
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+@cache
+def library_path() -> Path | None:
+    """The built library for this host, or None (and a logged reason) when it cannot be built or the kernels
+    are switched off (KVD_NATIVE=0)."""
+    if os.environ.get("KVD_NATIVE", "1") == "0":
+        log.info("native CPU kernels switched off (KVD_NATIVE=0): plain torch paths run")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning(
+            "no C compiler found: kvd runs its slower plain-torch CPU paths; install gcc (or set $CC) for its "
+            "native CPU kernels"
+        )
+        return None
+    try:
+        return _compile(compiler)
+    except OSError as exc:
+        log.warning("building kvd's native CPU kernels failed, plain-torch CPU paths run instead:\n%s", exc)
+        return None
+
+
+@cache
+def library() -> object | None:
+    """The loaded kernels (a cffi library), or None when library_path() has none."""
+    path = library_path()
+    if path is None:
+        return None
+    try:
+        lib = ffi.dlopen(str(path))
+    except OSError as exc:
+        log.warning("loading kvd's native CPU kernels failed, plain-torch CPU paths run instead: %s", exc)
+        return None
+    log.info("native CPU kernels loaded (%s SIMD paths): %s", isa(lib), path)
+    return lib
+
+
+def isa(lib: object) -> str:
+    """The SIMD paths the loaded library was built with (kvd_isa)."""
+    return ffi.string(lib.kvd_isa()).decode()

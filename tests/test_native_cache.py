@@ -1,0 +1,172 @@
+"""Where the native kernels' library may be loaded from (never a place another user can write), and the
+portable C build that runs on CPUs without AVX2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvd.kernels import native_build
+
+ROOT = Path(__file__).resolve().parent.parent
+# The portable C paths: no AVX-512, AVX2, AVX, F16C or FMA, whatever this CPU has.
+PORTABLE = "-mno-avx512f -mno-avx2 -mno-avx -mno-f16c -mno-fma"
+PLANTED_C = """
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE* f = fopen(getenv("KVD_PLANTED_MARKER"), "w");
+    if (f) fclose(f);
+}
+"""
+PROBE = (
+    "from kvd.kernels import cpu_native as c, native_build as b\n"
+    "print(c.available()); print(b.library_path()); print(b.isa(b.library()) if c.available() else '')"
+)
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "CACHE_DIRECTORY")}
+    return subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=ROOT,
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def library_name(tmp_path_factory) -> str:
+    """The file name this host's build gets (the key of its source, compiler, flags and CPU)."""
+    folder = tmp_path_factory.mktemp("clean")
+    proc = _probe({"KVD_CACHE_DIR": str(folder)})
+    assert proc.stdout.splitlines()[0] == "True", proc.stderr
+    return Path(proc.stdout.splitlines()[1]).name
+
+
+def _plant(path: Path) -> None:
+    """A shared object that, if anyone loads it, leaves a marker file."""
+    source = path.with_suffix(".c")
+    source.write_text(PLANTED_C)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    source.unlink()
+
+
+def _run_with_planted(tmp_path: Path, cache_root: Path, planted: Path) -> subprocess.CompletedProcess:
+    _plant(planted)
+    marker = tmp_path / "loaded-the-planted-library"
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700, exist_ok=True)
+    proc = _probe(
+        {"KVD_CACHE_DIR": str(cache_root), "HOME": str(home), "KVD_PLANTED_MARKER": str(marker)}
+    )
+    assert not marker.exists(), "the planted library was loaded"
+    assert proc.stdout.splitlines()[0] == "True", proc.stderr  # a clean build runs instead
+    assert Path(proc.stdout.splitlines()[1]) != planted
+    assert "refusing" in proc.stderr
+    return proc
+
+
+def test_a_world_writable_cache_folder_is_refused(tmp_path, library_name):
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    proc = _run_with_planted(tmp_path, tmp_path / "cache", folder / library_name)
+    assert "the cache folder" in proc.stderr and "drwxrwxrwx" in proc.stderr
+    # The next candidate, ~/.cache/kvd, is private: the clean build lives there.
+    assert Path(proc.stdout.splitlines()[1]).parent == tmp_path / "home" / ".cache" / "kvd" / "native"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_cache_folder_of_another_user_is_refused(tmp_path, library_name):
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True, mode=0o755)
+    planted = folder / library_name
+    _plant(planted)
+    os.chown(folder, 65534, 65534)
+    os.chown(planted, 65534, 65534)
+    proc = _run_with_planted(tmp_path, tmp_path / "cache", planted)
+    assert "owner uid 65534" in proc.stderr
+
+
+def test_a_symlinked_cache_folder_is_refused(tmp_path, library_name):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "native").symlink_to(elsewhere)
+    _run_with_planted(tmp_path, tmp_path / "cache", elsewhere / library_name)
+
+
+def test_a_library_writable_by_others_in_a_private_folder_is_rebuilt(tmp_path, library_name):
+    folder = tmp_path / "cache" / "native"
+    folder.mkdir(parents=True, mode=0o700)
+    planted = folder / library_name
+    _plant(planted)
+    planted.chmod(0o666)
+    marker = tmp_path / "loaded-the-planted-library"
+    proc = _probe({"KVD_CACHE_DIR": str(tmp_path / "cache"), "KVD_PLANTED_MARKER": str(marker)})
+    assert "refusing the cached library" in proc.stderr
+    assert not marker.exists() and proc.stdout.splitlines()[0] == "True"
+    # Rebuilt in place: the file is now this user's alone.
+    assert Path(proc.stdout.splitlines()[1]) == planted and native_build.private(planted)
+
+
+def test_the_temporary_fallback_is_used_only_when_private(tmp_path, library_name):
+    """No cache folder can be made (a read-only home, say): `<tmp>/kvd-native-<uid>` is taken only when it is
+    this user's; one planted there by someone else makes kvd build into a fresh private folder."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    shared = tmp / f"kvd-native-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    _plant(shared / library_name)
+    marker = tmp_path / "loaded-the-planted-library"
+    env = {"KVD_CACHE_DIR": str(blocker), "HOME": str(blocker), "TMPDIR": str(tmp)}
+    proc = _probe(env | {"KVD_PLANTED_MARKER": str(marker)})
+    assert not marker.exists() and proc.stdout.splitlines()[0] == "True", proc.stderr
+    built = Path(proc.stdout.splitlines()[1])
+    assert built.parent.parent == tmp and built.parent != shared and native_build.private(built.parent)
+    assert "for this process only" in proc.stderr
+    (shared / library_name).unlink()
+    shared.chmod(0o700)  # now private: used as the cache
+    proc = _probe(env)
+    assert Path(proc.stdout.splitlines()[1]).parent == shared
+
+
+@pytest.mark.parametrize("extra", ["", PORTABLE])
+def test_the_kernels_compile_without_warnings_or_variable_length_arrays(tmp_path, extra):
+    compiler = os.environ.get("CC", "cc")
+    flags = [*native_build.FLAGS, *extra.split(), "-Wall", "-Wextra", "-Wvla", "-Werror"]
+    result = subprocess.run(
+        [compiler, *flags, str(native_build.SOURCE), "-o", str(tmp_path / "k.so"), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_portable_build_passes_the_kernel_tests(tmp_path):
+    """The plain-C paths (CPUs without AVX2/FMA) against the same torch references as the SIMD ones."""
+    env = os.environ | {"KVD_NATIVE_CFLAGS": PORTABLE, "KVD_CACHE_DIR": str(tmp_path)}
+    assert _probe({"KVD_NATIVE_CFLAGS": PORTABLE, "KVD_CACHE_DIR": str(tmp_path)}).stdout.splitlines()[2] == (
+        "portable"
+    )
+    tests = ["tests/test_cpu_native.py", "tests/test_quantized_linear.py", "tests/test_native_decode.py"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "not smollm2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
