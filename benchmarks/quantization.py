@@ -1,7 +1,7 @@
 """What each --quantization costs and keeps on one GGUF file: weight memory, single-stream speed, and how long
 greedy output stays equal to the dequantized float model's.
 
-    python -m benchmarks.quantization [--model FILE.gguf] [--tokens 48] [--threads N] [--json]
+    python -m benchmarks.quantization [--model FILE.gguf] [--tokens 48] [--threads N] [--dtype auto] [--json]
 
 Each mode loads the model anew and generates --tokens greedy tokens (ignore_eos) for four prompts, one at a
 time; tok/s is decode speed after each prompt's first token. "agree" counts, per prompt, the tokens equal to
@@ -33,9 +33,10 @@ PROMPTS = [
 MODES = ("none", "int8", "int4")
 
 
-def run_mode(model: str, mode: str, tokens: int, threads: int) -> dict:
-    llm = LLM(model, quantization=mode, num_threads=threads, kv_cache_memory="256M")
+def run_mode(model: str, mode: str, tokens: int, threads: int, dtype: str) -> dict:
+    llm = LLM(model, dtype=dtype, quantization=mode, num_threads=threads, kv_cache_memory="256M")
     mib = linear_weight_bytes(llm.engine.runner.model) / 2**20
+    llm_dtype = llm.engine.dtype
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     outputs, decode_seconds = [], 0.0
     for prompt in PROMPTS:
@@ -51,6 +52,7 @@ def run_mode(model: str, mode: str, tokens: int, threads: int) -> dict:
     tok_s = len(PROMPTS) * (tokens - 1) / decode_seconds
     return {
         "quantization": mode,
+        "dtype": str(llm_dtype).removeprefix("torch."),
         "linear_weights_mib": round(mib, 1),
         "tok_s": round(tok_s, 1),
         "tokens": outputs,
@@ -62,10 +64,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2-135M Q4_1)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--dtype", default="auto", help="activations and unquantized weights (%(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON list last")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = [run_mode(args.model or bundled_gguf(), mode, args.tokens, args.threads) for mode in MODES]
+    rows = [
+        run_mode(args.model or bundled_gguf(), mode, args.tokens, args.threads, args.dtype) for mode in MODES
+    ]
     reference = rows[0]["tokens"]
     for row in rows:
         row["agree"] = [shared_prefix(t, r) for t, r in zip(row.pop("tokens"), reference, strict=True)]

@@ -288,13 +288,27 @@ def write_tiny_gguf(
     write_gguf(writer)
 
 
+def test_gguf_auto_dtype_is_what_the_cpu_flags_say(tmp_path):
+    """A GGUF file's float weights load as bfloat16 where /proc/cpuinfo names amx_bf16 or avx512_bf16, else
+    float32 (read here from the flags themselves, not from kvd's choice)."""
+    path = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(tiny_hf_model("llama"), path)
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next(
+        (line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []
+    )
+    native_bf16 = "amx_bf16" in flags or "avx512_bf16" in flags
+    assert load_model(str(path), dtype="auto").dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+
+
 @pytest.mark.parametrize("arch", list(TINY))
 def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     hf_model = tiny_hf_model(arch)
     path = tmp_path / f"tiny-{arch}.gguf"
     write_tiny_gguf(hf_model, path)
 
-    loaded = load_model(str(path), dtype="auto")
+    # float32 explicitly: the weights are compared with transformers' float32 ones.
+    loaded = load_model(str(path), dtype="float32")
 
     assert loaded.dtype == torch.float32 and loaded.name == f"tiny-{arch}" and loaded.path == path
     assert_params_equal_hf(loaded, hf_model.state_dict())

@@ -13,7 +13,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_reports_memory_speed_and_agreement_per_mode():
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.quantization", "--tokens", "6", "--threads", "1", "--json"],
+        # float32 explicitly: `auto` is bfloat16 on CPUs with AMX or AVX-512 BF16, and the sizes below are float32's.
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.quantization",
+            "--tokens",
+            "6",
+            "--threads",
+            "1",
+            "--dtype",
+            "float32",
+            "--json",
+        ],
         cwd=ROOT,
         env=os.environ | {"HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -23,6 +35,7 @@ def test_reports_memory_speed_and_agreement_per_mode():
     )
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r["quantization"] for r in rows] == ["none", "int8", "int4"]
+    assert {r["dtype"] for r in rows} == {"float32"}
     none, int8, int4 = (r["linear_weights_mib"] for r in rows)
     assert (
         none > 2.5 * int8 and int8 > int4
