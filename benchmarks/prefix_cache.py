@@ -50,7 +50,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[f
         engine.add_request(i, prompt, params)
         first = False
         while not first:
-            first = any(o.request_id == i for o in engine.step())
+            first = any(o.request_id == i for o in engine.step().outputs)
         ttfts.append(time.perf_counter() - started)
     while engine.has_unfinished():
         engine.step()

@@ -58,16 +58,16 @@ def decode(bm: BlockManager, seq: Sequence, token: int) -> None:
 
 def test_sequence_blocks():
     seq = Sequence(list(range(10)), block_size=4, cache_salt="t")
-    assert (len(seq), seq.num_tokens, seq.num_blocks, seq.last_block_num_tokens) == (10, 10, 3, 2)
+    assert (len(seq), seq.num_blocks) == (10, 3)
     assert seq.block(0) == [0, 1, 2, 3] and seq.block(2) == [8, 9]
     assert seq.block_table == [] and seq.num_cached_tokens == 0 and seq.cache_salt == "t"
     with pytest.raises(IndexError):
         seq.block(3)
     seq.append_token(10)
     seq.append_token(11)
-    assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 4)
+    assert seq.num_blocks == 3
     seq.append_token(12)
-    assert (seq.num_blocks, seq.last_block_num_tokens) == (4, 1)
+    assert seq.num_blocks == 4
 
 
 def test_sequence_defaults_and_copies_tokens():
@@ -368,11 +368,12 @@ def test_may_append_takes_a_block_exactly_when_len_mod_block_size_is_1():
     bm.check_invariants()
 
 
-def test_may_append_registers_the_block_that_just_filled():
+def test_cache_filled_block_registers_the_block_that_just_filled():
     bm = BlockManager(8, BS)
     a = prefill(bm, seq_of([1, 2, 3]))
     a.append_token(4)
-    bm.may_append(a)  # len 4: block 0 is full; hashed and registered now, no new block
+    bm.may_append(a)  # len 4: block 0 is full, no new block
+    bm.cache_filled_block(a)  # hashed and registered now, before the token's K/V is computed
     assert len(a.block_table) == 1 and bm.blocks[a.block_table[0]].hash is not None
     b = seq_of([1, 2, 3, 4, 9])
     bm.allocate(b)

@@ -22,7 +22,7 @@ from kvd.engine.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint
 from kvd.server.outbox import Outbox
-from kvd.server.sessions import ClientSession, InflightRequest, Sessions
+from kvd.server.sessions import ClientSession, Generation, Sessions
 from kvd_client import (
     BadRequestError,
     Client,
@@ -219,7 +219,7 @@ def test_outbox_holds_replies_for_a_slow_reader_then_gives_up(tmp_path: Path):
     identity, _ = router.recv_multipart()
     sessions = Sessions()
     session = sessions.open(identity)
-    session.requests[1] = InflightRequest(1, stream=True, num_prompt_tokens=1)
+    session.requests[1] = Generation(1, stream=True, num_prompt_tokens=1)
     lost: list[str] = []
 
     def on_lost(session: ClientSession, why: str, timed_out: bool) -> None:
@@ -254,7 +254,7 @@ def test_outbox_holds_replies_for_a_slow_reader_then_gives_up(tmp_path: Path):
     gone.connect(f"ipc://{tmp_path}/o.sock")
     gone.send(b"hello")
     identity, _ = router.recv_multipart()
-    sessions.open(identity).requests[2] = InflightRequest(2, stream=True, num_prompt_tokens=1)
+    sessions.open(identity).requests[2] = Generation(2, stream=True, num_prompt_tokens=1)
     gone.close(linger=0)
     wait_until(lambda: (outbox.send(identity, {"id": 2, "type": "heartbeat"}), lost[1:])[1], timeout=5)
     assert lost[1] == "disconnected" and sessions.get(identity) is None

@@ -152,7 +152,7 @@ def test_prompt_too_long_is_rejected_at_admission(tiny_llama_dir):
     engine.add_request("ok", [1, 2, 3], GREEDY)
     with pytest.raises(RequestRejectedError, match="already in flight"):
         engine.add_request("ok", [1, 2, 3], GREEDY)
-    outs = [o for _ in range(MAX_TOKENS) for o in engine.step()]
+    outs = [o for _ in range(MAX_TOKENS) for o in engine.step().outputs]
     assert outs[-1].finished and len(outs) == MAX_TOKENS
 
 
@@ -161,7 +161,7 @@ def test_a_sequence_outgrowing_the_pool_finishes_with_length(tiny_llama_dir):
     engine.add_request("long", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
     outs = []
     while engine.has_unfinished():
-        outs.extend(engine.step())
+        outs.extend(engine.step().outputs)
     assert outs[-1].finish_reason == "length"
     assert outs[-1].num_output_tokens == 4 * 16 - 3
     _assert_pool_empty(engine)

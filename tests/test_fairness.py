@@ -12,7 +12,7 @@ import zmq
 from daemon_fixtures import DaemonProcess, raw_socket, start_daemon
 
 from kvd.server.fairness import FairQueue
-from kvd.server.sessions import ClientSession, InflightRequest, PendingRequest
+from kvd.server.sessions import ClientSession, Generation
 
 MAX_NUM_SEQS = 4
 RUNNING_CAP = 3
@@ -126,10 +126,10 @@ def test_a_client_at_its_kv_block_cap_waits_for_its_own_requests(daemon: DaemonP
 
 
 def test_the_fair_queue_takes_turns_and_skips_clients_at_their_cap():
-    def pending(session: ClientSession, i: int) -> PendingRequest:
-        request = InflightRequest(i, False, 1)
-        session.requests[i] = request
-        return PendingRequest(request, [1], None, None, "prompt")
+    def pending(session: ClientSession, i: int) -> Generation:
+        generation = Generation(i, False, 1, prompt_token_ids=[1], prompt_field="prompt")
+        session.requests[i] = generation
+        return generation
 
     queue = FairQueue()
     flood, single, capped = ClientSession(b"flood"), ClientSession(b"single"), ClientSession(b"capped")
@@ -139,7 +139,7 @@ def test_the_fair_queue_takes_turns_and_skips_clients_at_their_cap():
     queue.push(single, pending(single, 0))
     order = []
     while (turn := queue.pop(lambda s: s is not capped)) is not None:
-        order.append((turn[0].identity, turn[1].request.id))
+        order.append((turn[0].identity, turn[1].id))
     assert order[:3] == [(b"flood", 0), (b"single", 0), (b"flood", 1)]
     assert [i for who, i in order if who == b"flood"] == [0, 1, 2, 3, 4]
     assert len(queue) == 1 and capped.pending  # waits for its cap, still queued

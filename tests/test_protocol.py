@@ -12,11 +12,11 @@ from kvd.server.protocol import (
     BAD_REQUEST,
     TOO_LARGE,
     UNSUPPORTED_VERSION,
-    AbortRequest,
-    DetokenizeRequest,
-    GenerateRequest,
+    AbortMessage,
+    DetokenizeMessage,
+    GenerateMessage,
     ProtocolError,
-    TokenizeRequest,
+    TokenizeMessage,
 )
 from kvd_client import messages as client_messages
 from kvd_client.errors import OverloadedError
@@ -24,14 +24,14 @@ from kvd_client.errors import OverloadedError
 LIMIT = 4096
 
 
-def parse(msg: dict) -> protocol.Request:
-    return protocol.parse_request(protocol.decode(msgpack.packb(msg), LIMIT))
+def parse(msg: dict) -> protocol.Message:
+    return protocol.parse_message(protocol.decode(msgpack.packb(msg), LIMIT))
 
 
 def rejection(msg: object, limit: int = LIMIT) -> ProtocolError:
     data = msg if isinstance(msg, bytes) else msgpack.packb(msg)
     with pytest.raises(ProtocolError) as info:
-        protocol.parse_request(protocol.decode(data, limit))
+        protocol.parse_message(protocol.decode(data, limit))
     return info.value
 
 
@@ -43,7 +43,7 @@ def test_generate_request_carries_prompt_params_and_options():
     req = parse(
         generate(max_tokens=5, temperature=0.0, stop="\n", stream=True, cache_salt="tenant-a", seed=3)
     )
-    assert isinstance(req, GenerateRequest)
+    assert isinstance(req, GenerateMessage)
     assert (req.id, req.op, req.prompt, req.prompt_token_ids, req.messages) == (
         7,
         "generate",
@@ -76,11 +76,11 @@ def test_token_id_prompts_chat_and_string_ids():
 
 def test_other_ops_parse_to_their_requests():
     tok = parse({"v": 1, "id": 1, "op": "tokenize", "text": "hi"})
-    assert isinstance(tok, TokenizeRequest) and tok.text == "hi" and tok.messages is None
+    assert isinstance(tok, TokenizeMessage) and tok.text == "hi" and tok.messages is None
     detok = parse({"v": 1, "id": 2, "op": "detokenize", "token_ids": []})
-    assert isinstance(detok, DetokenizeRequest) and detok.token_ids == []
+    assert isinstance(detok, DetokenizeMessage) and detok.token_ids == []
     abort = parse({"v": 1, "id": 3, "op": "abort", "target": "job-1"})
-    assert isinstance(abort, AbortRequest) and abort.target == "job-1"
+    assert isinstance(abort, AbortMessage) and abort.target == "job-1"
     for op in ("health", "info", "stats"):
         assert parse({"v": 1, "id": 4, "op": op}).op == op
 

@@ -8,7 +8,7 @@ New blocks come from `free` first, then from `cached-free`, least recently used 
 
 A full block is registered under a chained hash of its parent's hash and its token ids (for a first block the
 parent hash comes from the request's cache salt). Prompt blocks are registered once the engine reports their
-K/V computed (`cache_computed_blocks`); a decoding sequence's block is registered by `may_append` as it fills.
+K/V computed (`cache_computed_blocks`); a decoding sequence's block by `cache_filled_block` as it fills.
 A hit is never trusted on the hash alone: the candidate must hold the same token ids and have been computed
 after exactly the parent content this sequence has (compared by content id), so hits are exact at any hash
 width.
@@ -202,30 +202,33 @@ class BlockManager:
         return missing <= 0 or len(self._free_ids) + len(self._cached_free) >= missing
 
     def may_append(self, seq: Sequence) -> None:
-        """Cover the tokens appended since the last call: take a block for a token that starts one (len(seq) %
-        block_size == 1), and hash and register the block that the last token filled.
-
-        The seed's one-step lag: the last token's K/V is written by the coming forward pass, the same pass as
-        any request that could hit the block from now on, so registering it now is safe. Call it for decoding
-        sequences only (every token but the last computed).
-        """
+        """Give the tokens appended since the last call their slots: a new block for a token that starts one
+        (len(seq) % block_size == 1). Hashes nothing; see `cache_filled_block`."""
         table = seq.block_table
         if not table:
             raise SequenceNotAllocatedError("may_append: the sequence holds no blocks; allocate it first")
+        missing = -(-len(seq.token_ids) // self.block_size) - len(table)
+        if missing <= 0:
+            return
+        if missing > self.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"may_append: needs {missing} free block(s) but {self.num_free_blocks} are free; "
+                "check can_append(seq) first, or preempt another sequence"
+            )
+        table += self._take_free_blocks(missing)
+
+    def cache_filled_block(self, seq: Sequence) -> None:
+        """After `may_append`: hash and register the block the last token filled (len(seq) % block_size == 0),
+        although that token's K/V is not computed yet (the scheduler says why that is safe).
+
+        For decoding sequences only: every token but the last computed, so every earlier full block is hashed.
+        """
         num_tokens, bs = len(seq.token_ids), self.block_size
-        if num_tokens > len(table) * bs:
-            missing = -(-num_tokens // bs) - len(table)
-            if missing > self.num_free_blocks:
-                raise NoFreeBlocksError(
-                    f"may_append: needs {missing} free block(s) but {self.num_free_blocks} are free; "
-                    "check can_append(seq) first, or preempt another sequence"
-                )
-            table += self._take_free_blocks(missing)
-        elif num_tokens % bs:
-            return  # the tokens stayed inside a partial last block: no block became full
+        if not self.enable_prefix_caching or num_tokens % bs:
+            return  # the last token left its block partial: no block became full
         # Hashed blocks are a prefix of the table, so checking the last full one is enough.
         num_full = num_tokens // bs
-        if self.enable_prefix_caching and self.blocks[table[num_full - 1]].hash is None:
+        if self.blocks[seq.block_table[num_full - 1]].hash is None:
             self._hash_blocks(seq, num_full)
 
     def deallocate(self, seq: Sequence) -> None:

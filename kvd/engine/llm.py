@@ -98,7 +98,7 @@ class LLM:
 
     def _drain(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished():
-            yield from self.engine.step()
+            yield from self.engine.step().outputs
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -15,7 +15,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
-from kvd.engine.outputs import RequestOutput
+from kvd.engine.outputs import EngineStepOutput, RequestOutput
 from kvd.engine.sampler import SampledToken, SamplingRow, sample
 from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.scheduler import Scheduler
@@ -37,7 +37,9 @@ class RequestTooLongError(RequestRejectedError):
 
 
 @dataclass
-class _Request:
+class EngineRequest:
+    """The engine's record of one request, under the id its caller chose (opaque: any hashable value)."""
+
     request_id: Hashable
     seq: Sequence
     params: SamplingParams
@@ -89,9 +91,8 @@ class LLMEngine:
             enforce_eager=args.enforce_eager,
         )
         self.metrics = EngineMetrics()
-        self.requests: dict[Hashable, _Request] = {}
-        self._by_seq_id: dict[int, _Request] = {}
-        self._preempted: list[Hashable] = []
+        self.requests: dict[Hashable, EngineRequest] = {}
+        self._by_seq_id: dict[int, EngineRequest] = {}
         logger.info(
             "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d; %s attention",
             self.num_blocks,
@@ -153,7 +154,7 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        request = _Request(request_id, seq, params, detok, generator)
+        request = EngineRequest(request_id, seq, params, detok, generator)
         self.requests[request_id] = request
         self._by_seq_id[seq.seq_id] = request
         self.scheduler.add(seq)
@@ -181,10 +182,11 @@ class LLMEngine:
         self._finish(request)
         return True
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> EngineStepOutput:
+        """Schedule, run and sample one batch; what it produced, and which requests it preempted."""
         started = time.perf_counter()
         out = self.scheduler.schedule()
-        self._preempted.extend(self._by_seq_id[s.seq_id].request_id for s in out.preempted)
+        preempted = [self._by_seq_id[s.seq_id].request_id for s in out.preempted]
         prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
         outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
         forward_s = 0.0
@@ -205,16 +207,7 @@ class LLMEngine:
             step_s=time.perf_counter() - started,
             forward_s=forward_s,
         )
-        return outputs
-
-    def take_preempted(self) -> list[Hashable]:
-        """Ids of the requests preempted since the last call, once per preemption (a request may repeat).
-
-        A preemption is one running request whose KV blocks were freed so that another request's decode could
-        grow; it goes back to the front of the queue and is recomputed. `stats()["num_preemptions"]` counts the
-        same events."""
-        preempted, self._preempted = self._preempted, []
-        return preempted
+        return EngineStepOutput(outputs, preempted)
 
     @property
     def num_running(self) -> int:
@@ -224,22 +217,8 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    @property
-    def num_free_slots(self) -> int:
-        """Requests the engine can take before it holds max_num_seqs (running and waiting)."""
-        return self.args.max_num_seqs - self.num_running - self.num_waiting
-
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
-
     def kv_usage(self) -> BlockUsage:
         return self.block_manager.usage()
-
-    def num_blocks_needed(self, request_id: Hashable) -> int:
-        """KV blocks the request's tokens occupy, or will once it is scheduled; 0 if unknown."""
-        request = self.requests.get(request_id)
-        return request.seq.num_blocks if request else 0
 
     def num_blocks_allocated(self, request_id: Hashable) -> int:
         """KV blocks the request holds right now; 0 if unknown or waiting."""
@@ -249,11 +228,11 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
-    def _sampling_row(self, request: _Request) -> SamplingRow:
+    def _sampling_row(self, request: EngineRequest) -> SamplingRow:
         seq = request.seq
         return SamplingRow(request.params, request.generator, seq.token_ids, seq.num_prompt_tokens)
 
-    def _on_token(self, request: _Request, token: SampledToken) -> RequestOutput:
+    def _on_token(self, request: EngineRequest, token: SampledToken) -> RequestOutput:
         seq = request.seq
         if seq.num_output_tokens == 1:
             request.num_cached_tokens = seq.num_cached_tokens
@@ -273,7 +252,7 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
         )
 
-    def _stop_reason(self, request: _Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: EngineRequest, token_id: int) -> str | None:
         params, seq = request.params, request.seq
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return "stop"
@@ -283,13 +262,13 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, request: _Request) -> None:
+    def _finish(self, request: EngineRequest) -> None:
         self.scheduler.finish(request.seq)
         request.detokenizer.finish()
         del self.requests[request.request_id]
         del self._by_seq_id[request.seq.seq_id]
 
-    def _finish_with(self, request: _Request, reason: str) -> RequestOutput:
+    def _finish_with(self, request: EngineRequest, reason: str) -> RequestOutput:
         self._finish(request)
         seq = request.seq
         return RequestOutput(

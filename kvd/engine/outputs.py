@@ -1,4 +1,4 @@
-"""What the engine hands back: per-step increments and whole completions."""
+"""What the engine hands back: each step's output, per-request increments and whole completions."""
 
 from __future__ import annotations
 
@@ -16,11 +16,22 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop" or "length" once finished
     logprobs: list[SampledToken] | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+
+
+@dataclass
+class EngineStepOutput:
+    """Everything one `LLMEngine.step` produced: the increments (finished requests included) and preemptions."""
+
+    outputs: list[RequestOutput]
+    # One id per preemption (a running request's blocks freed so that another's decode could grow; it is
+    # requeued at the front and recomputed), the same events `stats()["num_preemptions"]` counts: a request may
+    # repeat, and a victim re-admitted within the step is listed too.
+    preempted: list[Hashable]
 
 
 @dataclass

@@ -29,10 +29,6 @@ class SchedulerOutput:
     # Sequences that hit the pool's capacity while running alone; they finish with reason "length".
     out_of_memory: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
@@ -67,6 +63,11 @@ class Scheduler:
             if not self._make_room_to_append(seq, out):
                 continue
             self.block_manager.may_append(seq)
+            # The seed's one-step lag (the block manager kvd grew from did the same): the block the last
+            # sampled token filled is registered now, a step before that token's K/V is written, so that a
+            # request admitted below can already hit it. Safe: that request runs in the same forward pass, and
+            # every layer writes the step's K/V before it attends.
+            self.block_manager.cache_filled_block(seq)
             out.chunks.append(ScheduledChunk(seq, 1))
             used += 1
         return used

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from enum import Enum
 
 _seq_ids = itertools.count()
@@ -35,25 +34,12 @@ class Sequence:
         self.num_computed_tokens = 0
         self.seq_id = next(_seq_ids)
         self.status = SequenceStatus.WAITING
-        self.arrival_time = time.monotonic()
         self.num_prompt_tokens = len(self.token_ids)
         # Tokens present when the scheduler last admitted it: below this the sequence is still in prefill.
         self.num_admitted_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,10 +54,6 @@ class Sequence:
     def num_blocks(self) -> int:
         """Blocks the tokens occupy (the block table may lag by one until `may_append`)."""
         return (len(self.token_ids) + self.block_size - 1) // self.block_size
-
-    @property
-    def last_block_num_tokens(self) -> int:
-        return len(self.token_ids) - max(self.num_blocks - 1, 0) * self.block_size
 
     def block(self, i: int) -> list[int]:
         """The token ids of logical block `i`."""

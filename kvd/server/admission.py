@@ -1,4 +1,4 @@
-"""Fair admission: the engine's own queue stays short, and the clients' queues take turns filling it."""
+"""Admission: queued generations enter the engine while it has room, under each client's quotas."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from kvd.engine.llm_engine import RequestRejectedError, RequestTooLongError
 from kvd.server import events, protocol
 from kvd.server.protocol import BAD_REQUEST, TOO_LARGE
 from kvd.server.router import Router
-from kvd.server.sessions import ClientSession
+from kvd.server.sessions import ClientSession, Generation
 from kvd.server.state import ServerState
 
 
@@ -14,34 +14,40 @@ class Admission:
     def __init__(self, state: ServerState, router: Router) -> None:
         self.state = state
         self.router = router
+        info = state.engine.info()
+        self.max_num_seqs = info["max_num_seqs"]
+        self.block_size = info["block_size"]
 
     def admit(self) -> None:
-        """Hand queued requests to the engine, round-robin across clients, while it has room."""
-        engine = self.state.engine
-        room = engine.num_free_slots
-        while room > 0 and (turn := self.state.queue.pop(self._may_admit)) is not None:
-            session, pending = turn
+        """Hand queued generations to the engine, round-robin across clients, while it has room."""
+        state = self.state
+        # The engine holds at most max_num_seqs requests, running and waiting; all of them are ours.
+        room = self.max_num_seqs - len(state.in_engine)
+        while room > 0 and (turn := state.queue.pop(self._may_admit)) is not None:
+            session, generation = turn
+            engine_id = next(state.engine_ids)
             try:
-                engine.add_request(
-                    session.engine_id(pending.request.id),
-                    pending.token_ids,
-                    pending.params,
-                    pending.cache_salt,
+                state.engine.add_request(
+                    engine_id, generation.prompt_token_ids, generation.params, generation.cache_salt
                 )
             except RequestRejectedError as e:
-                code = TOO_LARGE if isinstance(e, RequestTooLongError) else BAD_REQUEST
-                del session.requests[pending.request.id]
-                self.state.counters.requests_rejected += 1
-                self.state.events.publish(events.FINISHED, session, pending.request.id, finish_reason="error")
-                self.router.send(
-                    session.identity, protocol.error_reply(pending.request.id, code, str(e), pending.field)
-                )
-                self.state.sessions.release_if_idle(session)
+                self._reject(session, generation, e)
                 continue
-            pending.request.in_engine = True
-            self.state.counters.requests_total += 1
-            self.state.events.publish(events.SCHEDULED, session, pending.request.id)
+            generation.engine_id = engine_id
+            generation.prompt_token_ids = []  # the engine has its own copy
+            state.in_engine[engine_id] = (session, generation)
+            state.counters.requests_total += 1
+            state.events.publish(events.SCHEDULED, session, generation.id)
             room -= 1
+
+    def _reject(self, session: ClientSession, generation: Generation, error: RequestRejectedError) -> None:
+        code = TOO_LARGE if isinstance(error, RequestTooLongError) else BAD_REQUEST
+        del session.requests[generation.id]
+        self.state.counters.requests_rejected += 1
+        self.state.events.publish(events.FINISHED, session, generation.id, finish_reason="error")
+        reply = protocol.error_reply(generation.id, code, str(error), generation.prompt_field)
+        self.router.send(session.identity, reply)
+        self.state.sessions.release_if_idle(session)
 
     def _may_admit(self, session: ClientSession) -> bool:
         config = self.state.config
@@ -50,11 +56,17 @@ class Admission:
             return False
         block_cap = config.max_blocks_per_client
         if block_cap is None or not session.num_in_engine:
-            return True  # a client's first request always runs, however large
-        wanted = -(-len(session.pending[0].token_ids) // self.state.engine.block_size)
-        return self.blocks_held(session) + wanted <= block_cap
+            return True  # a client's first generation always runs, however large
+        wanted = self._num_blocks(len(session.pending[0].prompt_token_ids))
+        return self._blocks_held(session) + wanted <= block_cap
 
-    def blocks_held(self, session: ClientSession) -> int:
-        """KV blocks the client's requests in the engine hold, or will once scheduled (a waiting prompt's)."""
-        engine = self.state.engine
-        return sum(engine.num_blocks_needed(session.engine_id(rid)) for rid in session.requests)
+    def _blocks_held(self, session: ClientSession) -> int:
+        """KV blocks the client's generations in the engine hold, or will once scheduled (a waiting prompt's)."""
+        return sum(
+            self._num_blocks(g.num_prompt_tokens + g.num_output_tokens)
+            for g in session.requests.values()
+            if g.engine_id is not None
+        )
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)

@@ -1,4 +1,4 @@
-"""The serving loop: one thread polls the socket, steps the engine and hands each output to the router."""
+"""The serving loop: one thread polls the socket, steps the engine and hands each step's output to the router."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import time
 import zmq
 
 from kvd.engine.llm_engine import LLMEngine
+from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import ServerConfig
 from kvd.server.events import EventStream
 from kvd.server.handlers import RequestHandler
 from kvd.server.isolation import peer_tenant
+from kvd.server.outbox import Outbox
 from kvd.server.router import Router
 from kvd.server.signals import signal_wakeup
 from kvd.server.state import ServerState
@@ -45,9 +47,15 @@ class Daemon:
         self.engine = engine
         self.socket = sock
         self.state = ServerState(engine, config, EventStream(event_socket))
-        self.router = Router(self.state, sock)
+        # A send can find its client lost, and aborting the client's generations sends: the outbox calls the
+        # aborts, built after it, through this lambda.
+        outbox = Outbox(
+            sock, self.state.sessions, config.client_timeout, lambda *lost: self.aborts.lose_client(*lost)
+        )
+        self.router = Router(self.state, outbox)
+        self.aborts = Aborts(self.state, self.router)
         self.admission = Admission(self.state, self.router)
-        self.handler = RequestHandler(self.state, self.router, self.admission)
+        self.handler = RequestHandler(self.state, self.router, self.admission, self.aborts)
         self.notifier = notifier or Notifier({})
         self.drain_deadline: float | None = None
         self.stop_now = False
@@ -112,7 +120,7 @@ class Daemon:
         num_requests = self.state.sessions.num_requests
         if num_requests and (self.stop_now or time.monotonic() >= self.drain_deadline):
             logger.info("drain ended: aborting the %d requests still in flight", num_requests)
-            self.router.abort_all()
+            self.aborts.abort_all()
         return not self.state.sessions.num_requests
 
     def _poll_timeout_ms(self) -> int:
@@ -149,14 +157,12 @@ class Daemon:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            step = self.engine.step()
         except Exception:
             logger.exception("engine step failed; failing every request in flight")
-            self.router.fail_all()
+            self.aborts.fail_all()
             return
-        for out in outputs:
-            self.router.route(out)
-        self.router.note_preemptions(self.engine.take_preempted())
+        self.router.route(step)
 
     def _flush_before_close(self) -> None:
         outbox = self.router.outbox

@@ -9,12 +9,13 @@ from collections.abc import Callable
 import kvd
 from kvd.engine.sampling_params import MAX_LOGPROBS
 from kvd.server import events, protocol
+from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import HEARTBEAT_INTERVAL_S
 from kvd.server.isolation import cache_salt
 from kvd.server.prompts import (
     PromptJob,
-    PromptRequest,
+    PromptMessage,
     PromptResult,
     PromptWorker,
     max_prompt_bytes,
@@ -27,15 +28,15 @@ from kvd.server.protocol import (
     OVERLOADED,
     SHUTTING_DOWN,
     TOO_LARGE,
-    AbortRequest,
-    DetokenizeRequest,
-    GenerateRequest,
+    AbortMessage,
+    DetokenizeMessage,
+    GenerateMessage,
+    Message,
     ProtocolError,
-    Request,
-    TokenizeRequest,
+    TokenizeMessage,
 )
 from kvd.server.router import Router
-from kvd.server.sessions import InflightRequest, PendingRequest
+from kvd.server.sessions import Generation
 from kvd.server.state import ServerState
 from kvd.server.stats import client_stats
 
@@ -43,10 +44,11 @@ logger = logging.getLogger("kvd.server")
 
 
 class RequestHandler:
-    def __init__(self, state: ServerState, router: Router, admission: Admission) -> None:
+    def __init__(self, state: ServerState, router: Router, admission: Admission, aborts: Aborts) -> None:
         self.state = state
         self.router = router
         self.admission = admission
+        self.aborts = aborts
         self.prompts = PromptWorker(self._prompt_tokens)
         self.max_prompt_bytes = max_prompt_bytes(state.engine.tokenizer, state.max_prompt_tokens)
         self._handlers: dict[str, Callable] = {
@@ -64,15 +66,15 @@ class RequestHandler:
                 raise ProtocolError(
                     BAD_REQUEST, "send each request as one frame from a DEALER socket (no envelope)"
                 )
-            request = protocol.parse_request(protocol.decode(frames[0], self.state.config.max_message_bytes))
-            request_id = request.id
-            if isinstance(request, GenerateRequest):
-                self._generate(identity, tenant, request)
-            elif isinstance(request, TokenizeRequest):
-                self._check_prompt_bytes(request)
-                self.prompts.submit(PromptJob(identity, tenant, request))
+            message = protocol.parse_message(protocol.decode(frames[0], self.state.config.max_message_bytes))
+            request_id = message.id
+            if isinstance(message, GenerateMessage):
+                self._generate(identity, tenant, message)
+            elif isinstance(message, TokenizeMessage):
+                self._check_prompt_bytes(message)
+                self.prompts.submit(PromptJob(identity, tenant, message))
             else:
-                self._handlers[request.op](identity, request)
+                self._handlers[message.op](identity, message)
         except ProtocolError as e:
             self._reject(identity, e.request_id if e.request_id is not None else request_id, e)
         except Exception:
@@ -84,7 +86,7 @@ class RequestHandler:
         """Take the prompts the worker has tokenized: queue the generations, answer the tokenize requests."""
         for result in self.prompts.results():
             job = result.job
-            if job.inflight is None:
+            if job.generation is None:
                 self._tokenized(result)
             else:
                 self._queue(result)
@@ -96,15 +98,15 @@ class RequestHandler:
         self.state.counters.requests_rejected += 1
         self.router.send(identity, protocol.error_reply(request_id, error.code, error.message, error.field))
 
-    def _generate(self, identity: bytes, tenant: str, request: GenerateRequest) -> None:
+    def _generate(self, identity: bytes, tenant: str, message: GenerateMessage) -> None:
         state = self.state
         if state.draining:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and takes no new requests")
         session = state.sessions.get(identity)
         in_flight = session.requests if session else {}
-        if request.id in in_flight:
+        if message.id in in_flight:
             raise ProtocolError(
-                BAD_REQUEST, f"request {request.id!r} is already in flight; use a new id", "id"
+                BAD_REQUEST, f"request {message.id!r} is already in flight; use a new id", "id"
             )
         if len(in_flight) >= state.config.max_queued_per_client:
             raise ProtocolError(
@@ -117,32 +119,30 @@ class RequestHandler:
                 OVERLOADED,
                 f"the daemon has {state.config.max_queued} requests in flight (--max-queued); retry later",
             )
-        self._check_prompt_bytes(request)
+        self._check_prompt_bytes(message)
         # Reserved now, so that its id is taken and an abort finds it while the prompt is tokenized.
-        inflight = InflightRequest(
-            request.id, request.stream, 0, want_logprobs=request.params.logprobs is not None
-        )
-        state.sessions.open(identity, tenant).requests[request.id] = inflight
-        self.prompts.submit(PromptJob(identity, tenant, request, inflight))
+        generation = Generation(message.id, message.stream, params=message.params)
+        state.sessions.open(identity, tenant).requests[message.id] = generation
+        self.prompts.submit(PromptJob(identity, tenant, message, generation))
 
-    def _check_prompt_bytes(self, request: PromptRequest) -> None:
+    def _check_prompt_bytes(self, message: PromptMessage) -> None:
         """Refuse, without tokenizing it, a prompt too long to fit whatever its tokens."""
-        size = prompt_bytes(request)
+        size = prompt_bytes(message)
         if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-            text_field = "prompt" if isinstance(request, GenerateRequest) else "text"
+            text_field = "prompt" if isinstance(message, GenerateMessage) else "text"
             raise ProtocolError(
                 TOO_LARGE,
                 f"the prompt has {size} bytes, more than {self.state.max_prompt_tokens} tokens (the limit) "
                 "can hold; shorten it",
-                "messages" if request.messages is not None else text_field,
+                "messages" if message.messages is not None else text_field,
             )
 
     def _queue(self, result: PromptResult) -> None:
         job, state = result.job, self.state
+        generation = job.generation
         session = state.sessions.get(job.identity)
-        if session is None or session.requests.get(job.request.id) is not job.inflight:
+        if session is None or session.requests.get(generation.id) is not generation:
             return  # aborted, or its client lost, while it was tokenized
-        request, inflight = job.request, job.inflight
         error = result.error
         if error is None and len(result.token_ids) > state.max_prompt_tokens:
             error = ProtocolError(
@@ -151,65 +151,66 @@ class RequestHandler:
                 result.field,
             )
         if error is not None:
-            del session.requests[request.id]
+            del session.requests[generation.id]
             state.sessions.release_if_idle(session)
-            self._reject(job.identity, request.id, error)
+            self._reject(job.identity, generation.id, error)
             return
-        inflight.num_prompt_tokens = len(result.token_ids)
-        salt = cache_salt(None if state.config.shared_prefix_cache else job.tenant, request.cache_salt)
-        state.queue.push(
-            session, PendingRequest(inflight, result.token_ids, request.params, salt, result.field)
-        )
-        state.events.publish(events.QUEUED, session, request.id, prompt_tokens=len(result.token_ids))
+        generation.num_prompt_tokens = len(result.token_ids)
+        generation.prompt_token_ids = result.token_ids
+        generation.prompt_field = result.field
+        tenant = None if state.config.shared_prefix_cache else job.tenant
+        generation.cache_salt = cache_salt(tenant, job.message.cache_salt)
+        state.queue.push(session, generation)
+        state.events.publish(events.QUEUED, session, generation.id, prompt_tokens=len(result.token_ids))
         self.admission.admit()  # at once when the engine has room: a bad prompt's error comes back now
 
     def _tokenized(self, result: PromptResult) -> None:
         job = result.job
         if result.error is not None:
-            self._reject(job.identity, job.request.id, result.error)
+            self._reject(job.identity, job.message.id, result.error)
         else:
-            reply = protocol.result_reply(job.request.id, {"token_ids": result.token_ids})
+            reply = protocol.result_reply(job.message.id, {"token_ids": result.token_ids})
             self.router.send(job.identity, reply)
 
-    def _prompt_tokens(self, request: PromptRequest) -> tuple[str, list[int]]:
+    def _prompt_tokens(self, message: PromptMessage) -> tuple[str, list[int]]:
         """The prompt's token ids, and the request field they came from (runs on the worker thread)."""
         engine = self.state.engine
-        if request.messages is not None:
+        if message.messages is not None:
             try:
-                return "messages", engine.apply_chat_template(request.messages)
+                return "messages", engine.apply_chat_template(message.messages)
             except Exception as e:  # the template is a program: whatever it raises, the input is at fault
                 raise ProtocolError(
                     BAD_REQUEST, f"the chat template rejected the messages: {e}", "messages"
                 ) from None
-        if isinstance(request, TokenizeRequest):
-            return "text", engine.encode(request.text)
-        if request.prompt is not None:
-            return "prompt", engine.encode(request.prompt)
-        return "prompt_token_ids", request.prompt_token_ids
+        if isinstance(message, TokenizeMessage):
+            return "text", engine.encode(message.text)
+        if message.prompt is not None:
+            return "prompt", engine.encode(message.prompt)
+        return "prompt_token_ids", message.prompt_token_ids
 
-    def _detokenize(self, identity: bytes, request: DetokenizeRequest) -> None:
+    def _detokenize(self, identity: bytes, message: DetokenizeMessage) -> None:
         vocab = self.state.engine.config.vocab_size
-        if any(t >= vocab for t in request.token_ids):
+        if any(t >= vocab for t in message.token_ids):
             raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
-        text = self.state.engine.decode(request.token_ids)
-        self.router.send(identity, protocol.result_reply(request.id, {"text": text}))
+        text = self.state.engine.decode(message.token_ids)
+        self.router.send(identity, protocol.result_reply(message.id, {"text": text}))
 
-    def _abort(self, identity: bytes, request: AbortRequest) -> None:
+    def _abort(self, identity: bytes, message: AbortMessage) -> None:
         session = self.state.sessions.get(identity)
-        target = session.requests.get(request.target) if session else None
+        target = session.requests.get(message.target) if session else None
         if target is None:
             raise ProtocolError(
-                NOT_FOUND, f"request {request.target!r} is not in flight for this client", "target"
+                NOT_FOUND, f"request {message.target!r} is not in flight for this client", "target"
             )
-        self.router.abort_request(session, target)
+        self.aborts.abort(session, target)
         self.state.sessions.release_if_idle(session)
-        self.router.send(identity, protocol.result_reply(request.id, {"aborted": True}))
+        self.router.send(identity, protocol.result_reply(message.id, {"aborted": True}))
 
-    def _health(self, identity: bytes, request: Request) -> None:
+    def _health(self, identity: bytes, message: Message) -> None:
         status = "draining" if self.state.draining else "ready"
-        self.router.send(identity, protocol.result_reply(request.id, {"status": status}))
+        self.router.send(identity, protocol.result_reply(message.id, {"status": status}))
 
-    def _info(self, identity: bytes, request: Request) -> None:
+    def _info(self, identity: bytes, message: Message) -> None:
         config = self.state.config
         info = self.state.engine.info() | {
             "kvd_version": kvd.__version__,
@@ -229,9 +230,9 @@ class RequestHandler:
                 "client_timeout_s": config.client_timeout,
             },
         }
-        self.router.send(identity, protocol.result_reply(request.id, info))
+        self.router.send(identity, protocol.result_reply(message.id, info))
 
-    def _stats(self, identity: bytes, request: Request) -> None:
+    def _stats(self, identity: bytes, message: Message) -> None:
         state = self.state
         sessions = state.sessions
         stats = state.engine.stats() | {
@@ -246,4 +247,4 @@ class RequestHandler:
                 "clients": [client_stats(state.engine, s) for s in sessions if s.requests],
             }
         }
-        self.router.send(identity, protocol.result_reply(request.id, stats))
+        self.router.send(identity, protocol.result_reply(message.id, stats))

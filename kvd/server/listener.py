@@ -1,4 +1,5 @@
-"""Opening the daemon's ROUTER socket: endpoint policy, the socket directory, permissions, stale sockets."""
+"""The daemon's sockets (requests and events): endpoint policy, the socket directory, permissions, stale
+sockets, and closing them."""
 
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def open_publisher(context: zmq.Context, endpoint: Endpoint, config: ServerConfi
     return sock
 
 
-def close_router(sock: zmq.Socket, endpoint: Endpoint, linger_ms: int) -> None:
-    """Close the socket and remove the ipc file libzmq leaves behind, unless the path is no longer ours."""
+def close_socket(sock: zmq.Socket, endpoint: Endpoint, linger_ms: int) -> None:
+    """Close a bound socket (ROUTER or PUB) and remove the ipc file libzmq leaves, unless it is no longer ours."""
     bound = None
     if endpoint.transport == "ipc":
         with contextlib.suppress(FileNotFoundError):

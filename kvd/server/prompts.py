@@ -14,20 +14,20 @@ from dataclasses import dataclass
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
-from kvd.server.protocol import INTERNAL, GenerateRequest, ProtocolError, TokenizeRequest
-from kvd.server.sessions import InflightRequest
+from kvd.server.protocol import INTERNAL, GenerateMessage, ProtocolError, TokenizeMessage
+from kvd.server.sessions import Generation
 
 logger = logging.getLogger("kvd.server")
 
-PromptRequest = GenerateRequest | TokenizeRequest
+PromptMessage = GenerateMessage | TokenizeMessage
 
 
 @dataclass
 class PromptJob:
     identity: bytes
     tenant: str
-    request: PromptRequest
-    inflight: InflightRequest | None = None  # generate and chat: the request reserved in its client's session
+    message: PromptMessage
+    generation: Generation | None = None  # generate and chat: the record reserved in its client's session
 
 
 @dataclass
@@ -41,7 +41,7 @@ class PromptResult:
 class PromptWorker:
     """One thread that runs `tokenize` on each submitted job in order; the loop polls `wakeup` and collects."""
 
-    def __init__(self, tokenize: Callable[[PromptRequest], tuple[str, list[int]]]) -> None:
+    def __init__(self, tokenize: Callable[[PromptMessage], tuple[str, list[int]]]) -> None:
         self._tokenize = tokenize
         self._jobs: queue.SimpleQueue[PromptJob | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[PromptResult] = queue.SimpleQueue()
@@ -76,12 +76,12 @@ class PromptWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                field, token_ids = self._tokenize(job.request)
+                field, token_ids = self._tokenize(job.message)
                 result = PromptResult(job, field, token_ids)
             except ProtocolError as e:
                 result = PromptResult(job, error=e)
             except Exception:
-                logger.exception("tokenizing request %r failed", job.request.id)
+                logger.exception("tokenizing request %r failed", job.message.id)
                 result = PromptResult(
                     job, error=ProtocolError(INTERNAL, "internal error; see the daemon log")
                 )
@@ -108,9 +108,9 @@ def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int)
     return max_prompt_tokens * max(longest, longest_added)
 
 
-def prompt_bytes(request: PromptRequest) -> int:
+def prompt_bytes(message: PromptMessage) -> int:
     """UTF-8 bytes of the text a prompt's tokens must cover (0 for token ids)."""
-    text = request.prompt if isinstance(request, GenerateRequest) else request.text
+    text = message.prompt if isinstance(message, GenerateMessage) else message.text
     if text is not None:
         return len(text.encode())
-    return sum(len(m["content"].encode()) for m in request.messages or [])
+    return sum(len(m["content"].encode()) for m in message.messages or [])

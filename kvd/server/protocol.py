@@ -7,6 +7,8 @@ from typing import Any
 
 import msgpack
 
+# The one engine import of the wire layer: SamplingParams defines the sampling fields' ranges for the offline API
+# and the wire alike, and needs only the standard library.
 from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
 
 PROTOCOL_VERSION = 1
@@ -86,13 +88,15 @@ class ProtocolError(Exception):
 
 
 @dataclass
-class Request:
+class Message:
+    """One validated request map from a client: `health`, `info` or `stats` (the other ops have subclasses)."""
+
     id: RequestId
-    op: str  # health, info or stats; the other ops have their own classes
+    op: str
 
 
 @dataclass
-class GenerateRequest(Request):
+class GenerateMessage(Message):
     """`generate` (prompt or prompt_token_ids set) or `chat` (messages set)."""
 
     prompt: str | None
@@ -104,18 +108,18 @@ class GenerateRequest(Request):
 
 
 @dataclass
-class TokenizeRequest(Request):
+class TokenizeMessage(Message):
     text: str | None  # exactly one of text and messages is set
     messages: list[dict[str, str]] | None
 
 
 @dataclass
-class DetokenizeRequest(Request):
+class DetokenizeMessage(Message):
     token_ids: list[int]
 
 
 @dataclass
-class AbortRequest(Request):
+class AbortMessage(Message):
     target: RequestId
 
 
@@ -152,7 +156,7 @@ def _peek_id(frame: bytes) -> RequestId | None:
         return None
 
 
-def parse_request(msg: dict) -> Request:
+def parse_message(msg: dict) -> Message:
     """Validate a decoded map against the op's schema; errors carry the request id once it is known."""
     request_id = _request_id(msg)
     try:
@@ -178,7 +182,7 @@ def _as_id(value: Any, name: str) -> RequestId:
     )
 
 
-def _parse(msg: dict, request_id: RequestId) -> Request:
+def _parse(msg: dict, request_id: RequestId) -> Message:
     version = msg.get("v")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ProtocolError(
@@ -206,17 +210,17 @@ def _parse(msg: dict, request_id: RequestId) -> Request:
         return _generate(request_id, op, fields)
     if op == "tokenize":
         text, messages = _one_prompt(fields, ("text", "messages"))
-        return TokenizeRequest(request_id, op, text, messages)
+        return TokenizeMessage(request_id, op, text, messages)
     if op == "detokenize":
-        return DetokenizeRequest(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
+        return DetokenizeMessage(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
     if op == "abort":
         if "target" not in fields:
             raise ProtocolError(BAD_REQUEST, "target (the id of the request to abort) is required", "target")
-        return AbortRequest(request_id, op, _as_id(fields["target"], "target"))
-    return Request(request_id, op)
+        return AbortMessage(request_id, op, _as_id(fields["target"], "target"))
+    return Message(request_id, op)
 
 
-def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateRequest:
+def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateMessage:
     prompt = prompt_token_ids = messages = None
     if op == "chat":
         if "messages" not in fields:
@@ -230,7 +234,7 @@ def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateRequest:
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise ProtocolError(BAD_REQUEST, f"stream must be a boolean, got {_type_name(stream)}", "stream")
-    return GenerateRequest(
+    return GenerateMessage(
         request_id, op, prompt, prompt_token_ids, messages, _sampling_params(fields), stream, cache_salt
     )
 

@@ -16,7 +16,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.sampling_params import SamplingParams
 from kvd.gateway.server import check_port_free, parse_http_address, spawn_gateway, stop_gateway
 from kvd.server.config import ServerConfig
-from kvd.server.listener import check_endpoint, close_router, open_publisher, open_router
+from kvd.server.listener import check_endpoint, close_socket, open_publisher, open_router
 from kvd.server.systemd import Notifier
 from kvd_client.endpoint import parse_endpoint, resolve_endpoint
 
@@ -87,7 +87,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     try:
         event_sock = open_publisher(context, events_endpoint, config) if events_endpoint else None
     except BaseException:
-        close_router(sock, endpoint, linger_ms=0)
+        close_socket(sock, endpoint, linger_ms=0)
         raise
     info = engine.info()
     logger.info(
@@ -112,8 +112,8 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     finally:
         if gateway is not None:
             stop_gateway(gateway)
-        close_router(sock, endpoint, linger_ms=int(CLOSE_FLUSH_S * 1000))
+        close_socket(sock, endpoint, linger_ms=int(CLOSE_FLUSH_S * 1000))
         if event_sock is not None:
-            close_router(event_sock, events_endpoint, linger_ms=0)
+            close_socket(event_sock, events_endpoint, linger_ms=0)
         context.term()
     logger.info("stopped")

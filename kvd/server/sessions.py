@@ -1,4 +1,4 @@
-"""Per-client bookkeeping: each client's requests in flight and the replies it has not yet accepted."""
+"""Per-client bookkeeping: each client's generations in flight and the replies it has not yet accepted."""
 
 from __future__ import annotations
 
@@ -11,38 +11,31 @@ from kvd.engine.sampling_params import SamplingParams
 from kvd.server.protocol import RequestId
 
 
-def engine_request_id(identity: bytes, request_id: RequestId) -> tuple[bytes, RequestId]:
-    """Engine request ids are scoped per client, so two clients may both use id 1."""
-    return (identity, request_id)
+@dataclass(eq=False)
+class Generation:
+    """A generate or chat request, the daemon's one record of it from acceptance to its final reply."""
 
-
-@dataclass
-class InflightRequest:
-    """A generate or chat request from admission to its final reply."""
-
-    id: RequestId
+    id: RequestId  # the client's id, unique among its client's requests in flight
     stream: bool
-    num_prompt_tokens: int
+    num_prompt_tokens: int = 0
+    params: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    want_logprobs: bool = False
     num_preemptions: int = 0
-    in_engine: bool = False  # admitted; before that it is being tokenized or waits in its client's queue
+    # Set once the prompt is tokenized, for admission; the engine keeps its own copy of the token ids.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    cache_salt: str | None = None
+    prompt_field: str = ""  # the request field the prompt came from, for an error reply at admission
+    # Its opaque id in the engine, given at admission; None while it is tokenized or in its client's queue.
+    engine_id: int | None = None
     # Non-streaming requests collect their output here for the single final reply.
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
 
-
-@dataclass
-class PendingRequest:
-    """A request the daemon accepted that waits for its turn to enter the engine."""
-
-    request: InflightRequest
-    token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    field: str  # the request field the prompt came from, for an error reply at admission
+    @property
+    def want_logprobs(self) -> bool:
+        return self.params.logprobs is not None
 
 
 @dataclass
@@ -50,7 +43,7 @@ class ClientSession:
     """One client, known by the routing id the ROUTER socket gave its connection."""
 
     identity: bytes
-    requests: dict[RequestId, InflightRequest] = field(default_factory=dict)
+    requests: dict[RequestId, Generation] = field(default_factory=dict)
     # Replies the socket refused because the client's queue was full; sent in order once it reads again.
     backlog: deque[bytes] = field(default_factory=deque)
     last_sent: float = 0.0
@@ -58,20 +51,17 @@ class ClientSession:
     # After a client timeout: until when the `client_timeout` errors in the backlog wait for the client.
     notices_until: float | None = None
     # Accepted requests not yet in the engine, oldest first (see fairness.py).
-    pending: deque[PendingRequest] = field(default_factory=deque)
+    pending: deque[Generation] = field(default_factory=deque)
     has_turn: bool = False  # in the fair queue's turn order
     tenant: str = ""  # who the peer is (isolation.py); "" for sessions made without a message
 
     @property
     def num_in_engine(self) -> int:
-        return sum(1 for r in self.requests.values() if r.in_engine)
+        return sum(1 for g in self.requests.values() if g.engine_id is not None)
 
     @property
     def name(self) -> str:
         return self.identity.hex()
-
-    def engine_id(self, request_id: RequestId) -> tuple[bytes, RequestId]:
-        return engine_request_id(self.identity, request_id)
 
 
 class Sessions:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.server.config import ServerConfig
 from kvd.server.events import EventStream
 from kvd.server.fairness import FairQueue
-from kvd.server.sessions import Sessions
+from kvd.server.sessions import ClientSession, Generation, Sessions
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
@@ -30,6 +32,9 @@ class ServerState:
     sessions: Sessions = field(default_factory=Sessions)
     queue: FairQueue = field(default_factory=FairQueue)
     counters: DaemonCounters = field(default_factory=DaemonCounters)
+    # The generations the engine holds, by the opaque engine id each got at admission (never reused).
+    in_engine: dict[int, tuple[ClientSession, Generation]] = field(default_factory=dict)
+    engine_ids: Iterator[int] = field(default_factory=itertools.count)
     started: float = field(default_factory=time.monotonic)
     draining: bool = False
 

@@ -18,9 +18,13 @@ def client_stats(engine: LLMEngine, session: ClientSession) -> dict:
         "requests": len(session.requests),
         "queued": len(session.pending),
         "in_engine": session.num_in_engine,
-        "kv_blocks": sum(engine.num_blocks_allocated(session.engine_id(rid)) for rid in session.requests),
-        "generated_tokens": sum(r.num_output_tokens for r in session.requests.values()),
-        "preemptions": sum(r.num_preemptions for r in session.requests.values()),
+        "kv_blocks": sum(
+            engine.num_blocks_allocated(g.engine_id)
+            for g in session.requests.values()
+            if g.engine_id is not None
+        ),
+        "generated_tokens": sum(g.num_output_tokens for g in session.requests.values()),
+        "preemptions": sum(g.num_preemptions for g in session.requests.values()),
     }
 
 
