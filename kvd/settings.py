@@ -20,6 +20,8 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Flag:
+    """How a setting appears on the `kvd serve` command line (and so in its config file)."""
+
     help: str
     name: str | None = None  # None: --FIELD-NAME
     aliases: tuple[str, ...] = ()

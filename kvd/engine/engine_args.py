@@ -1,4 +1,4 @@
-"""Engine settings, with the defaults kvd runs with and the validation of each."""
+"""Engine settings: the defaults kvd runs with, their `kvd serve` flags and the validation of each."""
 
 from __future__ import annotations
 
