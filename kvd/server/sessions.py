@@ -22,7 +22,7 @@ class Generation:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
-    # Set once the prompt is tokenized, for admission; the engine keeps its own copy of the token ids.
+    # Set once the prompt is tokenized; emptied at admission, where the engine takes its own copy.
     prompt_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     prompt_field: str = ""  # the request field the prompt came from, for an error reply at admission
