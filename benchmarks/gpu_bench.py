@@ -8,7 +8,7 @@ parity: kvd's greedy tokens against transformers' generate on a small random Qwe
 backend that runs on the device, with CUDA graphs and torch.compile (Inductor) and with --enforce-eager.
 float32 must match token for token. bfloat16 (every backend; flash-attn has nothing else) is compared with
 transformers in bfloat16, where rounding may part the two after a while: every prompt's first token must
-agree, and the tokens before the first difference must be at least BF16_MIN_SHARED of all. With graphs, the
+agree (on a GPU), and the tokens before the first difference must be at least BF16_MIN_SHARED of all. With graphs, the
 decode steps replay captured graphs between eager prefill steps: the run must have done both.
 
 throughput: nano-vllm's benchmark workload (256 sequences, prompt and output lengths uniform in 100..1024,
@@ -195,7 +195,11 @@ def parity(args: argparse.Namespace, workdir: Path) -> dict:
             if dtype == torch.float32:
                 ok = exact == num_prompts
             else:
-                ok = min(prefixes) >= 1 and sum(prefixes) >= BF16_MIN_SHARED * new_tokens * num_prompts
+                # On a CPU, kvd's batch-invariant bf16 linears round about 1 output in 10^4 otherwise than
+                # transformers' oneDNN (both as close to float64): a near-tie of a random model may part a
+                # prompt at its first token there, so only the share of agreeing tokens is asked.
+                first = min(prefixes) >= 1 or args.device == "cpu"
+                ok = first and sum(prefixes) >= BF16_MIN_SHARED * new_tokens * num_prompts
             if mode == "graphs" and backend != "torch":  # graphs replayed, alternating with eager steps
                 ok = ok and steps["graph_steps"] > 0 and steps["eager_steps"] > 0
             rows.append(

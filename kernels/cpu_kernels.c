@@ -201,25 +201,19 @@ static inline __attribute__((always_inline)) void dot_4rows(int bits, const uint
     out[3] = hsum(acc3);
 }
 
-// Weight row . one activation row; two accumulators hide the FMA latency.
+// Weight row . one activation row, in exactly the order dot_4rows gives each of its rows (one accumulator, blocks
+// in order), so that a row's result does not depend on how many rows share the call: batch invariance.
 static inline __attribute__((always_inline)) float dot_1row(int bits, const uint8_t* qs, const float* d,
                                                              const int8_t* q, const float* dx, int64_t K) {
     const int64_t nb = K / QBLOCK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    __m256 acc = _mm256_setzero_ps();
     __m256i wsign = _mm256_setzero_si256();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) {
-        const __m256i w0 = load_weight_block(bits, qs, b, &wsign);
-        acc0 = block_fma(bits, w0, wsign, q + b * QBLOCK, _mm256_set1_ps(d[b] * dx[b]), acc0);
-        const __m256i w1 = load_weight_block(bits, qs, b + 1, &wsign);
-        acc1 = block_fma(bits, w1, wsign, q + (b + 1) * QBLOCK, _mm256_set1_ps(d[b + 1] * dx[b + 1]),
-                         acc1);
-    }
-    if (b < nb) {
+    for (int64_t b = 0; b < nb; b++) {
         const __m256i w = load_weight_block(bits, qs, b, &wsign);
-        acc0 = block_fma(bits, w, wsign, q + b * QBLOCK, _mm256_set1_ps(d[b] * dx[b]), acc0);
+        acc = block_fma(bits, w, wsign, q + b * QBLOCK, _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_set1_ps(dx[b])),
+                        acc);
     }
-    return hsum(_mm256_add_ps(acc0, acc1));
+    return hsum(acc);
 }
 #else
 static inline float dot_1row(int bits, const uint8_t* qs, const float* d, const int8_t* q, const float* dx,
@@ -258,7 +252,8 @@ static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8
 #define TILE 64
 
 // Float32 weight rows against activation rows [0, mr) (float32, K apart): out[m]. Four rows share each load of
-// the weight, and each row keeps two accumulators.
+// the weight; every row, in a group of four or alone, sums in one order (two accumulators, 16 values a step),
+// so its result does not depend on how many rows share the call.
 static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr, float* out) {
     int64_t m = 0;
 #if KVD_AVX2
@@ -276,24 +271,58 @@ static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr
             }
             for (int r = 0; r < 4; r++) out[m + r] = hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]));
         }
+        for (; m < mr; m++) {
+            const float* a = x + m * K;
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+            for (int64_t i = 0; i < K; i += 16) {
+                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(a + i), acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(a + i + 8), acc1);
+            }
+            out[m] = hsum(_mm256_add_ps(acc0, acc1));
+        }
     }
 #endif
     for (; m < mr; m++) out[m] = dot_f32(w, x + m * K, K);
 }
 
-// y [M, n] = x [M, k] @ W^T (+ bias) for a float32 weight.
-static void float_linear(const kvd_weight* w, const float* x, int64_t M, float* y, int nthreads) {
+// y [M, n] = x [M, k] @ W^T (+ bias) for a float32 or bf16 weight, x float32 (a bf16 x is widened first):
+// every product and sum in float32, each output in one order whatever M is. Returns 1 when out of memory.
+static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
+                        int nthreads) {
     const int64_t K = w->k, N = w->n;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float bias = w->bias ? w->bias[n] : 0.f;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-            const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
-            float out[TILE];
-            float_dot_rows((const float*)w->qs + n * K, x + m0 * K, K, mr, out);
-            for (int64_t m = 0; m < mr; m++) y[(m0 + m) * N + n] = out[m] + bias;
-        }
+    float* wide = NULL;
+    if (x_bf16) {
+        wide = malloc(sizeof(float) * (size_t)(M * K));
+        if (!wide) return 1;
+        for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(((const uint16_t*)x)[i]);
     }
+    const float* xf = x_bf16 ? wide : x;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        // A bf16 weight row is widened once for all activation rows.
+        float* row = w->bits == 16 ? malloc(sizeof(float) * (size_t)K) : NULL;
+        failed |= w->bits == 16 && !row;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float* wr = (const float*)w->qs + n * K;
+            if (w->bits == 16) {
+                if (!row) continue;
+                for (int64_t i = 0; i < K; i++) row[i] = bf16_to_f32(((const uint16_t*)w->qs)[n * K + i]);
+                wr = row;
+            }
+            const float bias = w->bias ? w->bias[n] : 0.f;
+            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
+                const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
+                float out[TILE];
+                float_dot_rows(wr, xf + m0 * K, K, mr, out);
+                for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m] + bias, y_bf16);
+            }
+        }
+        free(row);
+    }
+    free(wide);
+    return failed;
 }
 
 // y [M, n] = the int8 activation rows (q, dx, sx of quantize_rows) @ W^T (+ bias) for a 4- or 8-bit weight.
@@ -334,10 +363,7 @@ static int quantized_linear(const kvd_weight* w, const int8_t* q, const float* d
 }
 
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
-    if (w->bits == 32) {
-        float_linear(w, x, M, y, nthreads);
-        return KVD_OK;
-    }
+    if (w->bits == 32 || w->bits == 16) return float_linear(w, x, x_bf16, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
     const int64_t K = w->k, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -450,7 +476,7 @@ static int64_t checked_max_context(const int32_t* tables, int64_t table_width, c
     return longest;
 }
 
-int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
                                const int32_t* context_lens, float scale, int nthreads) {
@@ -595,7 +621,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         kvd_rotary(q, qkv_size, 0, S, m->heads, D, cos_sin, m->num_positions, positions);
         kvd_rotary(k, qkv_size, 0, S, m->kv_heads, D, cos_sin, m->num_positions, positions);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, 0, num_slots, kv_size, slots, S);
-        failed |= kvd_paged_decode_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
+        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
                                              m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
                                              nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, 0, S, hidden, 0, nthreads) != KVD_OK;

@@ -13,8 +13,8 @@
 enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2 };
 
 // A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
-// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float32 (bits 32: qs float32 [n, k], d and
-// mn NULL); bias float32 [n] or NULL.
+// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16:
+// qs bf16 [n, k]; d and mn NULL); bias float32 [n] or NULL.
 typedef struct {
     const void* qs;
     const uint16_t* d;
@@ -42,18 +42,20 @@ typedef struct {
 // The instruction set this build's SIMD paths use: "avx2+fma" or "portable" (plain C).
 const char* kvd_isa(void);
 
-// y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16), a float32 weight takes
-// float32 activations only.
+// y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16). Each output row is
+// computed in one order whatever M is (batch invariance): integer block dots for 4- and 8-bit weights, float32
+// products and sums for float weights.
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads);
 
 // out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight.
 int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads);
 
-// out [S, H, D] = softmax(q K^T * scale) V for each sequence s (q: sequence s at s x q_stride) over its
-// context_lens[s] cached tokens, read in place from the pool [2, num_blocks, block_size, kv_heads, D] through
-// block_tables [S, table_width]. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
+// out [S, H, D] = softmax(q K^T * scale) V for each query row s (q: row s at s x q_stride) over the first
+// context_lens[s] tokens of its own block table row, read in place from the pool [2, num_blocks, block_size,
+// kv_heads, D] through block_tables [S, table_width]: a decode token per sequence, or any token of a prompt
+// (its causal context), each reduced in the same order. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
 // dtype (bf16 or float32).
-int kvd_paged_decode_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
                                const int32_t* context_lens, float scale, int nthreads);

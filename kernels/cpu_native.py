@@ -187,16 +187,17 @@ def _check_pool(kv_cache: torch.Tensor, x: torch.Tensor) -> None:
         )
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [S, H, D] (one new token per sequence) over the pool [2, blocks, block_size, kv_heads, D] in place.
+    """q [S, H, D] (one query per row) over the pool [2, blocks, block_size, kv_heads, D] in place.
 
-    block_tables int32 [S, width] and context_lens int32 [S] (tokens cached, this one included).
+    block_tables int32 [S, width] and context_lens int32 [S]: each row's blocks and the tokens it sees (its own
+    included); a prompt's rows share their sequence's table, each with its own causal length.
     """
     _check_pool(kv_cache, q)
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
@@ -204,12 +205,12 @@ def paged_decode_attention(
     _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
     _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = library().kvd_paged_decode_attention(
+    status = library().kvd_paged_attention(
         _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), num_blocks, block_size, kv_heads,
         head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens), scale,
         _threads(),
     )  # fmt: skip
-    _check(status, "paged decode attention")
+    _check(status, "paged attention")
     return out
 
 

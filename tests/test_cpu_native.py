@@ -40,7 +40,7 @@ def _attention_reference(q, pool, tables, lens, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 8), (6, 1, 12)])
-def test_paged_decode_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim):
+def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim):
     """Contexts of 1 token, exactly one block, across blocks, scattered block ids; q strided as in the model;
     head_dim 12 runs the kernel's non-SIMD tail."""
     torch.manual_seed(head_dim)
@@ -53,7 +53,7 @@ def test_paged_decode_attention_reads_the_pool_in_place(dtype, heads, kv_heads, 
         for b in range(-(-ctx // block_size)):
             tables[s, b] = order.pop()
     q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
-    got = cpu_native.paged_decode_attention(q, pool, tables, lens, head_dim**-0.5)
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
     want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -115,9 +115,7 @@ def test_rms_norm_of_heads_and_of_rows_matches_torch():
 
 
 def _probe(env: dict[str, str]) -> subprocess.CompletedProcess:
-    code = (
-        "from kvd.kernels import cpu_native as c, native_build as b; print(c.available()); print(b.library_path())"
-    )
+    code = "from kvd.kernels import cpu_native as c, native_build as b; print(c.available()); print(b.library_path())"
     return subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -164,13 +162,13 @@ def test_attention_refuses_indices_outside_the_pool(tables, lens):
     pool, q = _pool_and_query()
     tables, lens = torch.tensor(tables, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
     with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
-        cpu_native.paged_decode_attention(q, pool, tables, lens, 0.3)
+        cpu_native.paged_attention(q, pool, tables, lens, 0.3)
 
 
 def test_attention_checks_dtypes_and_layouts():
     pool, q = _pool_and_query()
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([5, 9], dtype=torch.int32)
-    cpu_native.paged_decode_attention(q, pool, tables, lens, 0.3)  # valid as given
+    cpu_native.paged_attention(q, pool, tables, lens, 0.3)  # valid as given
     bad = {
         "pool dtype": (q, pool.bfloat16(), tables, lens),
         "table dtype": (q, pool, tables.long(), lens),
@@ -180,7 +178,7 @@ def test_attention_checks_dtypes_and_layouts():
     }
     for what, args in bad.items():
         with pytest.raises(cpu_native.NativeKernelError):
-            cpu_native.paged_decode_attention(*args, 0.3)
+            cpu_native.paged_attention(*args, 0.3)
             pytest.fail(f"{what} was accepted")
 
 
@@ -222,11 +220,23 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
 
     def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens):
         cpu_native.decode_layers(
-            shape, layers, hidden, residual, cos_sin, torch.tensor(positions), torch.tensor(slots), tables, lens
+            shape,
+            layers,
+            hidden,
+            residual,
+            cos_sin,
+            torch.tensor(positions),
+            torch.tensor(slots),
+            tables,
+            lens,
         )
 
     run(())  # valid indices, no layer: nothing to do
-    for bad in ({"slots": (16, 64)}, {"positions": (3, 64)}, {"lens": torch.tensor([17, 40], dtype=torch.int32)}):
+    for bad in (
+        {"slots": (16, 64)},
+        {"positions": (3, 64)},
+        {"lens": torch.tensor([17, 40], dtype=torch.int32)},
+    ):
         with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
             run((layer,), **bad)
 

@@ -63,9 +63,7 @@ def _run_with_planted(tmp_path: Path, cache_root: Path, planted: Path) -> subpro
     marker = tmp_path / "loaded-the-planted-library"
     home = tmp_path / "home"
     home.mkdir(mode=0o700, exist_ok=True)
-    proc = _probe(
-        {"KVD_CACHE_DIR": str(cache_root), "HOME": str(home), "KVD_PLANTED_MARKER": str(marker)}
-    )
+    proc = _probe({"KVD_CACHE_DIR": str(cache_root), "HOME": str(home), "KVD_PLANTED_MARKER": str(marker)})
     assert not marker.exists(), "the planted library was loaded"
     assert proc.stdout.splitlines()[0] == "True", proc.stderr  # a clean build runs instead
     assert Path(proc.stdout.splitlines()[1]) != planted

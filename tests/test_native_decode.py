@@ -16,13 +16,14 @@ PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 90)), [200] * 19]  # crossing 16-to
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
 
 
-def _run(folder, native_loop: bool, quantization: str = "int4", max_num_seqs: int = 4):
+def _run(folder, native_loop: bool, quantization: str = "int4", max_num_seqs: int = 4, batch_invariant=True):
     llm = LLM(
         str(folder),
         dtype="float32",
         quantization=quantization,
         kv_cache_memory=2**24,
         max_num_seqs=max_num_seqs,
+        batch_invariant=batch_invariant,
     )
     model = llm.engine.runner.model
     if not native_loop:
@@ -49,8 +50,9 @@ def test_native_loop_gives_the_python_loops_tokens(tiny_checkpoint, family, quan
 
 def test_batches_of_one_and_of_many(tiny_checkpoint):
     """One sequence at a time and all at once: decode batches of 1 and of 3 agree with each other. (The prompts
-    total fewer than DEQUANTIZE_MIN_ROWS tokens: a larger prefill step multiplies float activations by the
-    dequantized weights, which rounds differently from the int8 activations of a small one.)"""
+    total fewer than DEQUANTIZE_MIN_ROWS tokens: without batch invariance, a larger prefill step multiplies float
+    activations by the dequantized weights, which rounds differently from the int8 activations of a small one;
+    tests/test_batch_invariance.py covers every batch shape with it.)"""
     folder = tiny_checkpoint("llama")
     prompts = [[5, 9, 33, 2, 17], list(range(40, 52)), [200] * 9]
     assert sum(map(len, prompts)) < DEQUANTIZE_MIN_ROWS
@@ -68,15 +70,23 @@ def test_batches_of_one_and_of_many(tiny_checkpoint):
 
 
 def test_float_weights_up_to_the_native_row_limit(tiny_checkpoint):
-    """Float32 linears run natively for small batches; a batch above NATIVE_MAX_ROWS goes through the Python
-    loop (torch's matmul), with the same tokens."""
+    """Without batch invariance, float32 linears run natively for small batches and a batch above
+    NATIVE_MAX_ROWS goes through the Python loop (torch's matmul), with the same tokens; with it, every batch
+    stays native."""
     folder = tiny_checkpoint("qwen3")
-    fused, model = _run(folder, True, quantization="none")
+    assert _run(folder, True, quantization="none")[1]._native_decoder.max_rows is None
+    fused, model = _run(folder, True, quantization="none", batch_invariant=False)
     assert model._native_decoder.max_rows == NATIVE_MAX_ROWS
-    loop, _ = _run(folder, False, quantization="none")
+    loop, _ = _run(folder, False, quantization="none", batch_invariant=False)
     assert [o.token_ids for o in fused] == [o.token_ids for o in loop]
     prompts = [[7 + i, 11, 13] for i in range(NATIVE_MAX_ROWS + 1)]
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory=2**24, max_num_seqs=NATIVE_MAX_ROWS + 1)
+    llm = LLM(
+        str(folder),
+        dtype="float32",
+        kv_cache_memory=2**24,
+        max_num_seqs=NATIVE_MAX_ROWS + 1,
+        batch_invariant=False,
+    )
     calls = []
     decoder_forward = NativeDecoder.forward
     NativeDecoder.forward = lambda self, hidden, *args: (

@@ -86,19 +86,23 @@ def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
     assert got.dtype == dtype and got.shape == (batch, 80)
     tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
-    if batch < DEQUANTIZE_MIN_ROWS:  # the layer runs the kernel for decode-sized batches
-        assert torch.equal(layer(x), got)
-        assert torch.equal(torch.cat(layer.forward_shards(x), dim=-1), got)
+    # The layer runs the kernel for every batch with batch invariance, for decode-sized ones without it.
+    assert torch.equal(layer(x), got)
+    assert torch.equal(torch.cat(layer.forward_shards(x), dim=-1), got)
+    # Each row alone gives its row of the whole batch, bit for bit (batch invariance).
+    for row in (0, batch // 2, batch - 1):
+        assert torch.equal(cpu_native.linear(x[row : row + 1], layer.native_weight())[0], got[row])
 
 
 @pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_many_rows_multiply_the_dequantized_weight_tile_by_tile(cls, dtype, monkeypatch):
-    """Prefill-sized batches: torch's GEMM on the weight dequantized a tile of rows at a time (tiles of 64 rows
-    here, the last one ragged), bias sliced along."""
+    """Without batch invariance, prefill-sized batches: torch's GEMM on the weight dequantized a tile of rows at a
+    time (tiles of 64 rows here, the last one ragged), bias sliced along."""
     monkeypatch.setattr(quantized_linear, "DEQUANTIZE_TILE_BYTES", 64 * 96 * 4)
     torch.manual_seed(1)
     layer = cls(torch.randn(150, 96) * 0.05, torch.randn(150), [100, 50])
+    layer.batch_invariant = False
     x = torch.randn(2, DEQUANTIZE_MIN_ROWS, 96).to(dtype)
     want = F.linear(x.double(), layer.dequantized_weight().double(), layer.bias.double())
     got = layer(x)

@@ -81,6 +81,14 @@ class EngineArgs:
         "CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",
         choices=QUANTIZATIONS,
     )
+    # On: a request's logits do not depend on what else shares its steps, how its prompt was chunked or whether
+    # its prefix was cached (kvd.model.batch_invariance); off: faster prefill kernels that round by batch shape.
+    batch_invariant: bool = setting(
+        True,
+        "let a request's output depend on the batch it shares, for faster prefill (CPU; docs/architecture.md, "
+        "Determinism)",
+        name="--no-batch-invariance",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

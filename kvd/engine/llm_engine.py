@@ -61,6 +61,7 @@ class LLMEngine:
             device=self.device,
             attention_backend=args.attention_backend,
             quantization=args.quantization,
+            batch_invariant=args.batch_invariant,
         )
         self.attention_backend = loaded.model.attention_backend.name
         # Unset, the block size is the backend's default (flash-attn reads 256-token pages).
@@ -301,6 +302,7 @@ class LLMEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
             "quantization": self.quantization,
+            "batch_invariant": self.args.batch_invariant,
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "block_size": self.args.block_size,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
 from kvd.model.gguf_loader import (
@@ -98,6 +99,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | str | None = None,
     quantization: str = "none",
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer without building a transformers model.
 
@@ -107,6 +109,7 @@ def load_model(
     None for the torch backend.
     `quantization`: none | int8 | int4 | auto (on CPU, what a GGUF file holds): the decoder layers' weights stay
     quantized in memory and run through kvd's native CPU kernels, else torch's (kvd.model.layers.quantized_linear).
+    `batch_invariant`: every kernel rounds a row the same whatever else shares its step (kvd.model.batch_invariance).
     """
     device = check_device(device)
     path = resolve_model_path(model)
@@ -134,6 +137,7 @@ def load_model(
         )
     )
     quantize_model(causal_lm, quantization)
+    set_batch_invariant(causal_lm, batch_invariant)
     causal_lm.eval()
     return LoadedModel(
         causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization

@@ -68,8 +68,9 @@ class NativeDecoder:
             for layer in layers
         )
         self.key = self._key(model)
-        float_linears = any(isinstance(m, Linear) for m in _linears(layers))
-        self.max_rows = NATIVE_MAX_ROWS if float_linears else None
+        # Float32 linears leave large steps to torch's matmul, unless batch invariance keeps them native.
+        float_linears = [m for m in _linears(layers) if isinstance(m, Linear)]
+        self.max_rows = NATIVE_MAX_ROWS if float_linears and not float_linears[0].batch_invariant else None
 
     @staticmethod
     def _key(model: torch.nn.Module) -> tuple[int, ...]:

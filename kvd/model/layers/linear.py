@@ -11,18 +11,29 @@ from torch import nn
 from kvd.kernels import cpu_native
 
 # Rows up to which kvd's native float32 kernel (weights streamed once for all rows) beats torch's matmul on the
-# CPU: 1.5-4x at 1-8 rows on SmolLM2's shapes, even at 16 (AVX2, 2 threads); beyond, MKL's sgemm wins.
+# CPU: 1.5-4x at 1-8 rows on SmolLM2's shapes, even at 16 (AVX2, 2 threads); beyond, MKL's sgemm wins. With batch
+# invariance (the default) the native kernel takes every row count: MKL and oneDNN round a row differently
+# depending on how many rows share the call.
 NATIVE_MAX_ROWS = 16
 
 
-def native_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x @ weight^T runs in the native float32 kernel (see NATIVE_MAX_ROWS)."""
-    return (
-        weight.dtype == torch.float32
-        and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
-        and cpu_native.supports(x)
-        and x.dtype == torch.float32
-    )
+def native_rows(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) -> bool:
+    """Whether x @ weight^T runs in the native kernel: float32, or bfloat16 with batch invariance."""
+    if not cpu_native.supports(x) or x.dtype != weight.dtype:
+        return False
+    if batch_invariant:
+        return True
+    return x.dtype == torch.float32 and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
+
+
+def _native_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_native.LinearWeight:
+    """The kernel adds a float32 bias itself; a bfloat16 one is added by the caller (see _bias_after)."""
+    bits = 16 if weight.dtype == torch.bfloat16 else 32
+    return cpu_native.linear_weight(bits, weight, bias=bias if bits == 32 else None)
+
+
+def _bias_after(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None or bias.dtype == torch.float32 else y.add_(bias)
 
 
 class Linear(nn.Module):
@@ -31,6 +42,8 @@ class Linear(nn.Module):
     A stacked weight carries `shard_sizes`, the rows each checkpoint tensor goes to.
     Parameters are left uninitialized: the loader fills every one of them.
     """
+
+    batch_invariant = True  # set per model by kvd.model.batch_invariance
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()
@@ -44,17 +57,18 @@ class Linear(nn.Module):
                     param.shard_sizes = sizes
 
     def native_weight(self) -> cpu_native.LinearWeight:
-        """The native kernel's view of the float32 weight (see cpu_native.linear_weight)."""
-        return cpu_native.linear_weight(32, self.weight, bias=self.bias)
+        """The native kernel's view of the float32 or bfloat16 weight (see cpu_native.linear_weight)."""
+        return _native_weight(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native_rows(x, self.weight):
-            return cpu_native.linear(x, self.native_weight())
+        if native_rows(x, self.weight, self.batch_invariant):
+            return _bias_after(cpu_native.linear(x, self.native_weight()), self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per stacked matrix (q, k, v or gate, up)."""
-        if native_rows(x, self.weight) or x.dtype != torch.float32 or x.device.type != "cpu":
+        native = native_rows(x, self.weight, self.batch_invariant)
+        if native or x.dtype != torch.float32 or x.device.type != "cpu":
             return list(self.forward(x).split(self.out_sizes, dim=-1))
         # Only float32 on CPU splits: there MKL's sgemm ran a whole SmolLM2 step 3-6 % faster with the stacked
         # matrices one by one (decode batch 16, prefill; AVX2, one thread), while bfloat16 ran 5 % faster
@@ -67,6 +81,8 @@ class Linear(nn.Module):
 class Embedding(nn.Module):
     """Token embedding table [vocab, hidden]; tied models reuse it as the output projection."""
 
+    batch_invariant = True  # set per model by kvd.model.batch_invariance
+
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
@@ -76,6 +92,6 @@ class Embedding(nn.Module):
 
     def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table^T: the output projection of a model with tied embeddings."""
-        if native_rows(hidden, self.weight):
-            return cpu_native.linear(hidden, cpu_native.linear_weight(32, self.weight))
+        if native_rows(hidden, self.weight, self.batch_invariant):
+            return cpu_native.linear(hidden, _native_weight(self.weight))
         return F.linear(hidden, self.weight)

@@ -3,7 +3,8 @@
 Two implementations of each, picked by what this host can run:
 - kvd's native kernels (kvd.kernels.cpu_native, built on the host): the weights in GGUF Q4_1 / Q8_0's block
   layout, activations quantized per block to int8 and multiplied in integer SIMD, float32 or bfloat16 in and
-  out; from DEQUANTIZE_MIN_ROWS rows, torch's GEMM on dequantized tiles. Per matmul on SmolLM2's shapes 1.2-2x
+  out, for every row count (batch invariance); with batch invariance off, from DEQUANTIZE_MIN_ROWS rows
+  torch's GEMM on dequantized tiles instead (faster prefill, but it rounds differently). Per matmul on SmolLM2's shapes 1.2-2x
   faster than torch's kernels below, and batch-1 decode becomes bound by reading the weights.
 - torch's weight-only kernels, where the native ones cannot be built: 4-bit groups, 8-bit per row.
   Activations enter them as bfloat16: their float32 and float16 paths are 10-100x slower (measured on AVX2),
@@ -136,6 +137,7 @@ class NativeQuantizedLinear(QuantizedLinear):
     """Base of the native linears: codes, fp16 scales (and minimums) in GGUF's blocks of 32 along K."""
 
     bits: ClassVar[int]
+    batch_invariant = True  # set per model by kvd.model.batch_invariance
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, out_sizes: list[int] | None = None
@@ -152,7 +154,7 @@ class NativeQuantizedLinear(QuantizedLinear):
         return cpu_native.linear_weight(self.bits, self.codes, self.scales, self.mins, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < DEQUANTIZE_MIN_ROWS * self.in_features:
+        if self.batch_invariant or x.numel() < DEQUANTIZE_MIN_ROWS * self.in_features:
             return cpu_native.linear(x, self.native_weight())
         # Many rows (prefill): torch's GEMM on the weight dequantized for this call, a tile of rows at a time
         # into one reused buffer, so that a float copy of the weight never exists whole.

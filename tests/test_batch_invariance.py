@@ -1,0 +1,169 @@
+"""Batch invariance: the same request alone, in a batch, chunked, over a cached prefix or after preemption gives
+the same tokens and bitwise the same logits rows, in every dtype and quantization, in-process and through the
+daemon (docs/architecture.md, "Determinism")."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from daemon_fixtures import start_daemon
+
+from kvd import LLM
+from kvd.engine import llm_engine
+from kvd.engine.sampling_params import SamplingParams
+from kvd.kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.available(), reason="batch invariance on a CPU needs kvd's native kernels (a C compiler)"
+)
+
+SHARED = list(range(3, 43))  # 40 tokens: two full 16-token blocks shared by the prompts that start with it
+PROMPTS = [
+    [7],
+    [*SHARED, 50, 51],
+    [*SHARED, *range(60, 73)],
+    list(range(100, 171)),
+    [9, 8, 7, 6, 5],
+    [*SHARED[:20], *range(200, 230)],
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
+# Every (dtype, quantization), each on a family that exercises another part of the model.
+MODES = [
+    ("float32", "none", "qwen3"),
+    ("float32", "int8", "qwen2"),
+    ("float32", "int4", "llama"),
+    ("bfloat16", "none", "qwen2"),
+    ("bfloat16", "int8", "qwen3"),
+    ("bfloat16", "int4", "llama"),
+]
+
+
+class LogitsRecorder:
+    """Wraps the real sampler: keeps each sampled row's logits under the tokens its sequence had then."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.rows: dict[tuple[int, ...], torch.Tensor] = {}
+        sample = llm_engine.sample
+
+        def recording(logits, rows):
+            for i, row in enumerate(rows):
+                self.rows[tuple(row.token_ids)] = logits[i].clone()
+            return sample(logits, rows)
+
+        monkeypatch.setattr(llm_engine, "sample", recording)
+
+
+def _params(i: int) -> SamplingParams:
+    return SEEDED if i == 4 else GREEDY  # one seeded random request among greedy ones
+
+
+def _run(folder, dtype, quantization, recorder, *, one_at_a_time=False, warm=False, **engine) -> dict:
+    settings = {"kv_cache_memory": 2**24, "max_num_seqs": 8, "enable_prefix_caching": False} | engine
+    llm = LLM(folder and str(folder), dtype=dtype, quantization=quantization, **settings)
+    if warm:  # the prompts' blocks go into the prefix cache; the run below computes only what is not cached
+        llm.generate(PROMPTS, [_params(i) for i in range(len(PROMPTS))], use_tqdm=False)
+    recorder.rows.clear()
+    params = [_params(i) for i in range(len(PROMPTS))]
+    if one_at_a_time:
+        outputs = [llm.generate([p], [s], use_tqdm=False)[0] for p, s in zip(PROMPTS, params, strict=True)]
+    else:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return {
+        "tokens": [o.token_ids for o in outputs],
+        "logprobs": [[(t.logprob, t.top_logprobs) for t in o.logprobs] for o in outputs],
+        "logits": dict(recorder.rows),
+        "stats": llm.engine.stats(),
+    }
+
+
+def _assert_same(got: dict, want: dict, path: str) -> None:
+    assert got["tokens"] == want["tokens"], path
+    assert got["logprobs"] == want["logprobs"], path
+    assert got["logits"].keys() == want["logits"].keys(), path
+    for key, row in got["logits"].items():
+        assert torch.equal(row, want["logits"][key]), f"{path}: a logits row differs after {len(key)} tokens"
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "family"), MODES)
+def test_every_scheduling_path_gives_the_same_logits(
+    tiny_checkpoint, monkeypatch, dtype, quantization, family
+):
+    folder = tiny_checkpoint(family)
+    recorder = LogitsRecorder(monkeypatch)
+    alone = _run(folder, dtype, quantization, recorder, one_at_a_time=True)
+    assert len(alone["logits"]) == len(PROMPTS) * GREEDY.max_tokens
+    paths = {
+        "batched": {},
+        "chunked (8 tokens a step)": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
+        "prefix hits": {"enable_prefix_caching": True, "warm": True},
+        "preempted": {"kv_cache_memory": None, "num_blocks": 14},
+    }
+    for path, engine in paths.items():
+        if "num_blocks" in engine:
+            engine = {"kv_cache_memory": _pool_bytes(folder, dtype, engine["num_blocks"])}
+        got = _run(folder, dtype, quantization, recorder, **engine)
+        _assert_same(got, alone, path)
+        if path == "prefix hits":
+            assert got["stats"]["prefix_cache"]["hit_tokens"] > 0
+        if path == "preempted":
+            assert got["stats"]["num_preemptions"] > 0
+
+
+def _pool_bytes(folder, dtype: str, num_blocks: int) -> int:
+    """A KV pool of num_blocks 16-token blocks for the tiny model (small enough to force preemptions)."""
+    import json
+
+    from kvd.model.config import ModelConfig
+    from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    return num_blocks * kv_cache_bytes_per_block(config, 16, getattr(torch, dtype))
+
+
+def test_switched_off_it_says_so(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory=2**24, batch_invariant=False)
+    assert llm.engine.info()["batch_invariant"] is False
+    assert LLM(str(tiny_checkpoint("llama")), kv_cache_memory=2**24).engine.info()["batch_invariant"] is True
+
+
+def test_the_bundled_model_in_its_default_mode(monkeypatch):
+    """SmolLM2 as shipped (int4 from its Q4_1 file, the CPU's auto dtype): alone, batched and chunked."""
+    recorder = LogitsRecorder(monkeypatch)
+    alone = _run(None, "auto", "auto", recorder, one_at_a_time=True)
+    batched = _run(None, "auto", "auto", recorder)
+    _assert_same(batched, alone, "batched")
+    chunked = _run(None, "auto", "auto", recorder, max_num_seqs=4, max_num_batched_tokens=8)
+    _assert_same(chunked, alone, "chunked")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_through_the_daemon_with_concurrent_clients(tiny_daemon_model, tmp_path, dtype):
+    """Each prompt sent alone, then all at once from four client connections: the same tokens and logprobs."""
+    daemon = start_daemon(tmp_path, "--dtype", dtype, "--quantization", "int4", model=tiny_daemon_model)
+    try:
+        prompts = [p for p in PROMPTS if len(p) > 1]
+
+        def ask(client, prompt):
+            out = client.generate(prompt, max_tokens=10, temperature=0.0, logprobs=2)
+            return out.token_ids, [(t.logprob, t.top_logprobs) for t in out.logprobs]
+
+        with daemon.client() as client:
+            alone = [ask(client, p) for p in prompts]
+        together: dict[int, tuple] = {}
+
+        def worker(indices):
+            with daemon.client() as client:
+                for i in indices:
+                    together[i] = ask(client, prompts[i])
+
+        threads = [threading.Thread(target=worker, args=(range(k, len(prompts), 4),)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [together[i] for i in range(len(prompts))] == alone
+    finally:
+        assert daemon.stop() == 0, daemon.log()
