@@ -167,3 +167,29 @@ def test_through_the_daemon_with_concurrent_clients(tiny_daemon_model, tmp_path,
         assert [together[i] for i in range(len(prompts))] == alone
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_the_cost_benchmark_reports_both_sides(tiny_checkpoint):
+    """benchmarks/batch_invariance.py: every workload measured on and off, with the ratio."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tiny_checkpoint("llama")
+    args = ["--model", str(folder), "--modes", "float32:int4", "--num-requests", "2", "--rounds", "1"]
+    args += ["--input-len", "8,16", "--output-len", "4,8", "--prefill-len", "40", "--json"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.batch_invariance", *args],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (row["dtype"], row["quantization"]) == ("float32", "int4")
+    for name in ("throughput_tok_s", "single_stream_tok_s", "prefill_tok_s"):
+        on, off = row[name]["on"], row[name]["off"]
+        assert on > 0 and off > 0 and row[name]["ratio"] == pytest.approx(on / off, rel=0.01)
+    assert proc.stdout.startswith("CPU flags:")
