@@ -39,7 +39,7 @@ typedef struct {
     float eps, scale;
 } kvd_shape;
 
-// The instruction set this build's SIMD paths use: "avx2+fma" or "portable" (plain C).
+// The instruction set this build's SIMD paths use: "avx2+fma+vnni", "avx2+fma" or "portable" (plain C).
 const char* kvd_isa(void);
 
 // y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16). Each output row is
