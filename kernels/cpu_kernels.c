@@ -11,6 +11,8 @@
 // passed in by the caller. Indices into the KV pool and the rotary table are checked before anything is written
 // (KVD_BAD_INDEX). The ABI is declared in cpu_kernels.h.
 
+// syscall() (AMX permission) is a GNU extension under -std=c11.
+#define _GNU_SOURCE
 #include "cpu_kernels.h"
 
 #include <math.h>
@@ -32,12 +34,16 @@
 #define QBLOCK 32
 
 #if KVD_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
-#define KVD_ISA "avx2+fma+vnni"
-#elif KVD_AVX2
-#define KVD_ISA "avx2+fma"
+#define KVD_ISA_VNNI "+vnni"
 #else
-#define KVD_ISA "portable"
+#define KVD_ISA_VNNI ""
 #endif
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define KVD_ISA_AMX "+amx-int8"
+#else
+#define KVD_ISA_AMX ""
+#endif
+#define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_VNNI KVD_ISA_AMX : "portable")
 
 const char* kvd_isa(void) { return KVD_ISA; }
 
@@ -69,8 +75,10 @@ static inline void store_f(void* base, int64_t i, float v, int bf16) {
 
 // ---- activation quantization ------------------------------------------------------------------------------
 
-// x [M, K] -> q int8 [M, K], dx [M, K/32] (the block's scale), sx [M, K/32] (scale x sum of its codes).
-static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, float* sx) {
+// x [M, K] -> q int8 [M, K], dx [M, K/32] (the block's scale), qsum [M, K/32] (the sum of its codes) and sx
+// [M, K/32] (scale x that sum).
+static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qsum,
+                          float* sx) {
     const int64_t nb = K / QBLOCK;
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -91,6 +99,7 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
                 sum += c;
             }
             dx[r * nb + b] = d;
+            qsum[r * nb + b] = sum;
             sx[r * nb + b] = d * (float)sum;
         }
     }
@@ -107,16 +116,15 @@ static inline __m256i unpack_q4(const uint8_t* qs) {
     return _mm256_set_m128i(hi, lo);  // element i of the block in byte i
 }
 
-// Eight int32 partial sums of unsigned w x signed a, lane l = products 4l .. 4l + 3 (w <= 15 or |w| folded into
-// a's sign: no saturation, so the sums are exact). VNNI's dot product gives the same integers in one instruction.
-static inline __m256 dot_u8_i8(__m256i w, __m256i a) {
+// Eight int32 sums of unsigned w x signed a, lane l = products 4l .. 4l + 3 (w <= 15, or |w| with w's signs moved
+// to a: no saturation, so the sums are exact). VNNI's dot product gives the same integers in one instruction.
+static inline __m256i dot_u8_i8(__m256i w, __m256i a) {
 #if defined(__AVXVNNI__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a));
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
 #else
-    const __m256i pairs = _mm256_maddubs_epi16(w, a);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
 #endif
 }
 
@@ -154,14 +162,6 @@ static inline float f16_to_f32(uint16_t h) {
 #endif
 }
 
-static void f16_row_to_f32(const uint16_t* src, float* dst, int64_t n) {
-    int64_t i = 0;
-#ifdef __F16C__
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
-#endif
-    for (; i < n; i++) dst[i] = f16_to_f32(src[i]);
-}
-
 // a . b over n floats.
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
     int64_t i = 0;
@@ -173,95 +173,6 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 #endif
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
-}
-
-#if KVD_AVX2
-// Block b of a weight row as 32 unsigned bytes (|w| for Q8, whose signs go to the activations), and the signs.
-static inline __attribute__((always_inline)) __m256i load_weight_block(int bits, const uint8_t* qs, int64_t b,
-                                                                        __m256i* wsign) {
-    if (bits == 4) return unpack_q4(qs + b * (QBLOCK / 2));
-    *wsign = _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
-    return _mm256_sign_epi8(*wsign, *wsign);
-}
-
-// acc + (w . a block) x scale, as eight partial sums.
-static inline __attribute__((always_inline)) __m256 block_fma(int bits, __m256i w, __m256i wsign, const int8_t* a,
-                                                               __m256 scale, __m256 acc) {
-    __m256i av = _mm256_loadu_si256((const __m256i*)a);
-    if (bits == 8) av = _mm256_sign_epi8(av, wsign);
-    return _mm256_fmadd_ps(dot_u8_i8(w, av), scale, acc);
-}
-
-#define ROWS 4  // activation rows per tile: each weight block is loaded once for all of them
-
-// out[0..3] = weight row . activation rows 0..3 (q: 4 rows K apart; dx: 4 rows nb apart).
-static inline __attribute__((always_inline)) void dot_4rows(int bits, const uint8_t* qs, const float* d,
-                                                             const int8_t* q, const float* dx, int64_t K,
-                                                             float* out) {
-    const int64_t nb = K / QBLOCK;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    __m256i wsign = _mm256_setzero_si256();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i w = load_weight_block(bits, qs, b, &wsign);
-        const __m256 wd = _mm256_set1_ps(d[b]);
-        const int8_t* a = q + b * QBLOCK;
-        acc0 = block_fma(bits, w, wsign, a, _mm256_mul_ps(wd, _mm256_set1_ps(dx[b])), acc0);
-        acc1 = block_fma(bits, w, wsign, a + K, _mm256_mul_ps(wd, _mm256_set1_ps(dx[nb + b])), acc1);
-        acc2 = block_fma(bits, w, wsign, a + 2 * K, _mm256_mul_ps(wd, _mm256_set1_ps(dx[2 * nb + b])), acc2);
-        acc3 = block_fma(bits, w, wsign, a + 3 * K, _mm256_mul_ps(wd, _mm256_set1_ps(dx[3 * nb + b])), acc3);
-    }
-    out[0] = hsum(acc0);
-    out[1] = hsum(acc1);
-    out[2] = hsum(acc2);
-    out[3] = hsum(acc3);
-}
-
-// Weight row . one activation row, in exactly the order dot_4rows gives each of its rows (one accumulator, blocks
-// in order), so that a row's result does not depend on how many rows share the call: batch invariance.
-static inline __attribute__((always_inline)) float dot_1row(int bits, const uint8_t* qs, const float* d,
-                                                             const int8_t* q, const float* dx, int64_t K) {
-    const int64_t nb = K / QBLOCK;
-    __m256 acc = _mm256_setzero_ps();
-    __m256i wsign = _mm256_setzero_si256();
-    for (int64_t b = 0; b < nb; b++) {
-        const __m256i w = load_weight_block(bits, qs, b, &wsign);
-        acc = block_fma(bits, w, wsign, q + b * QBLOCK, _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_set1_ps(dx[b])),
-                        acc);
-    }
-    return hsum(acc);
-}
-#else
-static inline float dot_1row(int bits, const uint8_t* qs, const float* d, const int8_t* q, const float* dx,
-                             int64_t K) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < K / QBLOCK; b++) {
-        const int8_t* a = q + b * QBLOCK;
-        int sum = 0;
-        if (bits == 4) {
-            const uint8_t* w = qs + b * (QBLOCK / 2);
-            for (int i = 0; i < QBLOCK / 2; i++) sum += (w[i] & 15) * a[i] + (w[i] >> 4) * a[i + QBLOCK / 2];
-        } else {
-            const int8_t* w = (const int8_t*)qs + b * QBLOCK;
-            for (int i = 0; i < QBLOCK; i++) sum += w[i] * a[i];
-        }
-        acc += (float)sum * d[b] * dx[b];
-    }
-    return acc;
-}
-#endif
-
-// One weight row against activation rows [0, mr): out[m]. bits is a constant in each expansion.
-static inline __attribute__((always_inline)) void dot_rows(int bits, const uint8_t* qs, const float* d,
-                                                            const float* mn, const int8_t* q, const float* dx,
-                                                            const float* sx, int64_t K, int64_t mr, float* out) {
-    const int64_t nb = K / QBLOCK;
-    int64_t m = 0;
-#if KVD_AVX2
-    for (; m + ROWS <= mr; m += ROWS) dot_4rows(bits, qs, d, q + m * K, dx + m * nb, K, out + m);
-#endif
-    for (; m < mr; m++) out[m] = dot_1row(bits, qs, d, q + m * K, dx + m * nb, K);
-    if (bits == 4)
-        for (m = 0; m < mr; m++) out[m] += dot_f32(mn, sx + m * nb, nb);  // the blocks' minimums
 }
 
 #define TILE 64
@@ -340,41 +251,262 @@ static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     return failed;
 }
 
-// y [M, n] = the int8 activation rows (q, dx, sx of quantize_rows) @ W^T (+ bias) for a 4- or 8-bit weight.
-// Returns 1 when out of memory, else 0.
-static int quantized_linear(const kvd_weight* w, const int8_t* q, const float* dx, const float* sx, int64_t M,
-                            void* y, int y_bf16, int nthreads) {
-    const int64_t K = w->k, N = w->n, nb = K / QBLOCK;
-    // Threads split the weight rows: each reads its own share of the weights once, for every activation row.
-    const int64_t row_bytes = w->bits == 4 ? K / 2 : K;
+// ---- quantized linears: exact block sums, then one float order ------------------------------------------------
+//
+// For activation row m and output n: acc = 0; for each block b in order, acc = fma(isum, d[n,b] x dx[m,b], acc)
+// and, for 4-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
+// activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
+// steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
+// (batch invariance). Small batches run weight rows eight at a time, one float lane each; from AMX_MIN_ROWS rows
+// on a CPU with AMX, tiles of 16 weight rows x 16 activation rows.
+
+typedef struct {
+    const int8_t* q;      // [M, K] int8 codes
+    const float* dx;      // [M, nb] block scales
+    const int32_t* qsum;  // [M, nb] sums of the codes
+    const float* sx;      // [M, nb] dx x qsum
+    int64_t M;
+} quantized_rows;
+
+// The exact sum over block b of one weight row's codes times one activation block (plain C).
+static inline int32_t block_isum(int bits, const uint8_t* qs, int64_t b, const int8_t* a) {
+    int32_t sum = 0;
+    if (bits == 4) {
+        const uint8_t* w = qs + b * (QBLOCK / 2);
+        for (int i = 0; i < QBLOCK / 2; i++) sum += (w[i] & 15) * a[i] + (w[i] >> 4) * a[i + QBLOCK / 2];
+    } else {
+        const int8_t* w = (const int8_t*)qs + b * QBLOCK;
+        for (int i = 0; i < QBLOCK; i++) sum += w[i] * a[i];
+    }
+    return sum;
+}
+
+// Output n for activation row m, one block at a time (the remainder rows of the SIMD paths, and plain C).
+static float row_dot(const kvd_weight* w, int64_t n, const quantized_rows* x, int64_t m) {
+    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+    const uint8_t* qs = (const uint8_t*)w->qs + n * row_bytes;
+    const float* dx = x->dx + m * nb;
+    const float* sx = x->sx + m * nb;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const float scale = f16_to_f32(w->d[n * nb + b]) * dx[b];
+        acc = fmaf((float)block_isum(w->bits, qs, b, x->q + m * K + b * QBLOCK), scale, acc);
+        if (w->bits == 4) acc = fmaf(f16_to_f32(w->mn[n * nb + b]), sx[b], acc);
+    }
+    return acc;
+}
+
+#define NR 8  // weight rows per group of the SIMD path
+
+#if KVD_AVX2
+// The eight int32 lane sums of block b of one weight row against the activation block a.
+static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const uint8_t* qs, int64_t b, __m256i a) {
+    if (bits == 4) return dot_u8_i8(unpack_q4(qs + b * (QBLOCK / 2)), a);
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
+    return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+}
+
+// Lane j = the sum of v[j]'s eight lanes (exact integers: the order does not matter).
+static inline __m256i hsum8x8(const __m256i* v) {
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+// Outputs n0 .. n0 + 7 for every activation row; wd, wm: the group's scales and minimums as [nb][8] float32.
+static void group_rows(const kvd_weight* w, int64_t n0, const float* wd, const float* wm, const quantized_rows* x,
+                       float* out /* [M][8] */) {
+    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+    const uint8_t* qs = (const uint8_t*)w->qs + n0 * row_bytes;
+    for (int64_t m = 0; m < x->M; m++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i*)(x->q + m * K + b * QBLOCK));
+            __m256i lanes[NR];
+            for (int j = 0; j < NR; j++)
+                lanes[j] = w->bits == 4 ? block_lanes(4, qs + j * row_bytes, b, a) : block_lanes(8, qs + j * row_bytes, b, a);
+            const __m256 isum = _mm256_cvtepi32_ps(hsum8x8(lanes));
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(wd + b * NR), _mm256_set1_ps(x->dx[m * nb + b]));
+            acc = _mm256_fmadd_ps(isum, scale, acc);
+            if (w->bits == 4)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * NR), _mm256_set1_ps(x->sx[m * nb + b]), acc);
+        }
+        _mm256_storeu_ps(out + m * NR, acc);
+    }
+}
+#endif
+
+static inline void store_output(const kvd_weight* w, int64_t n, int64_t m, float acc, void* y, int y_bf16) {
+    store_f(y, m * w->n + n, acc + (w->bias ? w->bias[n] : 0.f), y_bf16);
+}
+
+// Outputs [first, end) for every activation row, in groups of eight where SIMD allows. Returns 1 when out of memory.
+static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quantized_rows* x, void* y, int y_bf16,
+                     int nthreads) {
+    int64_t done = first;
     int failed = 0;
+#if KVD_AVX2
+    const int64_t nb = w->k / QBLOCK, groups = (end - first) / NR;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        // The row's fp16 scales (and minimums) as float32, converted once for all activation rows.
-        float* wd = malloc(sizeof(float) * (size_t)(2 * nb));
-        float* wm = wd ? wd + nb : NULL;
+        float* wd = malloc(sizeof(float) * (size_t)(2 * nb * NR + x->M * NR));
         failed |= !wd;
 #pragma omp for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
+        for (int64_t g = 0; g < groups; g++) {
             if (!wd) continue;
-            const uint8_t* wq = (const uint8_t*)w->qs + n * row_bytes;
-            f16_row_to_f32(w->d + n * nb, wd, nb);
-            if (w->bits == 4) f16_row_to_f32(w->mn + n * nb, wm, nb);
-            const float bias = w->bias ? w->bias[n] : 0.f;
-            // A tile of activation rows at a time, small enough for their results to stay on the stack.
-            for (int64_t m0 = 0; m0 < M; m0 += TILE) {
-                const int64_t mr = M - m0 < TILE ? M - m0 : TILE;
-                float out[TILE];
-                if (w->bits == 4)
-                    dot_rows(4, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
-                else
-                    dot_rows(8, wq, wd, wm, q + m0 * K, dx + m0 * nb, sx + m0 * nb, K, mr, out);
-                for (int64_t m = 0; m < mr; m++) store_f(y, (m0 + m) * N + n, out[m] + bias, y_bf16);
-            }
+            float *wm = wd + nb * NR, *out = wm + nb * NR;
+            const int64_t n0 = first + g * NR;
+            for (int j = 0; j < NR; j++)
+                for (int64_t b = 0; b < nb; b++) {
+                    wd[b * NR + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
+                    wm[b * NR + j] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
+                }
+            group_rows(w, n0, wd, wm, x, out);
+            for (int64_t m = 0; m < x->M; m++)
+                for (int j = 0; j < NR; j++) store_output(w, n0 + j, m, out[m * NR + j], y, y_bf16);
         }
         free(wd);
     }
+    done = first + groups * NR;
+#endif
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = done; n < end; n++)
+        for (int64_t m = 0; m < x->M; m++) store_output(w, n, m, row_dot(w, n, x, m), y, y_bf16);
     return failed;
+}
+
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define KVD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_MIN_ROWS 16
+#define AMX_ROWS 16  // weight rows and activation rows per tile
+
+// Linux lends the tile registers to a process that asks once (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+static int amx_permitted(void) {
+    static int state;  // 0 unknown, 1 yes, -1 no
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+// Tiles: 0 = C (16 weight rows x 16 int32 sums), 1 = A (16 weight rows x one block of 32 bytes), 2 = B (the block
+// of 16 activation rows as 8 rows of 4-byte groups x 16).
+static void amx_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    cfg.rows[0] = 16, cfg.colsb[0] = 64;
+    cfg.rows[1] = 16, cfg.colsb[1] = QBLOCK;
+    cfg.rows[2] = QBLOCK / 4, cfg.colsb[2] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// Outputs [0, groups x 16) for Mp / 16 tiles of activation rows: bpack [Mp/16][nb][8][16][4] (codes, zero past
+// M), dxT, sxT, qsumT [nb][Mp]. Returns 1 when out of memory.
+static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x, const int8_t* bpack,
+                    const float* dxT, const float* sxT, const int32_t* qsumT, int64_t Mp, void* y, int y_bf16,
+                    int nthreads) {
+    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float* acc = malloc(sizeof(float) * (size_t)(AMX_ROWS * Mp + 2 * AMX_ROWS * nb));
+        failed |= !acc;
+        if (acc) amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (!acc) continue;
+            float *wd = acc + AMX_ROWS * Mp, *wm = wd + AMX_ROWS * nb;
+            const int64_t n0 = g * AMX_ROWS;
+            for (int j = 0; j < AMX_ROWS; j++)
+                for (int64_t b = 0; b < nb; b++) {
+                    wd[j * nb + b] = f16_to_f32(w->d[(n0 + j) * nb + b]);
+                    wm[j * nb + b] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
+                }
+            memset(acc, 0, sizeof(float) * (size_t)(AMX_ROWS * Mp));
+            for (int64_t b = 0; b < nb; b++) {
+                // A: the block of each weight row as 32 unsigned bytes (8-bit codes + 128, corrected below).
+                uint8_t a_tile[AMX_ROWS * QBLOCK];
+                for (int j = 0; j < AMX_ROWS; j++) {
+                    const uint8_t* src = (const uint8_t*)w->qs + (n0 + j) * row_bytes;
+                    const __m256i codes = w->bits == 4
+                                              ? unpack_q4(src + b * (QBLOCK / 2))
+                                              : _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(src + b * QBLOCK)),
+                                                                 _mm256_set1_epi8((char)0x80));
+                    _mm256_storeu_si256((__m256i*)(a_tile + j * QBLOCK), codes);
+                }
+                _tile_loadd(1, a_tile, QBLOCK);
+                for (int64_t mt = 0; mt < Mp / AMX_ROWS; mt++) {
+                    int32_t c_tile[AMX_ROWS * AMX_ROWS];
+                    _tile_zero(0);
+                    _tile_loadd(2, bpack + (mt * nb + b) * (AMX_ROWS * QBLOCK), 64);
+                    _tile_dpbusd(0, 1, 2);
+                    _tile_stored(0, c_tile, 64);
+                    const int64_t col = b * Mp + mt * AMX_ROWS;
+                    const __m512 dxv = _mm512_loadu_ps(dxT + col), sxv = _mm512_loadu_ps(sxT + col);
+                    const __m512i bias128 = _mm512_slli_epi32(_mm512_loadu_si512(qsumT + col), 7);
+                    for (int j = 0; j < AMX_ROWS; j++) {
+                        __m512i c = _mm512_loadu_si512(c_tile + j * AMX_ROWS);
+                        if (w->bits == 8) c = _mm512_sub_epi32(c, bias128);
+                        float* a = acc + j * Mp + mt * AMX_ROWS;
+                        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(wd[j * nb + b]), dxv);
+                        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, _mm512_loadu_ps(a));
+                        if (w->bits == 4) v = _mm512_fmadd_ps(_mm512_set1_ps(wm[j * nb + b]), sxv, v);
+                        _mm512_storeu_ps(a, v);
+                    }
+                }
+            }
+            for (int j = 0; j < AMX_ROWS; j++)
+                for (int64_t m = 0; m < x->M; m++) store_output(w, n0 + j, m, acc[j * Mp + m], y, y_bf16);
+        }
+        if (acc) _tile_release();
+        free(acc);
+    }
+    return failed;
+}
+
+// The activation rows in the layouts the tiles read (see amx_rows); then the tiles, then the remainder rows.
+static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
+    const int64_t K = w->k, nb = K / QBLOCK, M = x->M, Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    int8_t* bpack = calloc((size_t)(Mp * K), 1);
+    float* dxT = calloc((size_t)(2 * nb * Mp), sizeof(float));
+    int32_t* qsumT = calloc((size_t)(nb * Mp), sizeof(int32_t));
+    int failed = !bpack || !dxT || !qsumT;
+    if (!failed) {
+        float* sxT = dxT + nb * Mp;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t b = 0; b < nb; b++) {
+                dxT[b * Mp + m] = x->dx[m * nb + b];
+                sxT[b * Mp + m] = x->sx[m * nb + b];
+                qsumT[b * Mp + m] = x->qsum[m * nb + b];
+                int8_t* dst = bpack + ((m / AMX_ROWS) * nb + b) * (AMX_ROWS * QBLOCK);
+                for (int i = 0; i < QBLOCK; i++) dst[(i / 4) * 64 + (m % AMX_ROWS) * 4 + i % 4] = x->q[m * K + b * QBLOCK + i];
+            }
+        const int64_t groups = w->n / AMX_ROWS;
+        failed = amx_rows(w, groups, x, bpack, dxT, sxT, qsumT, Mp, y, y_bf16, nthreads);
+        failed |= simd_rows(w, groups * AMX_ROWS, w->n, x, y, y_bf16, nthreads);
+    }
+    free(bpack);
+    free(dxT);
+    free(qsumT);
+    return failed;
+}
+#else
+#define KVD_AMX 0
+#endif
+
+// y [M, n] = the quantized activation rows @ W^T (+ bias). Returns 1 when out of memory.
+static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
+#if KVD_AMX
+    if (x->M >= AMX_MIN_ROWS && w->n >= AMX_ROWS && amx_permitted()) return amx_linear(w, x, y, y_bf16, nthreads);
+#endif
+    return simd_rows(w, 0, w->n, x, y, y_bf16, nthreads);
 }
 
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
@@ -382,14 +514,17 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
     const int64_t K = w->k, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
+    int32_t* qsum = malloc(sizeof(int32_t) * (size_t)(M * nb));
     float* sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int failed = !q || !dx || !sx;
+    int failed = !q || !dx || !qsum || !sx;
     if (!failed) {
-        quantize_rows(x, x_bf16, M, K, q, dx, sx);
-        failed = quantized_linear(w, q, dx, sx, M, y, y_bf16, nthreads);
+        quantize_rows(x, x_bf16, M, K, q, dx, qsum, sx);
+        const quantized_rows rows = {q, dx, qsum, sx, M};
+        failed = quantized_linear(w, &rows, y, y_bf16, nthreads);
     }
     free(q);
     free(dx);
+    free(qsum);
     free(sx);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }

@@ -39,7 +39,8 @@ typedef struct {
     float eps, scale;
 } kvd_shape;
 
-// The instruction set this build's SIMD paths use: "avx2+fma+vnni", "avx2+fma" or "portable" (plain C).
+// The instruction sets this build's SIMD paths use: "avx2+fma", with "+vnni" and "+amx-int8" where the CPU has
+// them, or "portable" (plain C). Every build computes the same results (the quantized linears bit for bit).
 const char* kvd_isa(void);
 
 // y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16). Each output row is

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvd.kernels import native_build
 
@@ -168,3 +169,40 @@ def test_the_portable_build_passes_the_kernel_tests(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert " passed" in proc.stdout.splitlines()[-1]
+
+
+LINEAR_PROBE = """
+import sys, torch
+from kvd.kernels import cpu_native, native_build
+from kvd.model.layers.quantized_linear import NativeInt4Linear, NativeInt8Linear
+torch.manual_seed(0)
+out = {"isa": native_build.isa(native_build.library())}
+for cls in (NativeInt4Linear, NativeInt8Linear):
+    layer = cls(torch.randn(150, 96) * 0.05, torch.randn(150))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(40, 96) * 2).to(dtype)
+        out[cls.bits, str(dtype)] = cpu_native.linear(x, layer.native_weight())
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_instruction_set_computes_the_same_quantized_linears(tmp_path):
+    """The host's build (AMX tiles, VNNI where the CPU has them), the AVX2 one and the portable C one give the
+    same outputs bit for bit: a request's tokens do not depend on the CPU's features either."""
+    builds = {"host": "", "no amx or vnni": "-mno-amx-tile -mno-amx-int8 -mno-avx512vnni -mno-avxvnni"}
+    builds["portable"] = PORTABLE
+    results = {}
+    for name, flags in builds.items():
+        out = tmp_path / f"{len(results)}.pt"
+        env = os.environ | {"KVD_NATIVE_CFLAGS": flags, "KVD_CACHE_DIR": str(tmp_path / name)}
+        proc = subprocess.run(
+            [sys.executable, "-c", LINEAR_PROBE, str(out)], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[name] = torch.load(out)
+    assert results["portable"].pop("isa") == "portable"
+    assert results["no amx or vnni"].pop("isa") in ("avx2+fma", "portable")  # portable: a CPU without AVX2
+    results["host"].pop("isa")
+    for key, want in results["host"].items():
+        for name in ("no amx or vnni", "portable"):
+            assert torch.equal(results[name][key], want), (name, key)
