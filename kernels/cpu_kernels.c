@@ -78,8 +78,9 @@ static inline void store_f(void* base, int64_t i, float v, int bf16) {
 // x [M, K] -> q int8 [M, K], dx [M, K/32] (the block's scale), qsum [M, K/32] (the sum of its codes) and sx
 // [M, K/32] (scale x that sum).
 static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qsum,
-                          float* sx) {
+                          float* sx, int nthreads) {
     const int64_t nb = K / QBLOCK;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
             float v[QBLOCK];
@@ -462,8 +463,8 @@ static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x
                     }
                 }
             }
-            for (int j = 0; j < AMX_ROWS; j++)
-                for (int64_t m = 0; m < x->M; m++) store_output(w, n0 + j, m, acc[j * Mp + m], y, y_bf16);
+            for (int64_t m = 0; m < x->M; m++)  // a row's 16 outputs are neighbours in y
+                for (int j = 0; j < AMX_ROWS; j++) store_output(w, n0 + j, m, acc[j * Mp + m], y, y_bf16);
         }
         if (acc) _tile_release();
         free(acc);
@@ -480,6 +481,7 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
     int failed = !bpack || !dxT || !qsumT;
     if (!failed) {
         float* sxT = dxT + nb * Mp;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t m = 0; m < M; m++)
             for (int64_t b = 0; b < nb; b++) {
                 dxT[b * Mp + m] = x->dx[m * nb + b];
@@ -518,7 +520,7 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
     float* sx = malloc(sizeof(float) * (size_t)(M * nb));
     int failed = !q || !dx || !qsum || !sx;
     if (!failed) {
-        quantize_rows(x, x_bf16, M, K, q, dx, qsum, sx);
+        quantize_rows(x, x_bf16, M, K, q, dx, qsum, sx, nthreads);
         const quantized_rows rows = {q, dx, qsum, sx, M};
         failed = quantized_linear(w, &rows, y, y_bf16, nthreads);
     }
