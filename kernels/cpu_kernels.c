@@ -570,6 +570,38 @@ static inline __attribute__((always_inline)) void add_scaled_row(float* acc, flo
     for (; i < D; i++) acc[i] += p * load_f(v, i, bf16);
 }
 
+// a[0..D) = sum over the context, in order, of p[t] x value row t. For the common head sizes (D a constant
+// multiple of 8 up to 128) the sums stay in registers across the context; the arithmetic is the same either way.
+static inline __attribute__((always_inline)) void weighted_values(float* a, const float* p, const char* values,
+                                                                   const int32_t* table, int64_t ctx,
+                                                                   int64_t block_size, int64_t slot_bytes,
+                                                                   int64_t head, int bf16, const int64_t D) {
+#if KVD_AVX2
+    if (D % 8 == 0 && D <= 128) {
+        const int elem = bf16 ? 2 : 4;
+        __m256 acc[16];
+        for (int64_t i = 0; i < D / 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t = 0; t < n; t++) {
+                const __m256 pv = _mm256_set1_ps(p[t0 + t]);
+                for (int64_t i = 0; i < D / 8; i++)
+                    acc[i] = _mm256_fmadd_ps(pv, load8(v + t * slot_bytes + i * 8 * elem, bf16), acc[i]);
+            }
+        }
+        for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(a + i * 8, acc[i]);
+        return;
+    }
+#endif
+    memset(a, 0, sizeof(float) * (size_t)D);
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t t = 0; t < n; t++) add_scaled_row(a, p[t0 + t], v + t * slot_bytes, bf16, D);
+    }
+}
+
 // One sequence's query heads that share kv head `kvh`: scores over its context, softmax, weighted values.
 // work: group x (ctx + 2 D) floats. D is a constant where it is expanded for the common head sizes, so a
 // head's query and accumulator rows stay in registers across the context.
@@ -600,12 +632,7 @@ static inline __attribute__((always_inline)) void attend_group(
             sum += sc[t];
         }
         float* a = acc + g * D;
-        memset(a, 0, sizeof(float) * (size_t)D);
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t t = 0; t < n; t++) add_scaled_row(a, sc[t0 + t], v + t * slot_bytes, bf16, D);
-        }
+        weighted_values(a, sc, values, table, ctx, block_size, slot_bytes, head, bf16, D);
         const float inv = 1.f / sum;
         for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, a[i] * inv, bf16);
     }
@@ -649,15 +676,17 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
                 if (!work) continue;
                 const int32_t* table = block_tables + s * table_width;
+                // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
+#define ATTEND(HEAD_DIM, BF16)                                                                                   \
+    attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
+                 context_lens[s], scale, work)
                 if (D == 64)
-                    attend_group(q, out, keys, values, bf16, s, kvh, group, 64, q_stride, H, block_size,
-                                 slot_bytes, table, context_lens[s], scale, work);
+                    bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
                 else if (D == 128)
-                    attend_group(q, out, keys, values, bf16, s, kvh, group, 128, q_stride, H, block_size,
-                                 slot_bytes, table, context_lens[s], scale, work);
+                    bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
                 else
-                    attend_group(q, out, keys, values, bf16, s, kvh, group, D, q_stride, H, block_size,
-                                 slot_bytes, table, context_lens[s], scale, work);
+                    ATTEND(D, bf16);
+#undef ATTEND
             }
         }
         free(work);
