@@ -252,6 +252,28 @@ static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     return failed;
 }
 
+// ---- AMX tiles --------------------------------------------------------------------------------------------
+
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16  // rows of a tile: weight rows, activation rows, output rows
+
+// Linux lends the tile registers to a process that asks once (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
+static int amx_permitted(void) {
+    static int state;  // 0 unknown, 1 yes, -1 no
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+#endif
+
 // ---- quantized linears: exact block sums, then one float order ------------------------------------------------
 //
 // For activation row m and output n: acc = 0; for each block b in order, acc = fma(isum, d[n,b] x dx[m,b], acc)
@@ -378,24 +400,8 @@ static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quan
 
 #if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define KVD_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #define AMX_MIN_ROWS 16
-#define AMX_ROWS 16  // weight rows and activation rows per tile
-
-// Linux lends the tile registers to a process that asks once (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA).
-static int amx_permitted(void) {
-    static int state;  // 0 unknown, 1 yes, -1 no
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return state > 0;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 // Tiles: 0 = C (16 weight rows x 16 int32 sums), 1 = A (16 weight rows x one block of 32 bytes), 2 = B (the block
 // of 16 activation rows as 8 rows of 4-byte groups x 16).
@@ -511,8 +517,98 @@ static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* 
     return simd_rows(w, 0, w->n, x, y, y_bf16, nthreads);
 }
 
+// ---- bf16 linears in AMX tiles ----------------------------------------------------------------------------------
+//
+// A weight in tile order is multiplied by TDPBF16PS for every row count (a decode row is padded to a tile): each
+// output sums its products in the order the tile instruction has, whatever M is, so results are batch invariant.
+
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define KVD_AMX_BF16 1
+
+// Tiles: 0 = C (16 activation rows x 16 float32 outputs), 1 = A (16 activation rows x 32 bf16 of k), 2 = B (16
+// pairs of k x 16 outputs x 2 bf16).
+static void amx_bf16_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 3; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+static int amx_bf16_linear(const kvd_weight* w, const uint16_t* x, int64_t M, void* y, int y_bf16, int nthreads) {
+    const int64_t K = w->k, N = w->n, kb = K / 32, Mt = (M + AMX_ROWS - 1) / AMX_ROWS;
+    const uint16_t* packed = w->qs;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        // The last tile of activation rows, zero-padded; and one tile of outputs.
+        uint16_t* tail = calloc((size_t)(AMX_ROWS * K), sizeof(uint16_t));
+        float c_tile[AMX_ROWS * AMX_ROWS];
+        failed |= !tail;
+        if (tail) {
+            amx_bf16_configure();
+            const int64_t last = (Mt - 1) * AMX_ROWS;
+            memcpy(tail, x + last * K, sizeof(uint16_t) * (size_t)((M - last) * K));
+        }
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t nt = 0; nt < N / AMX_ROWS; nt++) {
+            for (int64_t mt = 0; mt < Mt; mt++) {
+                if (!tail) continue;
+                const uint16_t* a = mt == Mt - 1 ? tail : x + mt * AMX_ROWS * K;
+                _tile_zero(0);
+                for (int64_t b = 0; b < kb; b++) {
+                    _tile_loadd(1, a + b * 32, K * 2);
+                    _tile_loadd(2, packed + (nt * kb + b) * 512, 64);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, c_tile, 64);
+                const int64_t rows = M - mt * AMX_ROWS < AMX_ROWS ? M - mt * AMX_ROWS : AMX_ROWS;
+                for (int64_t r = 0; r < rows; r++)
+                    for (int j = 0; j < AMX_ROWS; j++) {
+                        const int64_t n = nt * AMX_ROWS + j;
+                        store_f(y, (mt * AMX_ROWS + r) * N + n, c_tile[r * AMX_ROWS + j] + (w->bias ? w->bias[n] : 0.f),
+                                y_bf16);
+                    }
+            }
+        }
+        if (tail) _tile_release();
+        free(tail);
+    }
+    return failed;
+}
+#else
+#define KVD_AMX_BF16 0
+#endif
+
+int kvd_tiles_available(void) {
+#if KVD_AMX_BF16
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int kvd_pack_tiles(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) {
+    if (n % 16 || k % 32) return KVD_BAD_INDEX;
+    for (int64_t nt = 0; nt < n / 16; nt++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            uint16_t* tile = out + (nt * (k / 32) + b) * 512;
+            for (int r = 0; r < 16; r++)  // pair r of the block's k values, for each of the 16 outputs
+                for (int c = 0; c < 16; c++)
+                    for (int p = 0; p < 2; p++) tile[r * 32 + c * 2 + p] = w[(nt * 16 + c) * k + b * 32 + 2 * r + p];
+        }
+    return KVD_OK;
+}
+
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
-    if (w->bits == 32 || w->bits == 16) return float_linear(w, x, x_bf16, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
+    if (w->tiles) {
+#if KVD_AMX_BF16
+        if (w->bits == 16 && x_bf16 && amx_permitted())
+            return amx_bf16_linear(w, x, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
+#endif
+        return KVD_UNSUPPORTED;
+    }
+    if (w->bits == 32 || w->bits == 16)
+        return float_linear(w, x, x_bf16, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
     const int64_t K = w->k, nb = K / QBLOCK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));

@@ -91,6 +91,10 @@ def address(t: torch.Tensor | None) -> int:
 def _check(status: int, what: str) -> None:
     if status == 0:
         return
+    if status == library().KVD_UNSUPPORTED:
+        raise NativeKernelError(
+            f"{what}: this CPU or build cannot run it (a weight in AMX tile order without AMX)"
+        )
     if status == library().KVD_BAD_INDEX:
         raise NativeKernelError(
             f"{what}: an index out of range (a slot, block table entry, context length, position or row), "
@@ -120,10 +124,12 @@ def linear_weight(
     scales: torch.Tensor | None = None,
     mins: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    tiles: bool = False,
 ) -> LinearWeight:
     """The kernel's view of a weight [N, K]: 4-bit (data uint8 [N, K/2], scales/mins float16 [N, K/32]), 8-bit
     (data int8 [N, K], scales float16 [N, K/32]) in blocks of 32 along K, or float32 (bits 32: data [N, K]); an
-    optional float32 bias [N]. Cheap: callers make one per call rather than keep one."""
+    optional float32 bias [N]; `tiles`: a bf16 weight in AMX tile order (pack_tiles). Cheap: callers make one per
+    call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
     k = data.shape[1] * 2 if bits == 4 else data.shape[1]
@@ -135,7 +141,21 @@ def linear_weight(
         n=data.shape[0],
         k=k,
         bits=bits,
+        tiles=int(tiles),
     )
+
+
+def tiles_available() -> bool:
+    """Whether bf16 weights can be multiplied in AMX tiles here (pack_tiles, then linear)."""
+    return available() and bool(library().kvd_tiles_available())
+
+
+def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in AMX tile order, as a tensor of the same shape."""
+    _check_tensor(weight, "weight", torch.bfloat16, tuple(weight.shape))
+    out = torch.empty_like(weight)
+    _check(library().kvd_pack_tiles(_ptr(weight), weight.shape[0], weight.shape[1], _ptr(out)), "pack_tiles")
+    return out
 
 
 def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:

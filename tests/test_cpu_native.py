@@ -213,7 +213,7 @@ def test_dequantize_refuses_rows_past_the_weight():
 def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
     shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35)
-    empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32)
+    empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32, 0)
     layer = cpu_native.LayerWeights(0, 0, 0, 0, empty, empty, empty, empty, 0)
     hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
@@ -243,8 +243,26 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
 
 def test_the_struct_views_are_read_from_the_header():
     """Field names and order come from cpu_kernels.h: the C names, not a hand-written mirror."""
-    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits")
+    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits", "tiles")
     header = (ROOT / "kernels" / "cpu_kernels.h").read_text()
     for struct in (cpu_native.LinearWeight, cpu_native.LayerWeights, cpu_native.ModelShape):
         for name in struct._fields:
             assert name in header
+
+
+@pytest.mark.skipif(
+    not cpu_native.tiles_available(), reason="this CPU has no AMX tiles (or Linux grants none)"
+)
+def test_bf16_weights_in_tile_order_match_torch_at_every_row_count():
+    """AMX bf16 tiles: as close to float64 as torch's own bf16 matmul, and each row the same in any batch."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64).bfloat16(), torch.randn(37, 64).bfloat16()
+    tiles = cpu_native.pack_tiles(weight)  # kept alive: the view below holds only its address
+    packed = cpu_native.linear_weight(16, tiles, tiles=True)
+    got = cpu_native.linear(x, packed)
+    want = F.linear(x.double(), weight.double())
+    assert (got.double() - want).abs().max() <= (F.linear(x, weight).double() - want).abs().max() * 1.01
+    for rows in (1, 15, 16, 17):
+        assert torch.equal(cpu_native.linear(x[:rows].contiguous(), packed), got[:rows])
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        cpu_native.pack_tiles(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 rows: not whole tiles

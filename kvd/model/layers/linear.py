@@ -26,10 +26,12 @@ def native_rows(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool) ->
     return x.dtype == torch.float32 and x.numel() <= NATIVE_MAX_ROWS * x.shape[-1]
 
 
-def _native_weight(weight: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_native.LinearWeight:
+def _native_weight(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: bool = False
+) -> cpu_native.LinearWeight:
     """The kernel adds a float32 bias itself; a bfloat16 one is added by the caller (see _bias_after)."""
     bits = 16 if weight.dtype == torch.bfloat16 else 32
-    return cpu_native.linear_weight(bits, weight, bias=bias if bits == 32 else None)
+    return cpu_native.linear_weight(bits, weight, bias=bias if bits == 32 else None, tiles=tiles)
 
 
 def _bias_after(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,6 +46,7 @@ class Linear(nn.Module):
     """
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
+    tiles = False  # the bf16 weight lies in AMX tile order (kvd.model.batch_invariance); only kvd's kernel reads it
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()
@@ -58,11 +61,15 @@ class Linear(nn.Module):
 
     def native_weight(self) -> cpu_native.LinearWeight:
         """The native kernel's view of the float32 or bfloat16 weight (see cpu_native.linear_weight)."""
-        return _native_weight(self.weight, self.bias)
+        return _native_weight(self.weight, self.bias, self.tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native_rows(x, self.weight, self.batch_invariant):
             return _bias_after(cpu_native.linear(x, self.native_weight()), self.bias)
+        if self.tiles:
+            raise cpu_native.NativeKernelError(
+                "a weight in AMX tile order takes bfloat16 CPU activations only"
+            )
         return F.linear(x, self.weight, self.bias)
 
     def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
