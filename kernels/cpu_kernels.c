@@ -517,6 +517,78 @@ static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* 
     return simd_rows(w, 0, w->n, x, y, y_bf16, nthreads);
 }
 
+// ---- float32 linears in panel order ---------------------------------------------------------------------------
+//
+// A float32 weight in panel order ([n/16][k][16]: each k's 16 outputs side by side) is multiplied with the outputs
+// in SIMD lanes: every output is one fused multiply-add chain over k in order, whatever the row count, the SIMD
+// width or the CPU, so results are batch invariant (and equal on every CPU). Four activation rows share each
+// load of the weight.
+
+#define PANEL 16
+
+#if KVD_AVX2
+static inline __attribute__((always_inline)) void panel_rows(const float* p, const float* x, int64_t K, int rows,
+                                                              const float* bias, float* y, int64_t N) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(p + k * PANEL), w1 = _mm256_loadu_ps(p + k * PANEL + 8);
+        for (int r = 0; r < rows; r++) {
+            const __m256 xb = _mm256_set1_ps(x[r * K + k]);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_ps(y + r * N, _mm256_add_ps(acc[r][0], _mm256_loadu_ps(bias)));
+        _mm256_storeu_ps(y + r * N + 8, _mm256_add_ps(acc[r][1], _mm256_loadu_ps(bias + 8)));
+    }
+}
+#endif
+
+#if KVD_AVX2 && defined(__AVX512F__)
+// The same sums 16 lanes wide, eight activation rows a pass.
+static inline __attribute__((always_inline)) void panel_rows16(const float* p, const float* x, int64_t K, int rows,
+                                                                const float* bias, float* y, int64_t N) {
+    __m512 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 wv = _mm512_loadu_ps(p + k * PANEL);
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), wv, acc[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * N, _mm512_add_ps(acc[r], _mm512_loadu_ps(bias)));
+}
+#endif
+
+static void panel_linear(const kvd_weight* w, const float* x, int64_t M, float* y, int nthreads) {
+    const int64_t K = w->k, N = w->n;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t np = 0; np < N / PANEL; np++) {
+        const float* p = (const float*)w->qs + np * PANEL * K;
+        float bias[PANEL];
+        for (int j = 0; j < PANEL; j++) bias[j] = w->bias ? w->bias[np * PANEL + j] : 0.f;
+        int64_t m = 0;
+#if KVD_AVX2 && defined(__AVX512F__)
+        for (; m + 8 <= M; m += 8) panel_rows16(p, x + m * K, K, 8, bias, y + m * N + np * PANEL, N);
+#endif
+#if KVD_AVX2
+        for (; m + 4 <= M; m += 4) panel_rows(p, x + m * K, K, 4, bias, y + m * N + np * PANEL, N);
+        // The last rows with their count as a constant, so that the sums stay in registers.
+        if (M - m == 3) panel_rows(p, x + m * K, K, 3, bias, y + m * N + np * PANEL, N);
+        if (M - m == 2) panel_rows(p, x + m * K, K, 2, bias, y + m * N + np * PANEL, N);
+        if (M - m == 1) panel_rows(p, x + m * K, K, 1, bias, y + m * N + np * PANEL, N);
+        m = M;
+#endif
+        for (; m < M; m++)
+            for (int j = 0; j < PANEL; j++) {
+                float acc = 0.f;
+                for (int64_t k = 0; k < K; k++) acc = fmaf(x[m * K + k], p[k * PANEL + j], acc);
+                y[m * N + np * PANEL + j] = acc + bias[j];
+            }
+    }
+}
+
+
 // ---- bf16 linears in AMX tiles ----------------------------------------------------------------------------------
 //
 // A weight in tile order is multiplied by TDPBF16PS for every row count (a decode row is padded to a tile): each
@@ -587,19 +659,13 @@ int kvd_tiles_available(void) {
 #endif
 }
 
-int kvd_pack_tiles(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) {
-    if (n % 16 || k % 32) return KVD_BAD_INDEX;
-    for (int64_t nt = 0; nt < n / 16; nt++)
-        for (int64_t b = 0; b < k / 32; b++) {
-            uint16_t* tile = out + (nt * (k / 32) + b) * 512;
-            for (int r = 0; r < 16; r++)  // pair r of the block's k values, for each of the 16 outputs
-                for (int c = 0; c < 16; c++)
-                    for (int p = 0; p < 2; p++) tile[r * 32 + c * 2 + p] = w[(nt * 16 + c) * k + b * 32 + 2 * r + p];
-        }
-    return KVD_OK;
-}
 
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
+    if (w->tiles && w->bits == 32) {
+        if (x_bf16 || y_bf16) return KVD_UNSUPPORTED;
+        panel_linear(w, x, M, y, nthreads);
+        return KVD_OK;
+    }
     if (w->tiles) {
 #if KVD_AMX_BF16
         if (w->bits == 16 && x_bf16 && amx_permitted())

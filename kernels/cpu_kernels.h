@@ -15,8 +15,9 @@ enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2, KVD_UN
 
 // A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
 // int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16:
-// qs bf16 [n, k]; d and mn NULL); bias float32 [n] or NULL. tiles: 1 for a bf16 weight in AMX tile order
-// (kvd_pack_tiles), multiplied by AMX tiles for every row count; 0 for the row order above.
+// qs bf16 [n, k]; d and mn NULL); bias float32 [n] or NULL. tiles: 1 for a float weight in its kernel's packed
+// order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32
+// one in panel order (kvd.kernels.cpu_native.pack says both); 0 for the row order above.
 typedef struct {
     const void* qs;
     const uint16_t* d;
@@ -47,10 +48,6 @@ const char* kvd_isa(void);
 
 // Whether bf16 weights can be multiplied in AMX tiles here (built with AMX-BF16, and Linux grants the tiles).
 int kvd_tiles_available(void);
-
-// out = the bf16 weight w [n, k] in AMX tile order: [n/16][k/32] tiles of 16 pairs of k x 16 outputs x 2 (n a
-// multiple of 16, k of 32, else KVD_BAD_INDEX). out holds n x k values, like w.
-int kvd_pack_tiles(const uint16_t* w, int64_t n, int64_t k, uint16_t* out);
 
 // y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16). Each output row is
 // computed in one order whatever M is (batch invariance): integer block dots for 4- and 8-bit weights, float32

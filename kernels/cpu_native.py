@@ -128,8 +128,8 @@ def linear_weight(
 ) -> LinearWeight:
     """The kernel's view of a weight [N, K]: 4-bit (data uint8 [N, K/2], scales/mins float16 [N, K/32]), 8-bit
     (data int8 [N, K], scales float16 [N, K/32]) in blocks of 32 along K, or float32 (bits 32: data [N, K]); an
-    optional float32 bias [N]; `tiles`: a bf16 weight in AMX tile order (pack_tiles). Cheap: callers make one per
-    call rather than keep one."""
+    optional float32 bias [N]; `tiles`: a float weight in its kernel's packed order (pack). Cheap: callers make one
+    per call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
     k = data.shape[1] * 2 if bits == 4 else data.shape[1]
@@ -146,16 +146,38 @@ def linear_weight(
 
 
 def tiles_available() -> bool:
-    """Whether bf16 weights can be multiplied in AMX tiles here (pack_tiles, then linear)."""
+    """Whether bf16 weights can be multiplied in AMX tiles here (see pack)."""
     return available() and bool(library().kvd_tiles_available())
 
 
-def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in AMX tile order, as a tensor of the same shape."""
-    _check_tensor(weight, "weight", torch.bfloat16, tuple(weight.shape))
-    out = torch.empty_like(weight)
-    _check(library().kvd_pack_tiles(_ptr(weight), weight.shape[0], weight.shape[1], _ptr(out)), "pack_tiles")
-    return out
+def packable(weight: torch.Tensor) -> bool:
+    """Whether `pack` takes this weight here: float32 [N, K] with N a multiple of 16, or bf16 with K a multiple
+    of 32 too on a CPU with AMX tiles."""
+    if not available() or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 16:
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and tiles_available()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight [N, K] in its batch-invariant kernel's order, a tensor of the same shape (linear_weight(...,
+    tiles=True) then reads it): float32 in panels [N/16][K][16] (each k's 16 outputs side by side), bf16 in AMX
+    tiles [N/16][K/32][16 pairs of k][16 outputs][2]."""
+    n, k = weight.shape
+    if n % 16 or (weight.dtype == torch.bfloat16 and k % 32):
+        raise NativeKernelError(f"a {weight.dtype} [{n}, {k}] weight is not whole panels or tiles")
+    if weight.dtype == torch.float32:
+        return weight.reshape(n // 16, 16, k).transpose(1, 2).contiguous().view(n, k)
+    return weight.reshape(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous().view(n, k)
+
+
+def unpack(weight: torch.Tensor) -> torch.Tensor:
+    """The row order [N, K] of a weight `pack` laid out."""
+    n, k = weight.shape
+    if weight.dtype == torch.float32:
+        return weight.reshape(n // 16, k, 16).transpose(1, 2).reshape(n, k)
+    return weight.reshape(n // 16, k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
 def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:

@@ -46,7 +46,7 @@ def greedy_generate(
 
 def assert_params_equal_hf(loaded: LoadedModel, hf_state: dict[str, torch.Tensor]) -> None:
     """Each of our parameters equals, bit for bit, the HF tensors it is built from (fused ones stacked in
-    order) cast to the loaded dtype; a bf16 weight that batch invariance laid out in AMX tile order, in that order."""
+    order) cast to the loaded dtype; a weight that batch invariance laid out in its kernel's order, in that order."""
     from kvd.kernels import cpu_native
 
     modules = dict(loaded.model.named_modules())
@@ -57,6 +57,6 @@ def assert_params_equal_hf(loaded: LoadedModel, hf_state: dict[str, torch.Tensor
         sources = [name.replace(part, p) for p in fused.get(part, (part,))]
         expected = torch.cat([hf_state[s] for s in sources]).to(loaded.dtype)
         if getattr(modules[name.rpartition(".")[0]], "tiles", False) and name.endswith(".weight"):
-            expected = cpu_native.pack_tiles(expected)
+            expected = cpu_native.pack(expected)
         assert torch.equal(param.data, expected), name
     assert loaded.config.tie_word_embeddings == ("lm_head.weight" not in ours)

@@ -257,12 +257,28 @@ def test_bf16_weights_in_tile_order_match_torch_at_every_row_count():
     """AMX bf16 tiles: as close to float64 as torch's own bf16 matmul, and each row the same in any batch."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 64).bfloat16(), torch.randn(37, 64).bfloat16()
-    tiles = cpu_native.pack_tiles(weight)  # kept alive: the view below holds only its address
+    tiles = cpu_native.pack(weight)  # kept alive: the view below holds only its address
     packed = cpu_native.linear_weight(16, tiles, tiles=True)
     got = cpu_native.linear(x, packed)
     want = F.linear(x.double(), weight.double())
     assert (got.double() - want).abs().max() <= (F.linear(x, weight).double() - want).abs().max() * 1.01
     for rows in (1, 15, 16, 17):
         assert torch.equal(cpu_native.linear(x[:rows].contiguous(), packed), got[:rows])
-    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
-        cpu_native.pack_tiles(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 rows: not whole tiles
+    with pytest.raises(cpu_native.NativeKernelError, match="not whole"):
+        cpu_native.pack(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 rows: not whole tiles
+    assert torch.equal(cpu_native.unpack(tiles), weight)
+
+
+def test_float32_weights_in_panel_order_match_torch_at_every_row_count():
+    """Panels of 16 outputs: each output one fused multiply-add chain over K, the same in any batch."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(37, 40)
+    panels = cpu_native.pack(weight)  # kept alive: the view below holds only its address
+    assert torch.equal(cpu_native.unpack(panels), weight)
+    packed = cpu_native.linear_weight(32, panels, bias=bias, tiles=True)
+    got = cpu_native.linear(x, packed)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    for rows in (1, 3, 4, 5, 36):
+        assert torch.equal(cpu_native.linear(x[:rows].contiguous(), packed), got[:rows])
+    with pytest.raises(cpu_native.NativeKernelError, match="32-bit weight"):
+        cpu_native.linear(x.bfloat16(), cpu_native.linear_weight(32, panels, tiles=True))

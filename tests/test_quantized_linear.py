@@ -178,7 +178,7 @@ def test_quantized_smollm2_against_its_dequantized_model(smollm2, mode):
     reference.output_proj = _linear(quantized.output_proj.dequantized_weight(), [smollm2.config.vocab_size])
     for ours, ref in zip(quantized.model.layers.modules(), reference.model.layers.modules(), strict=True):
         if isinstance(ours, QuantizedLinear):
-            ref.weight.data.copy_(ours.dequantized_weight())
+            ref.set_weight(ours.dequantized_weight())
     assert isinstance(quantized.output_proj, linear_class("int8"))  # logits stay 8-bit in either mode
     # int4 of a Q4_1 file keeps the file's 4-bit values: a quarter of the linears' float32 bytes or less.
     ratio = linear_weight_bytes(quantized.model.layers) / linear_weight_bytes(reference.model.layers)

@@ -46,7 +46,9 @@ class Linear(nn.Module):
     """
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
-    tiles = False  # the bf16 weight lies in AMX tile order (kvd.model.batch_invariance); only kvd's kernel reads it
+    tiles = (
+        False  # the weight lies in kvd's kernel order (kvd.model.batch_invariance); only that kernel reads it
+    )
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()
@@ -59,6 +61,14 @@ class Linear(nn.Module):
                 if param is not None:
                     param.shard_sizes = sizes
 
+    def row_weight(self) -> torch.Tensor:
+        """The [out, in] weight in row order, whatever order this layer keeps it in (see `tiles`)."""
+        return cpu_native.unpack(self.weight) if self.tiles else self.weight
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Copy a [out, in] weight in row order into this layer, in the order it keeps."""
+        self.weight.data.copy_(cpu_native.pack(weight.to(self.weight.dtype)) if self.tiles else weight)
+
     def native_weight(self) -> cpu_native.LinearWeight:
         """The native kernel's view of the float32 or bfloat16 weight (see cpu_native.linear_weight)."""
         return _native_weight(self.weight, self.bias, self.tiles)
@@ -66,11 +76,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native_rows(x, self.weight, self.batch_invariant):
             return _bias_after(cpu_native.linear(x, self.native_weight()), self.bias)
-        if self.tiles:
-            raise cpu_native.NativeKernelError(
-                "a weight in AMX tile order takes bfloat16 CPU activations only"
-            )
-        return F.linear(x, self.weight, self.bias)
+        # A packed weight outside kvd's kernel (while torch.compile traces, say): correct, if not invariant.
+        return F.linear(x, self.row_weight(), self.bias)
 
     def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One output per stacked matrix (q, k, v or gate, up)."""
@@ -80,7 +87,7 @@ class Linear(nn.Module):
         # Only float32 on CPU splits: there MKL's sgemm ran a whole SmolLM2 step 3-6 % faster with the stacked
         # matrices one by one (decode batch 16, prefill; AVX2, one thread), while bfloat16 ran 5 % faster
         # fused at decode batches 1-16 (benchmarks in docs/architecture.md). The views cost no copy.
-        weights = self.weight.split(self.out_sizes)
+        weights = self.row_weight().split(self.out_sizes)
         biases = [None] * len(weights) if self.bias is None else self.bias.split(self.out_sizes)
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 

@@ -261,7 +261,7 @@ def quantize_linears(layers: nn.Module, mode: str) -> int:
             raise QuantizationError(
                 f"quantization {mode!r} runs on CPU only (torch's weight-only CPU kernels); use --quantization none"
             )
-        setattr(parent, name, cls(child.weight, child.bias, child.out_sizes))
+        setattr(parent, name, cls(child.row_weight(), child.bias, child.out_sizes))
     return len(targets)
 
 
