@@ -177,3 +177,9 @@ def library() -> object | None:
 def isa(lib: object) -> str:
     """The SIMD paths the loaded library was built with (kvd_isa)."""
     return ffi.string(lib.kvd_isa()).decode()
+
+
+def native_isa() -> str | None:
+    """The SIMD paths of the loaded kernels (see isa), or None where they cannot be built or are switched off."""
+    lib = library()
+    return None if lib is None else isa(lib)

@@ -13,7 +13,7 @@ from daemon_fixtures import start_daemon
 from kvd import LLM
 from kvd.engine import llm_engine
 from kvd.engine.sampling_params import SamplingParams
-from kvd.kernels import cpu_native
+from kvd.kernels import cpu_native, native_build
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.available(), reason="batch invariance on a CPU needs kvd's native kernels (a C compiler)"
@@ -126,7 +126,10 @@ def _pool_bytes(folder, dtype: str, num_blocks: int) -> int:
 def test_switched_off_it_says_so(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory=2**24, batch_invariant=False)
     assert llm.engine.info()["batch_invariant"] is False
-    assert LLM(str(tiny_checkpoint("llama")), kv_cache_memory=2**24).engine.info()["batch_invariant"] is True
+    info = LLM(str(tiny_checkpoint("llama")), kv_cache_memory=2**24).engine.info()
+    assert info["batch_invariant"] is True
+    # The kernels' SIMD paths, as the library reports them (the dispatch is at build time, by the CPU's flags).
+    assert info["cpu_kernels"] == native_build.isa(native_build.library())
 
 
 def test_the_bundled_model_in_its_default_mode(monkeypatch):

@@ -20,6 +20,7 @@ from kvd.engine.sampler import SampledToken, SamplingRow, sample
 from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.scheduler import Scheduler
 from kvd.engine.sequence import Sequence
+from kvd.kernels.native_build import native_isa
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.selector import resolve_block_size
 from kvd.model.llama import CausalLM
@@ -303,6 +304,7 @@ class LLMEngine:
             "dtype_reason": self.dtype_reason,
             "quantization": self.quantization,
             "batch_invariant": self.args.batch_invariant,
+            "cpu_kernels": native_isa(),
             "device": str(self.device),
             "max_model_len": self.max_model_len,
             "block_size": self.args.block_size,
