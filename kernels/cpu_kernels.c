@@ -1,11 +1,12 @@
-// kvd's native CPU kernels, compiled on the host at first use (kernels/cpu_native.py) with -march=native.
+// kvd's native CPU kernels, compiled on the host at first use (kernels/native_build.py) with -march=native.
 //
-// - Linears: quantized weights stay in GGUF's blocks of 32 along K, 4-bit (asymmetric, Q4_1's layout) or 8-bit
-//   (symmetric, Q8_0's); activations are quantized per block to int8 and each block's dot product runs in
-//   integer SIMD (AVX2: unsigned x signed byte multiply-add), scaled once per block. Float32 weights at decode
-//   batch sizes are streamed once for all rows. Dequantization for the GEMMs of prefill.
-// - Decode attention over the paged KV pool in place: no gather of each sequence's K/V into a workspace.
-// - K/V store, rotary embedding, RMSNorm (with the residual add fused), and a decode step through every layer.
+// - Linears, each output computed in one order whatever the number of rows (batch invariance): quantized weights
+//   in GGUF's blocks of 32 along K, 4-bit (Q4_1's layout) or 8-bit (Q8_0's), against activations quantized per
+//   block to int8 (exact integer block sums by SIMD, VNNI or AMX int8 tiles, then one float chain); float32
+//   weights in panels of 16 outputs (one FMA chain each) or rows; bf16 weights in AMX tiles or rows.
+//   Dequantization for the float GEMMs of prefill without batch invariance.
+// - Attention over the paged KV pool in place, one query per row: no gather of K/V into a workspace.
+// - K/V store, rotary embedding, RMSNorm (with the residual add fused), and a step through every layer.
 // Activations and the KV pool are float32 or bfloat16 (the norms and the layer loop: float32). Without AVX2 the
 // same arithmetic runs in portable C. Threads: OpenMP (torch's own runtime once torch has loaded it), the count
 // passed in by the caller. Indices into the KV pool and the rotary table are checked before anything is written
