@@ -44,7 +44,12 @@
 #else
 #define KVD_ISA_AMX ""
 #endif
-#define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_VNNI KVD_ISA_AMX : "portable")
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define KVD_ISA_AMX_BF16 "+amx-bf16"
+#else
+#define KVD_ISA_AMX_BF16 ""
+#endif
+#define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_VNNI KVD_ISA_AMX KVD_ISA_AMX_BF16 : "portable")
 
 const char* kvd_isa(void) { return KVD_ISA; }
 

@@ -42,8 +42,8 @@ typedef struct {
     float eps, scale;
 } kvd_shape;
 
-// The instruction sets this build's SIMD paths use: "avx2+fma", with "+vnni" and "+amx-int8" where the CPU has
-// them, or "portable" (plain C). Every build computes the same results (the quantized linears bit for bit).
+// The instruction sets this build's SIMD paths use: "avx2+fma", with "+vnni", "+amx-int8" and "+amx-bf16" where
+// the CPU has them, or "portable" (plain C). Every build computes the same results (the quantized linears bit for bit).
 const char* kvd_isa(void);
 
 // Whether bf16 weights can be multiplied in AMX tiles here (built with AMX-BF16, and Linux grants the tiles).
