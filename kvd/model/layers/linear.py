@@ -46,9 +46,7 @@ class Linear(nn.Module):
     """
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
-    tiles = (
-        False  # the weight lies in kvd's kernel order (kvd.model.batch_invariance); only that kernel reads it
-    )
+    tiles = False  # the weight lies in kvd's kernel order (batch_invariance); only that kernel reads it
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()
