@@ -21,10 +21,12 @@ from kvd_client import (
     AsyncClient,
     BadRequestError,
     Client,
+    Embeddings,
     EndpointError,
     KvdTimeoutError,
     NoDaemonError,
     TooLargeError,
+    ToolCall,
     resolve_endpoint,
 )
 from kvd_client.endpoint import parse_endpoint
@@ -183,6 +185,92 @@ def test_a_daemon_that_falls_silent_mid_stream_is_a_timeout(tmp_path: Path):
         _assert_times_out(lambda: next(stream), 0.4)
         assert stream.done
     thread.join(5)
+
+
+def test_tool_calls_and_prompt_logprobs_are_read_and_history_messages_sent_as_given(tmp_path: Path):
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "weather"},
+    ]
+    seen = {}
+    call = {
+        "id": "call_2",
+        "type": "function",
+        "function": {"name": "weather", "arguments": '{"city": "Rome"}'},
+    }
+    top = {"token_id": 7, "logprob": -0.5, "top_logprobs": [[7, -0.5], [8, -1.5]]}
+
+    def script(sock: zmq.Socket, identity: bytes, request: dict) -> None:
+        seen.update(request)
+        final = {
+            "id": request["id"],
+            "type": "final",
+            "text": "",
+            "token_ids": [1, 2],
+            "finish_reason": "tool_calls",
+            "tool_calls": [call],
+            "prompt_logprobs": [None, top],
+            "usage": {"prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 0},
+        }
+        _send(sock, identity, final)
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    thread = _scripted_daemon(endpoint, script)
+    with Client(endpoint, timeout=5) as client:
+        reply = client.chat(history, tools=[{"type": "function", "function": {"name": "weather"}}])
+    thread.join(5)
+    assert seen["messages"] == history and seen["tools"][0]["function"]["name"] == "weather"
+    assert reply.finish_reason == "tool_calls"
+    assert reply.tool_calls == [ToolCall("call_2", "weather", '{"city": "Rome"}')]
+    assert reply.tool_calls[0].to_message() == call
+    assert reply.prompt_logprobs[0] is None and reply.prompt_logprobs[1].top_logprobs == [
+        (7, -0.5),
+        (8, -1.5),
+    ]
+
+
+def test_embed_sends_the_inputs_and_reads_the_vectors(tmp_path: Path):
+    seen = []
+
+    def script(sock: zmq.Socket, identity: bytes, request: dict) -> None:
+        seen.append(request)
+        result = {
+            "id": request["id"],
+            "type": "result",
+            "embeddings": [[0.6, 0.8], [1.0, 0.0]],
+            "dimensions": 2,
+            "pooling": "mean",
+            "usage": {"prompt_tokens": 5},
+        }
+        _send(sock, identity, result)
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    thread = _scripted_daemon(endpoint, script)
+
+    async def main() -> Embeddings:
+        async with AsyncClient(endpoint, timeout=5) as client:
+            return await client.embed([(1, 2, 3), "two"], dimensions=2)
+
+    out = asyncio.run(main())
+    thread.join(5)
+    assert {k: seen[0][k] for k in ("op", "input", "dimensions")} == {
+        "op": "embed",
+        "input": [[1, 2, 3], "two"],
+        "dimensions": 2,
+    }
+    assert "cache_salt" not in seen[0]  # left out, so the daemon's default applies
+    assert out == Embeddings([[0.6, 0.8], [1.0, 0.0]], 2, "mean", 5)
 
 
 # Against a real daemon, found through the default endpoint resolution.

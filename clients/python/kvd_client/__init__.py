@@ -20,7 +20,15 @@ from kvd_client.errors import (
     TooLargeError,
     UnsupportedVersionError,
 )
-from kvd_client.messages import PROTOCOL_VERSION, Chunk, Completion, TokenLogprob, Usage
+from kvd_client.messages import (
+    PROTOCOL_VERSION,
+    Chunk,
+    Completion,
+    Embeddings,
+    TokenLogprob,
+    ToolCall,
+    Usage,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -33,6 +41,7 @@ __all__ = [
     "ClosedError",
     "Completion",
     "DaemonError",
+    "Embeddings",
     "Endpoint",
     "EndpointError",
     "InternalError",
@@ -46,6 +55,7 @@ __all__ = [
     "Stream",
     "TokenLogprob",
     "TooLargeError",
+    "ToolCall",
     "UnsupportedVersionError",
     "Usage",
     "default_endpoint",

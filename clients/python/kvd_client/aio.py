@@ -18,13 +18,16 @@ from kvd_client.errors import ClosedError, DaemonError, KvdError, KvdTimeoutErro
 from kvd_client.messages import (
     Chunk,
     Completion,
+    Embeddings,
     Message,
     RequestId,
     chat_fields,
+    embed_input,
     pack_request,
     prompt_fields,
     to_chunk,
     to_completion,
+    to_embeddings,
     to_result,
     unpack_reply,
 )
@@ -63,6 +66,15 @@ class AsyncClient:
 
     def stream_chat(self, messages: Sequence[Message], **params: Any) -> AsyncStream:
         return AsyncStream(self, "chat", {**chat_fields(messages, params), "stream": True})
+
+    async def embed(
+        self,
+        input: str | Sequence[str] | Sequence[Sequence[int]],
+        dimensions: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Embeddings:
+        fields = {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
+        return to_embeddings(await self._call_reply("embed", fields))
 
     async def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         fields = {
@@ -118,10 +130,13 @@ class AsyncClient:
             self._finish(rid)
 
     async def _call(self, op: str, fields: dict[str, Any]) -> dict:
+        return to_result(await self._call_reply(op, fields))
+
+    async def _call_reply(self, op: str, fields: dict[str, Any]) -> dict:
         rid = self._register()
         try:
             await self._send(op, rid, fields)
-            return to_result(await self._next(rid))
+            return await self._next(rid)
         finally:
             self._finish(rid)
 

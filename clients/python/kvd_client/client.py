@@ -17,13 +17,16 @@ from kvd_client.errors import ClosedError, DaemonError, KvdTimeoutError, NotFoun
 from kvd_client.messages import (
     Chunk,
     Completion,
+    Embeddings,
     Message,
     RequestId,
     chat_fields,
+    embed_input,
     pack_request,
     prompt_fields,
     to_chunk,
     to_completion,
+    to_embeddings,
     to_result,
     unpack_reply,
 )
@@ -68,6 +71,16 @@ class Client:
 
     def stream_chat(self, messages: Sequence[Message], **params: Any) -> Stream:
         return Stream(self, self._start("chat", {**chat_fields(messages, params), "stream": True}))
+
+    def embed(
+        self,
+        input: str | Sequence[str] | Sequence[Sequence[int]],
+        dimensions: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Embeddings:
+        """One L2-normalised vector per input (a text, texts, or token id lists); `dimensions` truncates."""
+        fields = {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
+        return to_embeddings(self._call_reply("embed", fields))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         """Token ids of `text` as a prompt, or of `messages` with the chat template applied."""
@@ -122,9 +135,12 @@ class Client:
             self._finish(rid)
 
     def _call(self, op: str, fields: dict[str, Any]) -> dict:
+        return to_result(self._call_reply(op, fields))
+
+    def _call_reply(self, op: str, fields: dict[str, Any]) -> dict:
         rid = self._start(op, fields)
         try:
-            return to_result(self._next(rid))
+            return self._next(rid)
         finally:
             self._finish(rid)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -13,7 +13,8 @@ from kvd_client.errors import ProtocolMismatchError, error_from_reply
 PROTOCOL_VERSION = 1
 
 RequestId = int | str
-Message = dict[str, str]
+# {"role", "content"}; content may be None, with "tool_calls", "tool_call_id" and "name" where they apply.
+Message = dict[str, Any]
 
 
 @dataclass
@@ -31,6 +32,33 @@ class TokenLogprob:
 
 
 @dataclass
+class ToolCall:
+    """A function call the model made; `arguments` is JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_message(self) -> dict[str, Any]:
+        """The call as an assistant message's `tool_calls` entry, for the next turn's history."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class Embeddings:
+    """The reply to `embed`: one L2-normalised vector per input, in order."""
+
+    embeddings: list[list[float]]
+    dimensions: int
+    pooling: str  # "mean" or "last"
+    prompt_tokens: int  # all inputs together
+
+
+@dataclass
 class Chunk:
     """One streamed increment. The last chunk of a stream has `finish_reason` and `usage` set."""
 
@@ -38,8 +66,9 @@ class Chunk:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last chunk
+    finish_reason: str | None = None  # "stop", "length", "tool_calls" or "abort" on the last chunk
     usage: Usage | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the last chunk's, with tools
 
     @property
     def finished(self) -> bool:
@@ -56,6 +85,8 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs; the first is None
 
 
 def pack_request(op: str, request_id: RequestId, fields: dict[str, Any]) -> bytes:
@@ -73,6 +104,13 @@ def prompt_fields(prompt: str | Sequence[int], params: dict[str, Any]) -> dict[s
 
 def chat_fields(messages: Sequence[Message], params: dict[str, Any]) -> dict[str, Any]:
     return {"messages": [dict(m) for m in messages], **params}
+
+
+def embed_input(input: str | Sequence[str] | Sequence[Sequence[int]]) -> str | list:
+    """`embed`'s input as msgpack takes it: a text, or a list of texts or of token id lists."""
+    if isinstance(input, str):
+        return input
+    return [x if isinstance(x, str) else list(x) for x in input]
 
 
 def unpack_reply(data: bytes) -> dict:
@@ -112,6 +150,7 @@ def to_chunk(reply: dict) -> Chunk:
         logprobs=_logprobs(reply.get("logprobs")),
         finish_reason=reply["finish_reason"] if final else None,
         usage=Usage(**reply["usage"]) if final else None,
+        tool_calls=_tool_calls(reply.get("tool_calls")),
     )
 
 
@@ -126,12 +165,36 @@ def to_completion(reply: dict) -> Completion:
         finish_reason=reply["finish_reason"],
         usage=Usage(**reply["usage"]),
         logprobs=_logprobs(reply.get("logprobs")),
+        tool_calls=_tool_calls(reply.get("tool_calls")),
+        prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
+    )
+
+
+def to_embeddings(reply: dict) -> Embeddings:
+    result = to_result(reply)
+    return Embeddings(
+        embeddings=result["embeddings"],
+        dimensions=result["dimensions"],
+        pooling=result["pooling"],
+        prompt_tokens=result["usage"]["prompt_tokens"],
     )
 
 
 def _logprobs(items: list[dict] | None) -> list[TokenLogprob] | None:
     if items is None:
         return None
-    return [
-        TokenLogprob(i["token_id"], i["logprob"], [(t, lp) for t, lp in i["top_logprobs"]]) for i in items
-    ]
+    return [_logprob(i) for i in items]
+
+
+def _prompt_logprobs(items: list[dict | None] | None) -> list[TokenLogprob | None] | None:
+    if items is None:
+        return None
+    return [None if i is None else _logprob(i) for i in items]
+
+
+def _logprob(item: dict) -> TokenLogprob:
+    return TokenLogprob(item["token_id"], item["logprob"], [(t, lp) for t, lp in item["top_logprobs"]])
+
+
+def _tool_calls(items: list[dict] | None) -> list[ToolCall]:
+    return [ToolCall(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in items or []]
