@@ -299,6 +299,8 @@ class BlockManager:
 
     def _find_hits(self, seq: Sequence) -> list[Block]:
         """The verified cached blocks of the longest cached prefix, leaving the last token to compute."""
+        if not seq.reads_prefix_cache:
+            return []
         hash_fn, cached = self.hash_fn, self._cached
         parent_hash = self._root_hash(seq.cache_salt)
         parent_key: int | str | None = seq.cache_salt

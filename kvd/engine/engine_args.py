@@ -13,6 +13,7 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # kvd.model.layers.selector's BACKEND_NAMES, spelt out: importing it would load torch for every command.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
+POOLINGS = ("auto", "mean", "last")  # kvd.engine.pooling's, spelt out for the same reason
 
 
 class EngineArgsError(ValueError):
@@ -90,6 +91,13 @@ class EngineArgs:
         name="--no-batch-invariance",
     )
 
+    pooling: str = setting(
+        "auto",
+        "how embed requests pool the final hidden states: auto (the checkpoint's choice), mean or last "
+        "(%(default)s)",
+        choices=POOLINGS,
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -101,6 +109,8 @@ class EngineArgs:
             )
         if self.quantization not in QUANTIZATIONS:
             raise EngineArgsError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.pooling not in POOLINGS:
+            raise EngineArgsError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

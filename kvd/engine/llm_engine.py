@@ -7,19 +7,24 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
+import llguidance
 import torch
 
 from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
+from kvd.engine.grammar import LIBRARY, GrammarCompiler, GrammarError
 from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
 from kvd.engine.outputs import EngineStepOutput, RequestOutput
+from kvd.engine.pooling import EmbeddingState, choose_pooling
+from kvd.engine.prompt_logprobs import PromptLogprobs
 from kvd.engine.sampler import SampledToken, SamplingRow, sample
 from kvd.engine.sampling_params import SamplingParams
-from kvd.engine.scheduler import Scheduler
+from kvd.engine.scheduler import ScheduledChunk, Scheduler
 from kvd.engine.sequence import Sequence
+from kvd.engine.tool_calls import Tool, detect_tool_template, render_messages
 from kvd.kernels.native_build import native_isa
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.selector import resolve_block_size
@@ -30,7 +35,12 @@ logger = logging.getLogger("kvd.engine")
 
 
 class RequestRejectedError(ValueError):
-    """A request cannot be admitted; the message says why and what to change."""
+    """A request cannot be admitted; the message says why and what to change, `field` names the setting at
+    fault when one is (None: the prompt)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class RequestTooLongError(RequestRejectedError):
@@ -44,9 +54,12 @@ class EngineRequest:
     request_id: Hashable
     seq: Sequence
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None for embed requests, which produce no text
     generator: torch.Generator | None
     num_cached_tokens: int = 0
+    matcher: llguidance.LLMatcher | None = None  # structured output: the grammar's state after its tokens
+    prompt_logprobs: PromptLogprobs | None = None
+    embedding: EmbeddingState | None = None  # set for embed requests
 
 
 class LLMEngine:
@@ -76,6 +89,12 @@ class LLMEngine:
         self.dtype_reason = loaded.dtype_reason
         self.quantization = loaded.quantization
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
+        self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
+        self.pooling, self.pooling_reason = choose_pooling(args.pooling, loaded.path, loaded.name)
+        chat_template = getattr(loaded.tokenizer, "chat_template", None)
+        self.tool_template = detect_tool_template(chat_template)
+        # OpenAI's developer role reaches a template without one as system.
+        self.developer_role = "developer" in (chat_template or "")
         self.num_blocks = self._pool_blocks(loaded.model, baseline)
         pool_tokens = self.num_blocks * args.block_size
         self.max_model_len = min(self.config.cap_max_model_len(args.max_model_len), pool_tokens)
@@ -135,8 +154,15 @@ class LLMEngine:
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def apply_chat_template(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
+        """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt
+        when the template has none (kvd.engine.tool_calls); earlier calls and results included."""
+        conversation, template_tools = render_messages(
+            messages, tools or [], self.tool_template, self.developer_role
+        )
+        text = self.tokenizer.apply_chat_template(
+            conversation, tools=template_tools, add_generation_prompt=True, tokenize=False
+        )
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def add_request(
@@ -145,21 +171,64 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        matcher: llguidance.LLMatcher | None = None,
     ) -> None:
-        if request_id in self.requests:
-            raise RequestRejectedError(f"request id {request_id!r} is already in flight; use a new id")
+        """Queue a generation. `matcher`: the request's grammar compiled already (`grammars.matcher(params)`,
+        as the daemon does off its loop); otherwise it is compiled here."""
+        self._check_new_id(request_id)
         params = params or SamplingParams()
         token_ids = self.encode(prompt)
         self._check_prompt(token_ids)
-        seq = Sequence(token_ids, self.args.block_size, cache_salt=cache_salt)
+        self.check_params(params)
+        if matcher is None:
+            matcher = self.compile_grammar(params)
+        seq = Sequence(
+            token_ids, self.args.block_size, cache_salt, reads_prefix_cache=params.prompt_logprobs is None
+        )
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        request = EngineRequest(request_id, seq, params, detok, generator)
-        self.requests[request_id] = request
-        self._by_seq_id[seq.seq_id] = request
-        self.scheduler.add(seq)
+        request = EngineRequest(request_id, seq, params, detok, generator, matcher=matcher)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = PromptLogprobs(params.prompt_logprobs, token_ids)
+        self._queue(request)
+
+    def add_embed_request(
+        self, request_id: Hashable, prompt: str | list[int], cache_salt: str | None = None
+    ) -> None:
+        """Queue an embedding: the prompt is computed (never read from the prefix cache) and pooled into one
+        vector, the `embedding` of the request's only output."""
+        self._check_new_id(request_id)
+        token_ids = self.encode(prompt)
+        self._check_prompt(token_ids)
+        seq = Sequence(token_ids, self.args.block_size, cache_salt, reads_prefix_cache=False)
+        request = EngineRequest(request_id, seq, SamplingParams(max_tokens=1), None, None)
+        request.embedding = EmbeddingState(self.pooling)
+        self._queue(request)
+
+    def compile_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """A fresh matcher for the request's structured-output field (None without one); thread-safe."""
+        try:
+            return self.grammars.matcher(params)
+        except GrammarError as e:
+            raise RequestRejectedError(str(e), e.field) from None
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise RequestRejectedError(f"{name}: token ids must lie in [0, {vocab})", name)
+
+    def _check_new_id(self, request_id: Hashable) -> None:
+        if request_id in self.requests:
+            raise RequestRejectedError(f"request id {request_id!r} is already in flight; use a new id")
+
+    def _queue(self, request: EngineRequest) -> None:
+        self.requests[request.request_id] = request
+        self._by_seq_id[request.seq.seq_id] = request
+        self.scheduler.add(request.seq)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -193,16 +262,25 @@ class LLMEngine:
         outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
         forward_s = 0.0
         if out.chunks:
-            sampling = [c for c in out.chunks if c.samples]
             forward_started = time.perf_counter()
-            logits = self.runner.run(out.chunks)
+            hidden, starts = self.runner.run(out.chunks)
+            requests, rows, embedded = [], [], []
+            for chunk, start in zip(out.chunks, starts, strict=True):
+                request = self._by_seq_id[chunk.seq.seq_id]
+                self._take_prompt_outputs(request, chunk, hidden, start)
+                if chunk.samples and request.embedding is not None:
+                    embedded.append(request)
+                elif chunk.samples:
+                    requests.append(request)
+                    rows.append(start + chunk.num_new_tokens - 1)
+            logits = self.runner.logits(hidden, rows)
             forward_s = time.perf_counter() - forward_started
-            requests = [self._by_seq_id[c.seq.seq_id] for c in sampling]
             tokens = sample(logits, [self._sampling_row(r) for r in requests]) if requests else []
             self.scheduler.postprocess(
                 out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)}
             )
             outputs.extend(self._on_token(r, t) for r, t in zip(requests, tokens, strict=True))
+            outputs.extend(self._on_embedded(r) for r in embedded)
         self.metrics.record_step(
             num_prefill_tokens=prefill_tokens,
             num_generated=sum(1 for o in outputs if o.new_token_ids),
@@ -232,12 +310,37 @@ class LLMEngine:
 
     def _sampling_row(self, request: EngineRequest) -> SamplingRow:
         seq = request.seq
-        return SamplingRow(request.params, request.generator, seq.token_ids, seq.num_prompt_tokens)
+        return SamplingRow(
+            request.params, request.generator, seq.token_ids, seq.num_prompt_tokens, request.matcher
+        )
+
+    def _take_prompt_outputs(
+        self, request: EngineRequest, chunk: ScheduledChunk, hidden: torch.Tensor, start: int
+    ) -> None:
+        """What a prompt chunk yields besides K/V: prompt logprobs and an embedding's hidden states."""
+        begin = chunk.seq.num_computed_tokens
+        if request.prompt_logprobs is not None:
+            wanted = request.prompt_logprobs.positions_wanted(begin, begin + chunk.num_new_tokens)
+            if wanted:
+                rows = [start + p - begin for p in wanted]
+                request.prompt_logprobs.add(wanted.start, self.runner.logits(hidden, rows))
+        if request.embedding is not None:
+            last = start + chunk.num_new_tokens
+            first = start if request.embedding.pooling == "mean" else last - 1
+            request.embedding.add(begin, hidden[first:last])
+
+    def _on_embedded(self, request: EngineRequest) -> RequestOutput:
+        output = self._finish_with(request, "stop")
+        output.embedding = request.embedding.vector()
+        return output
 
     def _on_token(self, request: EngineRequest, token: SampledToken) -> RequestOutput:
         seq = request.seq
-        if seq.num_output_tokens == 1:
+        first = seq.num_output_tokens == 1
+        if first:
             request.num_cached_tokens = seq.num_cached_tokens
+        if request.matcher is not None:
+            request.matcher.consume_token(token.token_id)
         request.detokenizer.add_tokens([token.token_id])
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
@@ -252,6 +355,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=request.prompt_logprobs.entries if first and request.prompt_logprobs else None,
         )
 
     def _stop_reason(self, request: EngineRequest, token_id: int) -> str | None:
@@ -260,13 +364,17 @@ class LLMEngine:
             return "stop"
         if request.detokenizer.stopped:
             return "stop"
+        # The grammar takes no further token (it ended, end-of-sequence included): the output is complete.
+        if request.matcher is not None and (request.matcher.is_stopped() or request.matcher.is_error()):
+            return "stop"
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
 
     def _finish(self, request: EngineRequest) -> None:
         self.scheduler.finish(request.seq)
-        request.detokenizer.finish()
+        if request.detokenizer is not None:
+            request.detokenizer.finish()
         del self.requests[request.request_id]
         del self._by_seq_id[request.seq.seq_id]
 
@@ -276,7 +384,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=[],
-            new_text=request.detokenizer.take_delta(finished=True),
+            new_text=request.detokenizer.take_delta(finished=True) if request.detokenizer else "",
             finished=True,
             finish_reason=reason,
             logprobs=None,
@@ -313,6 +421,14 @@ class LLMEngine:
             "max_num_seqs": self.args.max_num_seqs,
             "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "vocab_size": self.config.vocab_size,
+            "hidden_size": self.config.hidden_size,
+            "pooling": self.pooling,
+            "pooling_reason": self.pooling_reason,
+            "structured_output": LIBRARY,
+            "tools": {
+                "format": self.tool_template.format.value,
+                "template": "model" if self.tool_template.native else "kvd",
+            },
         }
 
 

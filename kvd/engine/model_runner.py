@@ -57,41 +57,46 @@ class ModelRunner:
                 self.graphs.capture()
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Compute the chunks' K/V and return float32 logits for the chunks that sample, in order."""
+    def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """Compute the chunks' K/V; the final hidden states and each chunk's first row in them.
+
+        A decode step replayed from a CUDA graph gives one row per chunk; an eager step one row per token."""
         input_ids: list[int] = []
         positions: list[int] = []
-        logits_indices: list[int] = []
+        starts: list[int] = []
         for chunk in chunks:
             start = chunk.seq.num_computed_tokens
             end = start + chunk.num_new_tokens
+            starts.append(len(input_ids))
             input_ids.extend(chunk.seq.token_ids[start:end])
             positions.extend(range(start, end))
-            if chunk.samples:
-                logits_indices.append(len(input_ids) - 1)
         block_tables = [c.seq.block_table for c in chunks]
         context_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]
         if self._replays(chunks):
             self.num_graph_steps += 1
-            hidden = self.graphs.run(input_ids, block_tables, context_lens)
-        else:
-            self.num_eager_steps += 1
-            attn = build_attention_metadata(
-                block_tables=block_tables,
-                context_lens=context_lens,
-                query_lens=[c.num_new_tokens for c in chunks],
-                block_size=self.block_size,
-                device=self.device,
-                backend=self.model.attention_backend,
-            )
-            hidden = self.model(
-                host_to_device(input_ids, torch.long, self.device),
-                host_to_device(positions, torch.long, self.device),
-                attn,
-            )
-        if not logits_indices:
+            return self.graphs.run(input_ids, block_tables, context_lens), starts
+        self.num_eager_steps += 1
+        attn = build_attention_metadata(
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_lens=[c.num_new_tokens for c in chunks],
+            block_size=self.block_size,
+            device=self.device,
+            backend=self.model.attention_backend,
+        )
+        hidden = self.model(
+            host_to_device(input_ids, torch.long, self.device),
+            host_to_device(positions, torch.long, self.device),
+            attn,
+        )
+        return hidden, starts
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """float32 logits of the given rows of `hidden`."""
+        if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[host_to_device(logits_indices, torch.long, self.device)])
+        return self.model.compute_logits(hidden[host_to_device(rows, torch.long, self.device)])
 
     def _replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""

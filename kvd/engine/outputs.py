@@ -21,6 +21,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # With the first token of a request that asked for them: one entry per prompt token, None for the first.
+    prompt_logprobs: list[SampledToken | None] | None = None
+    embedding: list[float] | None = None  # an embed request's vector, in its only output
 
 
 @dataclass
@@ -45,12 +48,15 @@ class CompletionOutput:
     logprobs: list[SampledToken] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledToken | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.logprobs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = out.finish_reason
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_cached_tokens = out.num_cached_tokens

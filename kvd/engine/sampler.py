@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
+from kvd.engine.grammar import apply_masks
 from kvd.engine.sampling_params import SamplingParams
 
 
@@ -21,6 +23,7 @@ class SamplingRow:
     generator: torch.Generator | None
     token_ids: list[int]
     num_prompt_tokens: int
+    matcher: llguidance.LLMatcher | None = None  # structured output: only tokens it allows may be sampled
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -43,6 +46,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     logprobs = _logprobs(logits, rows)
     if any(r.params.has_penalties for r in rows):
         logits = _apply_penalties(logits.clone(), rows)
+    if any(r.params.logit_bias for r in rows):
+        logits = _apply_logit_bias(logits.clone(), rows)
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if constrained:  # last, so that nothing lifts a masked token back
+        logits = apply_masks(logits.clone(), constrained, [rows[i].matcher for i in constrained])
     greedy_ids = logits.argmax(dim=-1)
     if all(r.params.greedy for r in rows):
         token_ids = greedy_ids
@@ -114,6 +122,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     presence = torch.tensor([r.params.presence_penalty for r in rows], device=device).unsqueeze(1)
     frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device).unsqueeze(1)
     return logits - presence * (counts > 0) - frequency * counts
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            tokens = torch.tensor(list(row.params.logit_bias), device=logits.device)
+            biases = torch.tensor(list(row.params.logit_bias.values()), device=logits.device)
+            logits[i, tokens] += biases
+    return logits
 
 
 def _padded(lists: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 512  # entries; OpenAI's own limit is lower
+LOGIT_BIAS_RANGE = 100.0
+# The structured-output fields: at most one per request (docs/protocol.md, Structured output).
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar")
 # Below this temperature a request samples greedily: dividing logits by a smaller one overflows float32 to inf,
 # and the softmax of that is NaN, not the one-hot distribution the limit tends to.
 GREEDY_TEMPERATURE = 1e-5
@@ -35,6 +39,14 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # top alternatives per prompt token; the prompt's own logprobs too
+    # Structured output (at most one): a JSON schema (a dict, or JSON text), any JSON object, a regex, or a
+    # Lark grammar; the output is constrained token by token to what it describes.
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,10 +72,47 @@ class SamplingParams:
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _number("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 10.0)
+        self._check_logit_bias()
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self._check_structured()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", "must be a map of token id to bias")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError(
+                "logit_bias", f"has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+            )
+        for token, bias in self.logit_bias.items():
+            _integer("logit_bias", token, 0, 2**31 - 1)
+            _number("logit_bias", bias, -LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)
+
+    def _check_structured(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise SamplingParamsError("json_object", "must be a boolean")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict | str):
+            raise SamplingParamsError("json_schema", "must be a map (a JSON schema) or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(name, "must be a non-empty string")
+        given = [name for name in STRUCTURED_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) > 1:
+            raise SamplingParamsError(given[1], f"give at most one of {', '.join(STRUCTURED_FIELDS)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def structured(self) -> tuple[str, object] | None:
+        """(field name, value) of the structured-output field set, or None."""
+        for name in STRUCTURED_FIELDS:
+            value = getattr(self, name)
+            if value not in (None, False):
+                return name, value
+        return None
 
     @property
     def has_penalties(self) -> bool:

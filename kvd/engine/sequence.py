@@ -22,13 +22,21 @@ class Sequence:
     manager reads it to know which full blocks may be offered to other sequences.
     """
 
-    def __init__(self, token_ids: list[int], block_size: int = 16, cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        token_ids: list[int],
+        block_size: int = 16,
+        cache_salt: str | None = None,
+        reads_prefix_cache: bool = True,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.token_ids = list(token_ids)
         self.block_size = block_size
         # Requests with different salts never share cached K/V (per-tenant isolation).
         self.cache_salt = cache_salt
+        # False for requests that need every prompt position computed (prompt logprobs, embeddings).
+        self.reads_prefix_cache = reads_prefix_cache
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0

@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 from kvd.server import protocol
-from kvd.server.protocol import CLIENT_TIMEOUT, INTERNAL
+from kvd.server.protocol import CLIENT_TIMEOUT, INTERNAL, NOT_FOUND, SHUTTING_DOWN
 from kvd.server.router import Router
 from kvd.server.sessions import ClientSession, Generation
 from kvd.server.state import ServerState
@@ -29,7 +29,12 @@ class Aborts:
         self._forget(session, generation)
         del session.requests[generation.id]
         self.router.publish_finished(session, generation, "abort")
-        self.router.send(session.identity, self.router.final_reply(generation, "abort"))
+        if generation.embed is None:
+            reply = self.router.final_reply(generation, "abort")
+        else:  # an embed request has no partial result to give
+            code = SHUTTING_DOWN if self.state.draining else NOT_FOUND
+            reply = protocol.error_reply(generation.id, code, "the embed request was aborted")
+        self.router.send(session.identity, reply)
 
     def abort_all(self) -> None:
         for session in self.state.sessions:
@@ -79,8 +84,9 @@ class Aborts:
 
     def _forget(self, session: ClientSession, generation: Generation) -> None:
         """Take the generation out of the engine (its blocks are free at once) or out of its client's queue."""
-        if generation.engine_id is not None:
-            self.state.engine.abort(generation.engine_id)
-            del self.state.in_engine[generation.engine_id]
+        if generation.engine_ids:
+            for engine_id in generation.engine_ids:
+                if self.state.in_engine.pop(engine_id, None) is not None:
+                    self.state.engine.abort(engine_id)
         elif generation in session.pending:  # else it is still being tokenized
             session.pending.remove(generation)

@@ -25,27 +25,50 @@ class Admission:
         room = self.max_num_seqs - len(state.in_engine)
         while room > 0 and (turn := state.queue.pop(self._may_admit)) is not None:
             session, generation = turn
-            engine_id = next(state.engine_ids)
             try:
-                state.engine.add_request(
-                    engine_id, generation.prompt_token_ids, generation.params, generation.cache_salt
-                )
+                self._add(generation)
             except RequestRejectedError as e:
+                for engine_id in generation.engine_ids:
+                    state.engine.abort(engine_id)
+                generation.engine_ids = []
                 self._reject(session, generation, e)
                 continue
-            generation.engine_id = engine_id
             generation.prompt_token_ids = []  # the engine has its own copy
-            state.in_engine[engine_id] = (session, generation)
+            generation.matcher = None
+            for engine_id in generation.engine_ids:
+                state.in_engine[engine_id] = (session, generation)
             state.counters.requests_total += 1
             state.events.publish(events.SCHEDULED, session, generation.id)
-            room -= 1
+            room -= len(generation.engine_ids)
+
+    def _add(self, generation: Generation) -> None:
+        """The generation's engine requests: one, or one per input of an embed request."""
+        engine = self.state.engine
+        if generation.embed is None:
+            engine_id = next(self.state.engine_ids)
+            engine.add_request(
+                engine_id,
+                generation.prompt_token_ids,
+                generation.params,
+                generation.cache_salt,
+                matcher=generation.matcher,
+            )
+            generation.engine_ids.append(engine_id)
+            return
+        for i, token_ids in enumerate(generation.embed.inputs):
+            engine_id = next(self.state.engine_ids)
+            try:
+                engine.add_embed_request(engine_id, token_ids, generation.cache_salt)
+            except RequestRejectedError as e:
+                raise type(e)(str(e), f"input[{i}]") from None
+            generation.engine_ids.append(engine_id)
 
     def _reject(self, session: ClientSession, generation: Generation, error: RequestRejectedError) -> None:
         code = TOO_LARGE if isinstance(error, RequestTooLongError) else BAD_REQUEST
         del session.requests[generation.id]
         self.state.counters.requests_rejected += 1
         self.state.events.publish(events.FINISHED, session, generation.id, finish_reason="error")
-        reply = protocol.error_reply(generation.id, code, str(error), generation.prompt_field)
+        reply = protocol.error_reply(generation.id, code, str(error), error.field or generation.prompt_field)
         self.router.send(session.identity, reply)
         self.state.sessions.release_if_idle(session)
 
@@ -57,7 +80,7 @@ class Admission:
         block_cap = config.max_blocks_per_client
         if block_cap is None or not session.num_in_engine:
             return True  # a client's first generation always runs, however large
-        wanted = self._num_blocks(len(session.pending[0].prompt_token_ids))
+        wanted = self._num_blocks(session.pending[0].num_prompt_tokens)
         return self._blocks_held(session) + wanted <= block_cap
 
     def _blocks_held(self, session: ClientSession) -> int:
@@ -65,7 +88,7 @@ class Admission:
         return sum(
             self._num_blocks(g.num_prompt_tokens + g.num_output_tokens)
             for g in session.requests.values()
-            if g.engine_id is not None
+            if g.engine_ids
         )
 
     def _num_blocks(self, num_tokens: int) -> int:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import kvd
+from kvd.engine.llm_engine import RequestRejectedError
 from kvd.engine.sampling_params import MAX_LOGPROBS
+from kvd.engine.tool_calls import ToolCallParser, tool_call_grammar
 from kvd.server import events, protocol
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
@@ -30,13 +33,14 @@ from kvd.server.protocol import (
     TOO_LARGE,
     AbortMessage,
     DetokenizeMessage,
+    EmbedMessage,
     GenerateMessage,
     Message,
     ProtocolError,
     TokenizeMessage,
 )
 from kvd.server.router import Router
-from kvd.server.sessions import Generation
+from kvd.server.sessions import EmbedJob, Generation
 from kvd.server.state import ServerState
 from kvd.server.stats import client_stats
 
@@ -49,7 +53,7 @@ class RequestHandler:
         self.router = router
         self.admission = admission
         self.aborts = aborts
-        self.prompts = PromptWorker(self._prompt_tokens)
+        self.prompts = PromptWorker(self._prepare)
         self.max_prompt_bytes = max_prompt_bytes(state.engine.tokenizer, state.max_prompt_tokens)
         self._handlers: dict[str, Callable] = {
             "detokenize": self._detokenize,
@@ -68,7 +72,7 @@ class RequestHandler:
                 )
             message = protocol.parse_message(protocol.decode(frames[0], self.state.config.max_message_bytes))
             request_id = message.id
-            if isinstance(message, GenerateMessage):
+            if isinstance(message, GenerateMessage | EmbedMessage):
                 self._generate(identity, tenant, message)
             elif isinstance(message, TokenizeMessage):
                 self._check_prompt_bytes(message)
@@ -98,7 +102,7 @@ class RequestHandler:
         self.state.counters.requests_rejected += 1
         self.router.send(identity, protocol.error_reply(request_id, error.code, error.message, error.field))
 
-    def _generate(self, identity: bytes, tenant: str, message: GenerateMessage) -> None:
+    def _generate(self, identity: bytes, tenant: str, message: GenerateMessage | EmbedMessage) -> None:
         state = self.state
         if state.draining:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and takes no new requests")
@@ -121,7 +125,10 @@ class RequestHandler:
             )
         self._check_prompt_bytes(message)
         # Reserved now, so that its id is taken and an abort finds it while the prompt is tokenized.
-        generation = Generation(message.id, message.stream, params=message.params)
+        if isinstance(message, EmbedMessage):
+            generation = Generation(message.id, stream=False)
+        else:
+            generation = Generation(message.id, message.stream, params=message.params)
         state.sessions.open(identity, tenant).requests[message.id] = generation
         self.prompts.submit(PromptJob(identity, tenant, message, generation))
 
@@ -129,7 +136,7 @@ class RequestHandler:
         """Refuse, without tokenizing it, a prompt too long to fit whatever its tokens."""
         size = prompt_bytes(message)
         if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-            text_field = "prompt" if isinstance(message, GenerateMessage) else "text"
+            text_field = {GenerateMessage: "prompt", EmbedMessage: "input"}.get(type(message), "text")
             raise ProtocolError(
                 TOO_LARGE,
                 f"the prompt has {size} bytes, more than {self.state.max_prompt_tokens} tokens (the limit) "
@@ -144,7 +151,7 @@ class RequestHandler:
         if session is None or session.requests.get(generation.id) is not generation:
             return  # aborted, or its client lost, while it was tokenized
         error = result.error
-        if error is None and len(result.token_ids) > state.max_prompt_tokens:
+        if error is None and generation.embed is None and len(result.token_ids) > state.max_prompt_tokens:
             error = ProtocolError(
                 TOO_LARGE,
                 f"the prompt has {len(result.token_ids)} tokens; the limit is {state.max_prompt_tokens}",
@@ -172,12 +179,25 @@ class RequestHandler:
             reply = protocol.result_reply(job.message.id, {"token_ids": result.token_ids})
             self.router.send(job.identity, reply)
 
-    def _prompt_tokens(self, message: PromptMessage) -> tuple[str, list[int]]:
-        """The prompt's token ids, and the request field they came from (runs on the worker thread)."""
+    def _prepare(self, job: PromptJob) -> PromptResult:
+        """Tokenize the job's prompt(s); for a generation also compile its grammar and set up its tool-call
+        parser (runs on the worker thread)."""
+        message = job.message
+        if isinstance(message, EmbedMessage):
+            job.generation.embed = self._embed_job(message)
+            return PromptResult(job, "input", [t for i in job.generation.embed.inputs for t in i])
+        field, token_ids = self._prompt_tokens(message)
+        if isinstance(message, GenerateMessage):
+            self._prepare_generation(message, job.generation)
+        return PromptResult(job, field, token_ids)
+
+    def _prompt_tokens(self, message: GenerateMessage | TokenizeMessage) -> tuple[str, list[int]]:
+        """The prompt's token ids, and the request field they came from."""
         engine = self.state.engine
         if message.messages is not None:
+            tools = message.tools if isinstance(message, GenerateMessage) else None
             try:
-                return "messages", engine.apply_chat_template(message.messages)
+                return "messages", engine.apply_chat_template(message.messages, tools)
             except Exception as e:  # the template is a program: whatever it raises, the input is at fault
                 raise ProtocolError(
                     BAD_REQUEST, f"the chat template rejected the messages: {e}", "messages"
@@ -187,6 +207,39 @@ class RequestHandler:
         if message.prompt is not None:
             return "prompt", engine.encode(message.prompt)
         return "prompt_token_ids", message.prompt_token_ids
+
+    def _prepare_generation(self, message: GenerateMessage, generation: Generation) -> None:
+        engine = self.state.engine
+        params, field = message.params, None
+        if message.tools and message.tool_choice.mode != "none":
+            generation.tool_parser = ToolCallParser(engine.tool_template, message.tools)
+            grammar = tool_call_grammar(
+                message.tools, message.tool_choice, engine.tool_template, message.parallel_tool_calls
+            )
+            if grammar is not None:
+                params, field = replace(params, grammar=grammar), "tools"
+        try:
+            engine.check_params(params)
+            generation.matcher = engine.compile_grammar(params)
+        except RequestRejectedError as e:
+            raise ProtocolError(BAD_REQUEST, str(e), field or e.field) from None
+
+    def _embed_job(self, message: EmbedMessage) -> EmbedJob:
+        engine, limit = self.state.engine, self.state.max_prompt_tokens
+        hidden = engine.config.hidden_size
+        if message.dimensions is not None and message.dimensions > hidden:
+            raise ProtocolError(
+                BAD_REQUEST, f"dimensions must be at most {hidden} (the model's hidden size)", "dimensions"
+            )
+        inputs = [engine.encode(i) if isinstance(i, str) else i for i in message.inputs]
+        for i, token_ids in enumerate(inputs):
+            if len(token_ids) > limit:
+                raise ProtocolError(
+                    TOO_LARGE, f"input {i} has {len(token_ids)} tokens; the limit is {limit}", f"input[{i}]"
+                )
+            if not token_ids:
+                raise ProtocolError(BAD_REQUEST, f"input {i} has no tokens", f"input[{i}]")
+        return EmbedJob(inputs, message.dimensions)
 
     def _detokenize(self, identity: bytes, message: DetokenizeMessage) -> None:
         vocab = self.state.engine.config.vocab_size

@@ -1,5 +1,5 @@
-"""Prompts become token ids on a worker thread: tokenizing a long one must not silence the loop that answers
-every other client (the tokenizer releases the GIL while it works)."""
+"""Prompts become token ids on a worker thread, and grammars matchers: tokenizing a long prompt or compiling a
+large schema must not silence the loop that answers every other client (both release the GIL while they work)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
-from kvd.server.protocol import INTERNAL, GenerateMessage, ProtocolError, TokenizeMessage
+from kvd.server.protocol import INTERNAL, EmbedMessage, GenerateMessage, ProtocolError, TokenizeMessage
 from kvd.server.sessions import Generation
 
 logger = logging.getLogger("kvd.server")
 
-PromptMessage = GenerateMessage | TokenizeMessage
+PromptMessage = GenerateMessage | TokenizeMessage | EmbedMessage
 
 
 @dataclass
@@ -27,11 +27,14 @@ class PromptJob:
     identity: bytes
     tenant: str
     message: PromptMessage
-    generation: Generation | None = None  # generate and chat: the record reserved in its client's session
+    generation: Generation | None = None  # generate, chat, embed: the record reserved in its client's session
 
 
 @dataclass
 class PromptResult:
+    """What the worker made of a job; the handler's `prepare` fills the job's generation too (its matcher,
+    tool-call parser or embed inputs)."""
+
     job: PromptJob
     field: str = ""  # the request field the prompt came from, for error replies
     token_ids: list[int] | None = None
@@ -39,10 +42,10 @@ class PromptResult:
 
 
 class PromptWorker:
-    """One thread that runs `tokenize` on each submitted job in order; the loop polls `wakeup` and collects."""
+    """One thread that runs `prepare` on each submitted job in order; the loop polls `wakeup` and collects."""
 
-    def __init__(self, tokenize: Callable[[PromptMessage], tuple[str, list[int]]]) -> None:
-        self._tokenize = tokenize
+    def __init__(self, prepare: Callable[[PromptJob], PromptResult]) -> None:
+        self._prepare = prepare
         self._jobs: queue.SimpleQueue[PromptJob | None] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[PromptResult] = queue.SimpleQueue()
         self.wakeup, self._notify = socket.socketpair()
@@ -76,8 +79,7 @@ class PromptWorker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             try:
-                field, token_ids = self._tokenize(job.message)
-                result = PromptResult(job, field, token_ids)
+                result = self._prepare(job)
             except ProtocolError as e:
                 result = PromptResult(job, error=e)
             except Exception:
@@ -110,7 +112,9 @@ def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int)
 
 def prompt_bytes(message: PromptMessage) -> int:
     """UTF-8 bytes of the text a prompt's tokens must cover (0 for token ids)."""
+    if isinstance(message, EmbedMessage):
+        return max(len(i.encode()) if isinstance(i, str) else 0 for i in message.inputs)  # each is a prompt
     text = message.prompt if isinstance(message, GenerateMessage) else message.text
     if text is not None:
         return len(text.encode())
-    return sum(len(m["content"].encode()) for m in message.messages or [])
+    return sum(len((m["content"] or "").encode()) for m in message.messages or [])

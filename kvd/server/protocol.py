@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
 # The one engine import of the wire layer: SamplingParams defines the sampling fields' ranges for the offline API
 # and the wire alike, and needs only the standard library.
-from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvd.engine.sampling_params import STRUCTURED_FIELDS, SamplingParams, SamplingParamsError
+from kvd.engine.tool_calls import Tool, ToolChoice, ToolError, check_history, parse_tool_choice, parse_tools
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -41,8 +42,10 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_ROLE_CHARS = 64
-# No request needs more keys in one map; a bound keeps hostile maps cheap to reject.
-MAX_MAP_LEN = 64
+MAX_EMBED_INPUTS = 256
+# No request needs more keys in one map (logit_bias has at most 512); a bound keeps hostile maps cheap to reject.
+MAX_MAP_LEN = 512
+MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 RequestId = int | str
 
@@ -60,11 +63,16 @@ SAMPLING_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "logit_bias",
+    "prompt_logprobs",
+    *STRUCTURED_FIELDS,
 )
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON_FIELDS = ("v", "id", "op")
 OP_FIELDS: dict[str, tuple[str, ...]] = {
     "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
-    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS),
+    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS),
+    "embed": ("input", "dimensions", "cache_salt"),
     "tokenize": ("text", "messages"),
     "detokenize": ("token_ids",),
     "abort": ("target",),
@@ -101,9 +109,19 @@ class GenerateMessage(Message):
 
     prompt: str | None
     prompt_token_ids: list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict] | None
     params: SamplingParams
     stream: bool
+    cache_salt: str | None
+    tools: list[Tool] | None = None  # chat: the functions the model may call
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    parallel_tool_calls: bool = True
+
+
+@dataclass
+class EmbedMessage(Message):
+    inputs: list[str | list[int]]
+    dimensions: int | None
     cache_salt: str | None
 
 
@@ -208,6 +226,8 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
     fields = {k: v for k, v in msg.items() if v is not None and k not in _COMMON_FIELDS}
     if op in ("generate", "chat"):
         return _generate(request_id, op, fields)
+    if op == "embed":
+        return _embed(request_id, op, fields)
     if op == "tokenize":
         text, messages = _one_prompt(fields, ("text", "messages"))
         return TokenizeMessage(request_id, op, text, messages)
@@ -228,15 +248,73 @@ def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateMessage:
         messages = _messages(fields["messages"])
     else:
         prompt, prompt_token_ids = _one_prompt(fields, ("prompt", "prompt_token_ids"))
-    cache_salt = fields.get("cache_salt")
-    if cache_salt is not None:
-        _check_str(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
     stream = fields.get("stream", False)
     if not isinstance(stream, bool):
         raise ProtocolError(BAD_REQUEST, f"stream must be a boolean, got {_type_name(stream)}", "stream")
-    return GenerateMessage(
-        request_id, op, prompt, prompt_token_ids, messages, _sampling_params(fields), stream, cache_salt
+    message = GenerateMessage(
+        request_id,
+        op,
+        prompt,
+        prompt_token_ids,
+        messages,
+        _sampling_params(fields),
+        stream,
+        _cache_salt(fields),
     )
+    if op == "chat":
+        _tool_fields(message, fields)
+    return message
+
+
+def _cache_salt(fields: dict) -> str | None:
+    cache_salt = fields.get("cache_salt")
+    if cache_salt is not None:
+        _check_str(cache_salt, "cache_salt", MAX_CACHE_SALT_CHARS)
+    return cache_salt
+
+
+def _tool_fields(message: GenerateMessage, fields: dict) -> None:
+    try:
+        check_history(message.messages)
+        tools = parse_tools(fields["tools"]) if "tools" in fields else []
+        message.tool_choice = parse_tool_choice(fields.get("tool_choice"), tools)
+    except ToolError as e:
+        raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
+    message.tools = tools or None
+    parallel = fields.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ProtocolError(BAD_REQUEST, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    message.parallel_tool_calls = parallel
+    if message.tool_choice.mode in ("required", "named") and message.params.structured is not None:
+        raise ProtocolError(
+            BAD_REQUEST,
+            f"tool_choice {message.tool_choice.mode!r} constrains the output already; drop "
+            f"{message.params.structured[0]} or use tool_choice auto",
+            "tool_choice",
+        )
+
+
+def _embed(request_id: RequestId, op: str, fields: dict) -> EmbedMessage:
+    value = fields.get("input")
+    if isinstance(value, str) or (isinstance(value, list) and value and isinstance(value[0], int)):
+        value = [value]
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_EMBED_INPUTS:
+        raise ProtocolError(
+            BAD_REQUEST,
+            f"input must be a string, or an array of 1 to {MAX_EMBED_INPUTS} strings or token-id arrays",
+            "input",
+        )
+    for i, item in enumerate(value):
+        if isinstance(item, list):
+            _token_ids({"ids": item}, "ids", allow_empty=False, shown=f"input[{i}]")
+        else:
+            _check_str(item, f"input[{i}]", None)
+    dimensions = fields.get("dimensions")
+    if dimensions is not None and (
+        isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1
+    ):
+        raise ProtocolError(BAD_REQUEST, "dimensions must be a positive integer", "dimensions")
+    return EmbedMessage(request_id, op, value, dimensions, _cache_salt(fields))
 
 
 def _one_prompt(fields: dict, names: tuple[str, str]) -> tuple[Any, Any]:
@@ -270,38 +348,68 @@ def _sampling_params(fields: dict) -> SamplingParams:
         values["stop_token_ids"] = _token_ids(
             values, "stop_token_ids", allow_empty=True, limit=MAX_STOP_TOKEN_IDS
         )
+    if "logit_bias" in values:
+        values["logit_bias"] = _logit_bias(values["logit_bias"])
     try:
         return SamplingParams(**values)
     except SamplingParamsError as e:
         raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
 
 
-def _messages(value: Any) -> list[dict[str, str]]:
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's form, token ids as decimal strings (msgpack maps here have string keys), to ints."""
+    if not isinstance(value, dict):
+        raise ProtocolError(
+            BAD_REQUEST, "logit_bias must be a map of token id (a string) to a number", "logit_bias"
+        )
+    bias = {}
+    for key, v in value.items():
+        if not isinstance(key, str) or not key.isdigit() or int(key) > MAX_TOKEN_ID:
+            raise ProtocolError(
+                BAD_REQUEST, f"logit_bias keys are token ids in decimal, got {key!r:.40}", "logit_bias"
+            )
+        bias[int(key)] = v
+    return bias
+
+
+def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ProtocolError(
             BAD_REQUEST, "messages must be a non-empty list of {role, content} maps", "messages"
         )
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ProtocolError(BAD_REQUEST, "each message is a map with exactly role and content", where)
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m) or not set(m) <= set(MESSAGE_FIELDS):
+            raise ProtocolError(
+                BAD_REQUEST,
+                f"each message is a map with role and content, and optionally {', '.join(MESSAGE_FIELDS[2:])}",
+                where,
+            )
         _check_str(m["role"], f"{where}.role", MAX_ROLE_CHARS)
-        _check_str(m["content"], f"{where}.content", None, allow_empty=True)
+        if m["content"] is not None:
+            _check_str(m["content"], f"{where}.content", None, allow_empty=True)
+        for name in ("tool_call_id", "name"):
+            if name in m:
+                _check_str(m[name], f"{where}.{name}", MAX_ID_CHARS)
     return value
 
 
-def _token_ids(fields: dict, name: str, allow_empty: bool, limit: int | None = None) -> list[int]:
+def _token_ids(
+    fields: dict, name: str, allow_empty: bool, limit: int | None = None, shown: str | None = None
+) -> list[int]:
+    """fields[name] as a list of token ids; errors name the field `shown` (default: `name`)."""
+    shown = shown or name
     ids = fields.get(name)
     if not isinstance(ids, list) or (not ids and not allow_empty):
         raise ProtocolError(
-            BAD_REQUEST, f"{name} must be a {'' if allow_empty else 'non-empty '}list of integers", name
+            BAD_REQUEST, f"{shown} must be a {'' if allow_empty else 'non-empty '}list of integers", shown
         )
     if limit is not None and len(ids) > limit:
-        raise ProtocolError(BAD_REQUEST, f"{name} holds {len(ids)} entries; at most {limit}", name)
+        raise ProtocolError(BAD_REQUEST, f"{shown} holds {len(ids)} entries; at most {limit}", shown)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
             raise ProtocolError(
-                BAD_REQUEST, f"{name} must hold integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}", name
+                BAD_REQUEST, f"{shown} must hold integers in [0, {MAX_TOKEN_ID}], got {t!r:.40}", shown
             )
     return ids
 
@@ -338,9 +446,11 @@ def final_reply(
     logprobs: list[dict] | None,
     finish_reason: str,
     usage: dict[str, int],
+    extra: dict[str, Any] | None = None,
 ) -> dict:
+    """The last reply of a generation; `extra`: tool_calls, prompt_logprobs where they apply."""
     reply = chunk_reply(request_id, text, token_ids, logprobs)
-    reply.update(type="final", finish_reason=finish_reason, usage=usage)
+    reply.update(type="final", finish_reason=finish_reason, usage=usage, **(extra or {}))
     return reply
 
 
@@ -367,15 +477,24 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def logprobs_payload(tokens: list[Any]) -> list[dict]:
-    """Sampled tokens (token_id, logprob, top_logprobs) as protocol maps."""
+def logprobs_payload(tokens: list[Any]) -> list[dict | None]:
+    """Sampled tokens (token_id, logprob, top_logprobs) as protocol maps; None stays nil."""
     return [
-        {
+        None
+        if t is None
+        else {
             "token_id": t.token_id,
             "logprob": t.logprob,
             "top_logprobs": [[i, lp] for i, lp in t.top_logprobs or []],
         }
         for t in tokens
+    ]
+
+
+def tool_calls_payload(calls: list[Any]) -> list[dict]:
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls
     ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvd.engine.outputs import EngineStepOutput, RequestOutput
 from kvd.server import events, protocol
 from kvd.server.outbox import Outbox
@@ -29,29 +31,55 @@ class Router:
         if entry is None:
             return  # its client was lost earlier in this turn
         session, generation = entry
+        if generation.embed is not None:
+            self._route_embedding(session, generation, out)
+            return
         generation.num_output_tokens = out.num_output_tokens
         generation.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            generation.prompt_logprobs = protocol.logprobs_payload(out.prompt_logprobs)
         logprobs = protocol.logprobs_payload(out.logprobs or []) if generation.want_logprobs else None
+        text = out.new_text
+        if generation.tool_parser is not None:
+            text = generation.tool_parser.feed(text)
         if generation.stream:
             if out.finished:
-                reply = self.final_reply(
-                    generation, out.finish_reason, out.new_text, out.new_token_ids, logprobs
-                )
+                reply = self.final_reply(generation, out.finish_reason, text, out.new_token_ids, logprobs)
             else:
-                reply = protocol.chunk_reply(generation.id, out.new_text, out.new_token_ids, logprobs)
+                reply = protocol.chunk_reply(generation.id, text, out.new_token_ids, logprobs)
         else:
-            generation.text.append(out.new_text)
+            generation.text.append(text)
             generation.token_ids.extend(out.new_token_ids)
             generation.logprobs.extend(logprobs or [])
             reply = self.final_reply(generation, out.finish_reason) if out.finished else None
         if out.finished:
             del self.state.in_engine[out.request_id]
-            del session.requests[generation.id]
-            self.publish_finished(session, generation, out.finish_reason)
+            self._finished(session, generation, reply["finish_reason"])
         if reply is not None:
             self.send(session.identity, reply)
         if out.finished:
             self.state.sessions.release_if_idle(session)
+
+    def _route_embedding(self, session: ClientSession, generation: Generation, out: RequestOutput) -> None:
+        """One input's vector; the result goes out when every input has one."""
+        del self.state.in_engine[out.request_id]
+        job = generation.embed
+        job.vectors[generation.engine_ids.index(out.request_id)] = _truncated(out.embedding, job.dimensions)
+        if not job.done:
+            return
+        self._finished(session, generation, "stop")
+        result = {
+            "embeddings": job.vectors,
+            "dimensions": len(job.vectors[0]),
+            "pooling": self.state.engine.pooling,
+            "usage": {"prompt_tokens": generation.num_prompt_tokens},
+        }
+        self.send(session.identity, protocol.result_reply(generation.id, result))
+        self.state.sessions.release_if_idle(session)
+
+    def _finished(self, session: ClientSession, generation: Generation, reason: str) -> None:
+        del session.requests[generation.id]
+        self.publish_finished(session, generation, reason)
 
     def _note_preemption(self, engine_id: int) -> None:
         entry = self.state.in_engine.get(engine_id)
@@ -92,4 +120,23 @@ class Router:
         usage = protocol.usage(
             generation.num_prompt_tokens, generation.num_output_tokens, generation.num_cached_tokens
         )
-        return protocol.final_reply(generation.id, text, token_ids or [], logprobs, reason, usage)
+        extra = {}
+        if generation.tool_parser is not None:
+            rest, calls = generation.tool_parser.finish()
+            text += rest
+            if calls:
+                extra["tool_calls"] = protocol.tool_calls_payload(calls)
+                if reason != "abort":
+                    reason = "tool_calls"
+        if generation.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = generation.prompt_logprobs
+        return protocol.final_reply(generation.id, text, token_ids or [], logprobs, reason, usage, extra)
+
+
+def _truncated(vector: list[float], dimensions: int | None) -> list[float]:
+    """The first `dimensions` components, normalised again (Matryoshka-style embeddings)."""
+    if dimensions is None or dimensions >= len(vector):
+        return vector
+    head = vector[:dimensions]
+    norm = math.sqrt(sum(x * x for x in head)) or 1.0
+    return [x / norm for x in head]

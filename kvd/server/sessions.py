@@ -6,14 +6,32 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvd.engine.sampling_params import SamplingParams
+from kvd.engine.tool_calls import ToolCallParser
 from kvd.server.protocol import RequestId
+
+
+@dataclass
+class EmbedJob:
+    """An embed request's inputs (one engine request each) and the vectors that came back so far."""
+
+    inputs: list[list[int]]
+    dimensions: int | None
+    vectors: list[list[float] | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.vectors = [None] * len(self.inputs)
+
+    @property
+    def done(self) -> bool:
+        return all(v is not None for v in self.vectors)
 
 
 @dataclass(eq=False)
 class Generation:
-    """A generate or chat request, the daemon's one record of it from acceptance to its final reply."""
+    """A generate, chat or embed request, the daemon's one record of it from acceptance to its last reply."""
 
     id: RequestId  # the client's id, unique among its client's requests in flight
     stream: bool
@@ -26,8 +44,13 @@ class Generation:
     prompt_token_ids: list[int] = field(default_factory=list)
     cache_salt: str | None = None
     prompt_field: str = ""  # the request field the prompt came from, for an error reply at admission
-    # Its opaque id in the engine, given at admission; None while it is tokenized or in its client's queue.
-    engine_id: int | None = None
+    # Its opaque ids in the engine (one, or one per embed input), given at admission; empty while it is
+    # tokenized or in its client's queue.
+    engine_ids: list[int] = field(default_factory=list)
+    matcher: Any = None  # the compiled grammar (structured output, forced tool calls), handed to the engine
+    tool_parser: ToolCallParser | None = None  # chat with tools: splits the output into content and calls
+    embed: EmbedJob | None = None
+    prompt_logprobs: list[dict | None] | None = None
     # Non-streaming requests collect their output here for the single final reply.
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -57,7 +80,7 @@ class ClientSession:
 
     @property
     def num_in_engine(self) -> int:
-        return sum(1 for g in self.requests.values() if g.engine_id is not None)
+        return sum(1 for g in self.requests.values() if g.engine_ids)
 
     @property
     def name(self) -> str:

@@ -19,9 +19,9 @@ def client_stats(engine: LLMEngine, session: ClientSession) -> dict:
         "queued": len(session.pending),
         "in_engine": session.num_in_engine,
         "kv_blocks": sum(
-            engine.num_blocks_allocated(g.engine_id)
+            engine.num_blocks_allocated(engine_id)
             for g in session.requests.values()
-            if g.engine_id is not None
+            for engine_id in g.engine_ids
         ),
         "generated_tokens": sum(g.num_output_tokens for g in session.requests.values()),
         "preemptions": sum(g.num_preemptions for g in session.requests.values()),
