@@ -1,79 +1,72 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, Ollama's /api,
+/health and /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvd.gateway.choices import ClientDisconnected, collect, merged, open_streams, unless_disconnected
-from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers
+from kvd.gateway import embeddings, ollama
+from kvd.gateway.choices import ClientDisconnected, Job, collect, merged, open_streams, unless_disconnected
+from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields
+from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
-from kvd.gateway.responses import Reply
+from kvd.gateway.responses import EchoedPrompt, Reply
 from kvd.gateway.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import AsyncClient, KvdError
 
 logger = logging.getLogger("kvd.gateway")
 
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
-
-@dataclass
-class Gateway:
-    """What the routes share: one connection to the daemon, the metrics, the daemon's `info`."""
-
-    client: AsyncClient
-    metrics: GatewayMetrics
-    texts: TokenTexts
-    served_model_name: str | None
-    info: dict | None = None
-    started: int = 0
-
-    async def model_info(self) -> dict:
-        if self.info is None:  # asked lazily: the gateway may start before the daemon
-            self.info = await self.client.info()
-        return self.info
-
-    async def model_name(self) -> str:
-        return self.served_model_name or (await self.model_info())["model"]
+# What a route prepares once the model is checked: the daemon requests, the reply's shape, and whether the
+# one token generated is dropped (echo with max_tokens 0).
+Plan = tuple[list[Job], Reply, bool]
 
 
 def create_app(
     endpoint: str | None = None, served_model_name: str | None = None, timeout: float = 30.0
 ) -> FastAPI:
+    metrics = GatewayMetrics()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(endpoint, timeout=timeout)
         app.state.gateway = Gateway(
-            client, GatewayMetrics(), TokenTexts(client), served_model_name, started=int(time.time())
+            client, metrics, TokenTexts(client), served_model_name, started=int(time.time())
         )
         try:
             yield
         finally:
             client.close()
 
-    app = FastAPI(title="kvd", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CountRequests, metrics=metrics)
     install_handlers(app)
+    app.include_router(embeddings.router)
+    app.include_router(ollama.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         try:
-            status = (await _gateway(request).client.health())["status"]
+            status = (await gateway_of(request).client.health())["status"]
         except KvdError as e:
             return JSONResponse({"status": "unavailable", "message": str(e)}, status_code=503)
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        gateway = _gateway(request)
+    async def metrics_route(request: Request) -> Response:
+        gateway = gateway_of(request)
         try:
             stats = await gateway.client.stats()
         except KvdError:
@@ -82,7 +75,7 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        gateway = _gateway(request)
+        gateway = gateway_of(request)
         info = await gateway.model_info()
         card = {
             "id": await gateway.model_name(),
@@ -95,63 +88,99 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await _generate(request, body, "generate", body.prompt, max_tokens)
+        async def plan(gateway: Gateway, name: str) -> Plan:
+            prompts = body.prompts()
+            echo = None
+            if body.echo:
+                # Token ids, so that the prompt's log-probabilities line up with known tokens.
+                prompts = list(await asyncio.gather(*(_token_ids(gateway.client, p) for p in prompts)))
+                texts = await asyncio.gather(*(_text(gateway.client, p) for p in body.prompts()))
+                echo = [EchoedPrompt(t, ids) for t, ids in zip(texts, prompts, strict=True)]
+                await gateway.texts.fill([], [t for ids in prompts for t in ids])
+            max_tokens = body.requested_max_tokens
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+            # max_tokens 0 with echo scores the prompt only: the daemon generates one token, dropped here.
+            fields = [body.daemon_fields(max(max_tokens, 1), j) for j in range(body.n)]
+            if echo is not None and body.logprobs is not None:
+                fields = [{**f, "prompt_logprobs": body.logprobs} for f in fields]
+            reply = Reply(name, False, body.logprobs is not None, gateway.texts, n=body.n, echo=echo)
+            if body.continuous_usage:
+                reply.prompt_counts = await _prompt_counts(gateway.client, "generate", prompts, False)
+            return [(p, f) for p in prompts for f in fields], reply, echo is not None and max_tokens == 0
+
+        return await _generate(request, body, "generate", plan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        # Like OpenAI's chat API: without a limit, the reply may run to the end of the context.
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _generate(request, body, "chat", body.conversation(), max_tokens)
+        async def plan(gateway: Gateway, name: str) -> Plan:
+            # Like OpenAI's chat API: without a limit, the reply may run to the end of the context.
+            max_tokens = body.requested_max_tokens or (await gateway.model_info())["max_model_len"]
+            messages = body.conversation()
+            jobs = [(messages, body.daemon_fields(max_tokens, j)) for j in range(body.n)]
+            reply = Reply(name, True, body.num_logprobs is not None, gateway.texts, n=body.n)
+            if body.continuous_usage:
+                counts = await _prompt_counts(gateway.client, "chat", [messages], bool(body.tools))
+                reply.prompt_counts = counts
+            return jobs, reply, False
+
+        return await _generate(request, body, "chat", plan)
 
     return app
 
 
-def _gateway(request: Request) -> Gateway:
-    return request.app.state.gateway
+async def _token_ids(client: AsyncClient, prompt: str | list[int]) -> list[int]:
+    return await client.tokenize(prompt) if isinstance(prompt, str) else prompt
+
+
+async def _text(client: AsyncClient, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else await client.detokenize(prompt)
+
+
+async def _prompt_counts(client: AsyncClient, op: str, prompts: list, tools: bool) -> list[int | None]:
+    """Each prompt's token count as the daemon will see it; unknown (None) for a chat with tools, whose
+    tool text the daemon adds and `tokenize` does not."""
+    if tools:
+        return [None] * len(prompts)
+    if op == "chat":
+        return [len(await client.tokenize(messages=m)) for m in prompts]
+    return [len(await _token_ids(client, p)) for p in prompts]
 
 
 async def _generate(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
     op: str,
-    payload: object,
-    max_tokens: int | None,
+    plan: Callable[[Gateway, str], Awaitable[Plan]],
 ) -> Response:
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     endpoint = request.url.path
+    names = body.param_names()
     try:
-        name = await gateway.model_name()
-        if body.model != name:
-            raise ApiError(
-                404,
-                f"model {body.model!r} is not served here; GET /v1/models lists {name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-        max_tokens = max_tokens or (await gateway.model_info())["max_model_len"]
-        fields = [body.sampling_fields(max_tokens, i) for i in range(body.n)]
-        reply = Reply(name, op == "chat", body.num_logprobs is not None, gateway.texts)
-        streams = open_streams(gateway.client, op, payload, fields)
+        name = await gateway.check_model(body.model)
+        refused = body.refusals()
+        if refused:
+            raise invalid_fields(refused)
+        jobs, reply, drop_generated = await plan(gateway, name)
+        streams = open_streams(gateway.client, op, jobs)
         if body.stream:
             # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
             chunks = merged(streams, gateway.metrics)
             first = await anext(chunks)
-            return StreamingResponse(
-                _events(gateway, reply, body.include_usage, body.n, first, chunks, endpoint),
-                media_type="text/event-stream",
-            )
-        choices = await unless_disconnected(request, collect(merged(streams, gateway.metrics), body.n))
+            events = _events(gateway, reply, body.include_usage, len(jobs), first, chunks, endpoint, names)
+            return StreamingResponse(events, media_type="text/event-stream")
+        choices = await unless_disconnected(request, collect(merged(streams, gateway.metrics), len(jobs)))
         if any(c.finish_reason == "abort" for c in choices):
             raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
-        await gateway.texts.fill([lp for c in choices for lp in c.logprobs])
+        if drop_generated:
+            for choice in choices:
+                choice.drop_generated()
+        await gateway.texts.fill([lp for c in choices for lp in [*c.logprobs, *(c.prompt_logprobs or [])]])
         result = reply.whole(choices)
     except ClientDisconnected:
         gateway.metrics.request_done(endpoint, "disconnected")
         return Response(status_code=499)
     except (ApiError, KvdError) as e:
-        error = e if isinstance(e, ApiError) else from_kvd_error(e)
+        error = e if isinstance(e, ApiError) else from_kvd_error(e, names)
         gateway.metrics.request_done(endpoint, "client_error" if error.status < 500 else "server_error")
         raise error from None
     gateway.metrics.request_done(endpoint, "success")
@@ -162,12 +191,13 @@ async def _events(
     gateway: Gateway,
     reply: Reply,
     include_usage: bool,
-    n: int,
+    count: int,
     first: tuple,
     rest: AsyncIterator,
     endpoint: str,
+    names: dict[str, str],
 ) -> AsyncIterator[str]:
-    """Server-sent events: one per chunk, the usage chunk when asked for, then `data: [DONE]`."""
+    """Server-sent events: the bodies of each chunk, the usage chunk when asked for, then `data: [DONE]`."""
     usages = {}
     outcome = "disconnected"  # unless the loop below ends
     try:
@@ -179,17 +209,18 @@ async def _events(
                 yield _event(ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut").body())
                 return
             await gateway.texts.fill(chunk.logprobs or [])
-            yield _event(reply.chunk(index, chunk))
+            for body in reply.chunks(index, chunk):
+                yield _event(body)
             if chunk.finished:
                 usages[index] = chunk.usage
             item = await anext(rest, None)
         if include_usage:
-            yield _event(reply.usage_chunk([usages[i] for i in range(n)]))
+            yield _event(reply.usage_chunk([usages[i] for i in range(count)]))
         yield "data: [DONE]\n\n"
         outcome = "success"
     except KvdError as e:
         outcome = "server_error"
-        yield _event(from_kvd_error(e).body())
+        yield _event(from_kvd_error(e, names).body())
     finally:
         await rest.aclose()
         gateway.metrics.request_done(endpoint, outcome)

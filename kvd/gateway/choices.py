@@ -11,7 +11,10 @@ from typing import Any
 from starlette.requests import Request
 
 from kvd.gateway.metrics import GatewayMetrics
-from kvd_client import AsyncClient, AsyncStream, Chunk, TokenLogprob, Usage
+from kvd_client import AsyncClient, AsyncStream, Chunk, TokenLogprob, ToolCall, Usage
+
+# One daemon request: its prompt (text, token ids, or messages) and its other fields.
+Job = tuple[Any, dict[str, Any]]
 
 
 class ClientDisconnected(Exception):
@@ -28,6 +31,8 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
@@ -36,15 +41,21 @@ class Choice:
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
             self.usage = chunk.usage
+            self.tool_calls = chunk.tool_calls
+            self.prompt_logprobs = chunk.prompt_logprobs
+
+    def drop_generated(self) -> None:
+        """Forget the output (the one token asked for so that the daemon scores the prompt)."""
+        self.text, self.token_ids, self.logprobs = "", [], []
+        self.finish_reason = "length"
+        self.usage = Usage(self.usage.prompt_tokens, 0, self.usage.cached_tokens)
 
 
-def open_streams(
-    client: AsyncClient, op: str, payload: Any, fields: Sequence[dict[str, Any]]
-) -> list[AsyncStream]:
+def open_streams(client: AsyncClient, op: str, jobs: Sequence[Job]) -> list[AsyncStream]:
     """One stream per choice; the daemon always streams, so latency is measured for every request."""
     if op == "chat":
-        return [client.stream_chat(payload, **f) for f in fields]
-    return [client.stream(payload, **f) for f in fields]
+        return [client.stream_chat(payload, **fields) for payload, fields in jobs]
+    return [client.stream(payload, **fields) for payload, fields in jobs]
 
 
 async def merged(streams: list[AsyncStream], metrics: GatewayMetrics) -> AsyncIterator[tuple[int, Chunk]]:

@@ -1,6 +1,10 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the matching HTTP status."""
+"""Errors with their HTTP status: OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on /v1, and
+Ollama's, {"error": message}, on /api."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +23,9 @@ _DAEMON_CODES = {
     "shutting_down": (503, "server_error"),
     "internal": (500, "server_error"),
 }
+# pydantic's names for the members of a union in an error's location: str, list[int], function-after[...],
+# literal['a','b'], or a model's class name.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|dict|list)$|^[a-z-]+\[|^[A-Z]")
 
 
 class ApiError(Exception):
@@ -38,33 +45,79 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def from_kvd_error(e: KvdError) -> ApiError:
-    """The daemon's typed errors keep their code; a daemon that does not answer is a 503."""
+def invalid_fields(problems: Sequence[tuple[str, str]]) -> ApiError:
+    """One 400 for every field at fault: `param` is the first, the message lists them all."""
+    message = "; ".join(f"{param}: {reason}" for param, reason in problems)
+    return ApiError(400, message, "invalid_request_error", problems[0][0])
+
+
+def from_kvd_error(e: KvdError, param_names: Mapping[str, str] | None = None) -> ApiError:
+    """The daemon's typed errors keep their code, the field renamed as the request named it; a daemon that
+    does not answer is a 503."""
     if isinstance(e, DaemonError):
         status, type_ = _DAEMON_CODES.get(e.code, (500, "server_error"))
-        return ApiError(status, e.message, type_, e.field, e.code)
+        param = _rename(e.field, param_names or {})
+        message = f"{param}: {e.message}" if param and param != e.field else e.message
+        return ApiError(status, message, type_, param, e.code)
     return ApiError(503, f"the kvd daemon is not available: {e}", "server_error", code="daemon_unavailable")
+
+
+def _rename(field: str | None, names: Mapping[str, str]) -> str | None:
+    if not field:
+        return field
+    head = re.match(r"[^.\[]*", field).group()
+    return names.get(head, head) + field[len(head) :]
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """("body", "messages", 3, "tool_call_id") -> "messages[3].tool_call_id"."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _UNION_MEMBER.match(part):
+            path += f".{part}" if path else part
+    return path
+
+
+def _validation_problems(e: RequestValidationError) -> list[tuple[str, str]]:
+    problems: dict[str, str] = {}
+    for error in e.errors():
+        path = "body" if error["type"] == "json_invalid" else field_path(error["loc"])
+        reason = "not a supported field" if error["type"] == "extra_forbidden" else error["msg"]
+        if path not in problems:  # a union reports each member's failure: the first says enough
+            problems[path] = reason
+    return list(problems.items())
+
+
+def is_ollama(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    body = {"error": error.message} if is_ollama(request) else error.body()
+    return JSONResponse(body, status_code=error.status)
 
 
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return error_response(request, e)
 
     @app.exception_handler(KvdError)
-    async def _kvd_error(_: Request, e: KvdError) -> JSONResponse:
-        error = from_kvd_error(e)
-        return JSONResponse(error.body(), status_code=error.status)
+    async def _kvd_error(request: Request, e: KvdError) -> JSONResponse:
+        return error_response(request, from_kvd_error(e))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        # OpenAI answers 400 (FastAPI's default is 422), naming the first field at fault.
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        return JSONResponse(ApiError(400, message, "invalid_request_error", param).body(), status_code=400)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        # OpenAI answers 400 (FastAPI's default is 422), naming the fields at fault.
+        problems = _validation_problems(e) or [("", "invalid request body")]
+        error = invalid_fields([(p or "body", reason) for p, reason in problems])
+        return error_response(request, error)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return JSONResponse(ApiError(e.status_code, str(e.detail), type_).body(), status_code=e.status_code)
+        return error_response(request, ApiError(e.status_code, str(e.detail), type_))

@@ -15,8 +15,11 @@ class TokenTexts:
         self.client = client
         self._texts: dict[int, str] = {}
 
-    async def fill(self, logprobs: Sequence[TokenLogprob]) -> None:
+    async def fill(self, logprobs: Sequence[TokenLogprob | None], token_ids: Sequence[int] = ()) -> None:
+        """Ask for the texts of these entries' tokens and alternatives, and of `token_ids`."""
+        logprobs = [lp for lp in logprobs if lp is not None]
         wanted = {lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top_logprobs}
+        wanted |= set(token_ids)
         missing = sorted(wanted - self._texts.keys())
         texts = await asyncio.gather(*(self.client.detokenize([t]) for t in missing))
         self._texts.update(zip(missing, texts, strict=True))
@@ -25,17 +28,22 @@ class TokenTexts:
         return self._texts[token_id]
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], texts: TokenTexts, offset: int) -> dict:
-    """/v1/completions: parallel lists; `offset` is where the first token starts in the choice's text."""
-    tokens = [texts[lp.token_id] for lp in logprobs]
+def completion_logprobs(
+    tokens: Sequence[tuple[int, TokenLogprob | None]], texts: TokenTexts, offset: int
+) -> dict:
+    """/v1/completions: parallel lists over (token id, its entry: None for an echoed prompt's first token);
+    `offset` is where the first token starts in the choice's text."""
+    strings = [texts[token_id] for token_id, _ in tokens]
     offsets = []
-    for token in tokens:
+    for token in strings:
         offsets.append(offset)
         offset += len(token)
     return {
-        "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{texts[t]: v for t, v in lp.top_logprobs} for lp in logprobs],
+        "tokens": strings,
+        "token_logprobs": [None if lp is None else lp.logprob for _, lp in tokens],
+        "top_logprobs": [
+            None if lp is None else {texts[t]: v for t, v in lp.top_logprobs} for _, lp in tokens
+        ],
         "text_offset": offsets,
     }
 

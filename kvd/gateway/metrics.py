@@ -76,6 +76,12 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
+        self.http_requests = Counter(
+            "kvd_gateway_http_requests",
+            'HTTP requests by route and status code; paths no route serves are endpoint="unmatched"',
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
             "kvd_gateway_prompt_tokens", "prompt tokens of the gateway's requests", registry=self.registry
         )
@@ -103,7 +109,11 @@ class GatewayMetrics:
         )
 
     def request_done(self, endpoint: str, outcome: str) -> None:
+        """A generation request ended: its outcome, which a stream's status code (200) does not tell."""
         self.requests.labels(endpoint, outcome).inc()
+
+    def http_request(self, endpoint: str, status: int) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
 
     def observe_tokens(self, since_start: float, since_last: float, count: int, first: bool) -> None:
         """A chunk of `count` tokens arrived; the gap since the previous chunk is shared among them."""

@@ -9,19 +9,32 @@ from dataclasses import dataclass, field
 
 from kvd.gateway.choices import Choice
 from kvd.gateway.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from kvd_client import Chunk, Usage
+from kvd_client import Chunk, TokenLogprob, ToolCall, Usage
 
 
-def usage_body(usages: Sequence[Usage]) -> dict:
-    """The prompt is counted once (every choice has the same one); completions add up."""
-    first = usages[0]
+@dataclass
+class EchoedPrompt:
+    """A completions prompt that `echo` puts before its choices' text."""
+
+    text: str
+    token_ids: list[int]
+
+
+def usage_body(usages: Sequence[Usage], n: int = 1) -> dict:
+    """Choices k*n .. k*n+n-1 share prompt k, so each prompt is counted once; completions add up."""
+    prompt = sum(u.prompt_tokens for i, u in enumerate(usages) if i % n == 0)
+    cached = sum(u.cached_tokens for i, u in enumerate(usages) if i % n == 0)
     completion = sum(u.completion_tokens for u in usages)
     return {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def tool_call_body(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 @dataclass
@@ -32,10 +45,15 @@ class Reply:
     chat: bool
     want_logprobs: bool
     texts: TokenTexts
+    n: int = 1  # choices per prompt
+    echo: list[EchoedPrompt] | None = None
+    # stream_options.continuous_usage_stats: each prompt's token count (None: usage only in the last chunk).
+    prompt_counts: list[int] | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text length so far
     started: set[int] = field(default_factory=set)  # chat: choices whose first delta (the role) went out
+    generated: dict[int, int] = field(default_factory=dict)  # tokens of each choice so far
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -44,25 +62,66 @@ class Reply:
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "choices": [self._choice(c) for c in choices],
-            "usage": usage_body([c.usage for c in choices]),
+            "usage": usage_body([c.usage for c in choices], self.n),
         }
 
-    def chunk(self, index: int, chunk: Chunk) -> dict:
-        if self.chat:
-            delta = {"content": chunk.text}
-            if index not in self.started:
-                self.started.add(index)
-                delta = {"role": "assistant", **delta}
-            body = {"index": index, "delta": delta, "logprobs": self._logprobs(chunk.logprobs, index)}
-        else:
-            body = {"index": index, "text": chunk.text, "logprobs": self._logprobs(chunk.logprobs, index)}
+    def chunks(self, index: int, chunk: Chunk) -> list[dict]:
+        """The stream bodies for one daemon chunk: one, or with tool calls a delta for them and the finish."""
+        self.generated[index] = self.generated.get(index, 0) + len(chunk.token_ids)
+        usage = self._running_usage(index, chunk)
+        logprobs = self._logprobs(chunk.logprobs, index)
+        if not self.chat:
+            body = {"index": index, "text": chunk.text, "logprobs": logprobs}
             self.offsets[index] = self.offsets.get(index, 0) + len(chunk.text)
-        body["finish_reason"] = chunk.finish_reason
-        return {**self._head(self._chunk_object), "choices": [body]}
+            return [self._chunk_body(index, body, chunk.finish_reason, usage)]
+        if not chunk.tool_calls:
+            return [
+                self._chunk_body(index, self._delta(index, chunk.text, logprobs), chunk.finish_reason, usage)
+            ]
+        bodies = []
+        if chunk.text or logprobs:
+            bodies.append(self._chunk_body(index, self._delta(index, chunk.text, logprobs), None, usage))
+        calls = [{"index": k, **tool_call_body(c)} for k, c in enumerate(chunk.tool_calls)]
+        delta = self._delta(index, None, None)
+        bodies.append(
+            self._chunk_body(index, {**delta, "delta": {**delta["delta"], "tool_calls": calls}}, None, usage)
+        )
+        bodies.append(
+            self._chunk_body(
+                index, {"index": index, "delta": {}, "logprobs": None}, chunk.finish_reason, usage
+            )
+        )
+        return bodies
 
     def usage_chunk(self, usages: Sequence[Usage]) -> dict:
         """stream_options.include_usage: one last chunk with no choices and the whole request's usage."""
-        return {**self._head(self._chunk_object), "choices": [], "usage": usage_body(usages)}
+        return {**self._head(self._chunk_object), "choices": [], "usage": usage_body(usages, self.n)}
+
+    def _delta(self, index: int, content: str | None, logprobs: dict | None) -> dict:
+        delta: dict = {"content": content}
+        if index not in self.started:
+            self.started.add(index)
+            delta = {"role": "assistant", **delta}
+        elif content is None:
+            delta = {}
+        return {"index": index, "delta": delta, "logprobs": logprobs}
+
+    def _chunk_body(self, index: int, choice: dict, finish_reason: str | None, usage: dict | None) -> dict:
+        body = {**self._head(self._chunk_object), "choices": [{**choice, "finish_reason": finish_reason}]}
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def _running_usage(self, index: int, chunk: Chunk) -> dict | None:
+        if self.prompt_counts is None:
+            return None
+        if chunk.usage is not None:
+            return usage_body([chunk.usage])
+        prompt = self.prompt_counts[index // self.n]
+        if prompt is None:
+            return None
+        completion = self.generated[index]
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     @property
     def _chunk_object(self) -> str:
@@ -72,25 +131,37 @@ class Reply:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model}
 
     def _choice(self, choice: Choice) -> dict:
-        logprobs = self._logprobs(choice.logprobs, choice.index)
         if self.chat:
-            message = {"role": "assistant", "content": choice.text}
+            message: dict = {"role": "assistant", "content": choice.text}
+            if choice.tool_calls:
+                message["content"] = choice.text or None
+                message["tool_calls"] = [tool_call_body(c) for c in choice.tool_calls]
             return {
                 "index": choice.index,
                 "message": message,
-                "logprobs": logprobs,
+                "logprobs": self._logprobs(choice.logprobs, choice.index),
                 "finish_reason": choice.finish_reason,
             }
+        text, logprobs = choice.text, self._logprobs(choice.logprobs, choice.index)
+        if self.echo is not None:
+            prompt = self.echo[choice.index // self.n]
+            text = prompt.text + text
+            if self.want_logprobs:
+                entries = choice.prompt_logprobs or [None] * len(prompt.token_ids)
+                tokens = [*zip(prompt.token_ids, entries, strict=True)]
+                tokens += [(lp.token_id, lp) for lp in choice.logprobs]
+                logprobs = completion_logprobs(tokens, self.texts, 0)
         return {
             "index": choice.index,
-            "text": choice.text,
+            "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
         }
 
-    def _logprobs(self, logprobs: Sequence | None, index: int) -> dict | None:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob] | None, index: int) -> dict | None:
         if not self.want_logprobs:
             return None
         if self.chat:
             return chat_logprobs(logprobs or [], self.texts)
-        return completion_logprobs(logprobs or [], self.texts, self.offsets.get(index, 0))
+        tokens = [(lp.token_id, lp) for lp in logprobs or []]
+        return completion_logprobs(tokens, self.texts, self.offsets.get(index, 0))

@@ -1,39 +1,116 @@
-"""The OpenAI request bodies the gateway accepts, and their translation into kvd sampling fields."""
+"""The OpenAI request bodies the gateway accepts, and their translation into kvd request fields."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 16
+MAX_PROMPTS = 64  # prompts in one /v1/completions request (each is n daemon requests)
+
+# Fields the daemon takes under the same name, when set.
+_PASSED_THROUGH = {
+    "stop",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "cache_salt",
+    "regex",
+    "grammar",
+}
 
 
-class StreamOptions(BaseModel):
+class Strict(BaseModel):
+    """Unknown fields are rejected, as the daemon rejects them: a setting silently ignored would give results
+    the caller did not ask for."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
 
 
-class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are rejected, as the daemon rejects them: a setting the
-    gateway silently ignored would give results the caller did not ask for."""
+class JsonSchemaFormat(Strict):
+    name: str
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # The output always matches the schema (kvd's grammar is strict); the description only informs a model.
+    strict: bool | None = None
+    description: str | None = None
 
-    model_config = ConfigDict(extra="forbid")
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def daemon_fields(self) -> dict[str, Any]:
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json_schema": self.json_schema.schema_}
+        return {}
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class _Request(Strict):
+    """Fields both endpoints share."""
 
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=0)] | None = None
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None  # accepted for compatibility; kvd does not use it
+    logit_bias: dict[str, float] | None = None  # token ids as decimal strings, as OpenAI and the daemon take
+    # Accepted and ignored: none of them changes the output. `user` and `safety_identifier` identify the end
+    # user for abuse monitoring, `store` and `metadata` are for OpenAI's stored completions,
+    # `service_tier` picks a latency tier, and `prompt_cache_key` is a cache-routing hint (kvd's prefix
+    # cache needs none; `cache_salt` is the isolating key).
+    user: str | None = None
+    safety_identifier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
     # Extensions (vLLM's names), passed through to the daemon: extra_body={"top_k": 20} in the openai client.
     top_k: int | None = None
     min_p: float | None = None
@@ -41,35 +118,47 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_fields(self, max_tokens: int, choice: int) -> dict[str, Any]:
-        """The daemon's sampling fields for choice number `choice` of this request."""
-        fields = self.model_dump(
-            include={
-                "stop",
-                "temperature",
-                "top_p",
-                "presence_penalty",
-                "frequency_penalty",
-                "top_k",
-                "min_p",
-                "repetition_penalty",
-                "ignore_eos",
-                "stop_token_ids",
-                "cache_salt",
-            },
-            exclude_none=True,
-        )
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def daemon_fields(self, max_tokens: int, choice: int) -> dict[str, Any]:
+        """The daemon's fields (all but the prompt) for choice number `choice` of this request."""
+        fields = self.model_dump(include=_PASSED_THROUGH, exclude_none=True)
         fields["max_tokens"] = max_tokens
         fields["logprobs"] = self.num_logprobs
+        if self.logit_bias:
+            fields["logit_bias"] = self.logit_bias
         if self.seed is not None:
             # n choices with one seed would be n copies of the same text.
             fields["seed"] = self.seed + choice
         return fields
+
+    def refusals(self) -> list[tuple[str, str]]:
+        """(param, reason) for each field whose value the gateway cannot honour."""
+        refused = []
+        if self.requested_max_tokens == 0:
+            refused.append((self.max_tokens_param, "must be at least 1 (0 only with echo)"))
+        return refused
+
+    def param_names(self) -> dict[str, str]:
+        """The request's name for each daemon field whose name differs, for the daemon's errors."""
+        return {"max_tokens": self.max_tokens_param, "prompt_token_ids": "prompt", "input": "prompt"}
 
     @property
     def num_logprobs(self) -> int | None:
@@ -79,56 +168,112 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0)] | None = None
-    echo: Literal[False] = False  # echoing the prompt is not supported
+    echo: bool = False
+    best_of: int | None = None  # accepted when it equals n: then it changes nothing
     suffix: None = None
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) != 1:
-                raise ValueError(
-                    "one prompt per request: send several requests (or use n) instead of a batch"
-                )
-            self.prompt = self.prompt[0]
-        return self
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or token id list, or a list of them."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)
+        return [self.prompt]
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    def refusals(self) -> list[tuple[str, str]]:
+        refused = [r for r in super().refusals() if not self.echo]
+        if not 1 <= len(self.prompts()) <= MAX_PROMPTS:
+            refused.append(("prompt", f"between 1 and {MAX_PROMPTS} prompts per request"))
+        if self.echo and self.stream:
+            refused.append(("echo", "echo is not supported with stream: send it without stream"))
+        if self.best_of is not None and self.best_of != self.n:
+            refused.append(("best_of", "only best_of equal to n (or unset) is supported"))
+        return refused
+
+
+class ToolCallFunction(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Strict):
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: None = None  # the openai client sends back what a reply had; kvd's replies have no refusal
 
-    def text(self) -> str:
+    def text(self) -> str | None:
         """The message's text; content parts must all be text (kvd serves text models)."""
-        if isinstance(self.content, str):
+        if not isinstance(self.content, list):
             return self.content
         if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
             raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
         return "".join(part["text"] for part in self.content)
 
+    def daemon_message(self) -> dict[str, Any]:
+        message = self.model_dump(include={"role", "name", "tool_call_id", "tool_calls"}, exclude_none=True)
+        # The role and template conversions (developer, tool calls) are the daemon's.
+        return {**message, "content": self.text()}
+
 
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        for message in self.messages:
-            message.text()
-        return self
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # without tools it changes nothing
+    # Predicted outputs only speed OpenAI's generation up; the output is the same without them.
+    prediction: dict[str, Any] | None = None
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.daemon_message() for m in self.messages]
+
+    def daemon_fields(self, max_tokens: int, choice: int) -> dict[str, Any]:
+        fields = super().daemon_fields(max_tokens, choice)
+        if self.response_format is not None:
+            fields.update(self.response_format.daemon_fields())
+        if self.tools:
+            fields["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+            fields["parallel_tool_calls"] = self.parallel_tool_calls
+            if isinstance(self.tool_choice, BaseModel):
+                fields["tool_choice"] = self.tool_choice.model_dump()
+            else:
+                fields["tool_choice"] = self.tool_choice
+        return fields
+
+    def refusals(self) -> list[tuple[str, str]]:
+        refused = super().refusals()
+        if self.top_logprobs is not None and not self.logprobs:
+            refused.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        if self.tool_choice not in (None, "none") and not self.tools:
+            refused.append(("tool_choice", "tool_choice needs tools"))
+        for i, message in enumerate(self.messages):
+            try:
+                message.text()
+            except ValueError as e:
+                refused.append((f"messages[{i}].content", str(e)))
+        return refused
+
+    def param_names(self) -> dict[str, str]:
+        return {
+            **super().param_names(),
+            "logprobs": "top_logprobs",
+            "json_schema": "response_format.json_schema.schema",
+            "json_object": "response_format",
+        }

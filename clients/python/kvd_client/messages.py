@@ -69,6 +69,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop", "length", "tool_calls" or "abort" on the last chunk
     usage: Usage | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # the last chunk's, with tools
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the last chunk's, with prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -151,6 +152,7 @@ def to_chunk(reply: dict) -> Chunk:
         finish_reason=reply["finish_reason"] if final else None,
         usage=Usage(**reply["usage"]) if final else None,
         tool_calls=_tool_calls(reply.get("tool_calls")),
+        prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
     )
 
 

@@ -1,0 +1,324 @@
+"""Ollama's API on the same app: /api/chat and /api/generate (NDJSON streams), /api/embed, /api/embeddings,
+/api/tags, /api/show, /api/ps and /api/version."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvd.gateway.choices import Choice, ClientDisconnected, Job, merged, open_streams, unless_disconnected
+from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
+from kvd.gateway.logprobs import TokenTexts
+from kvd.gateway.ollama_schemas import (
+    PARAM_NAMES,
+    ChatRequest,
+    EmbeddingsRequest,
+    EmbedRequest,
+    GenerateRequest,
+)
+from kvd.gateway.schemas import Strict
+from kvd.gateway.state import Gateway, gateway_of
+from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
+
+# The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions).
+OLLAMA_VERSION = "0.12.0"
+TAG = ":latest"  # Ollama's default tag: "model" and "model:latest" name the same model
+CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
+
+router = APIRouter(prefix="/api")
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": OLLAMA_VERSION}
+
+
+@router.get("/tags")
+async def tags(request: Request) -> dict:
+    return {"models": [await _model_card(gateway_of(request))]}
+
+
+@router.get("/ps")
+async def ps(request: Request) -> dict:
+    gateway = gateway_of(request)
+    card = await _model_card(gateway)
+    info = await gateway.model_info()
+    # Loaded for as long as the daemon runs: no expiry in sight.
+    running = {"expires_at": "2999-12-31T23:59:59Z", "size_vram": 0, "context_length": info["max_model_len"]}
+    return {"models": [{**card, **running}]}
+
+
+class ShowRequest(Strict):
+    model: str | None = None
+    name: str | None = None  # the older spelling
+    verbose: bool | None = None
+
+
+@router.post("/show")
+async def show(body: ShowRequest, request: Request) -> dict:
+    gateway = gateway_of(request)
+    await _check_model(gateway, body.model or body.name or "")
+    info = await gateway.model_info()
+    card = await _model_card(gateway)
+    model_info = {
+        "general.architecture": "llama",
+        "llama.context_length": info["max_model_len"],
+        "llama.embedding_length": info["hidden_size"],
+    }
+    return {
+        "modelfile": "",
+        "parameters": "",
+        "template": "",
+        "details": card["details"],
+        "model_info": model_info,
+        "capabilities": ["completion", "tools", "embedding"],
+        "modified_at": card["modified_at"],
+    }
+
+
+@router.post("/chat")
+async def chat(body: ChatRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    await _check(gateway, body)
+    if not body.messages:  # Ollama's way to load a model
+        return JSONResponse(_loaded(body.model, {"message": {"role": "assistant", "content": ""}}))
+    fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
+    return await _generate(request, body, "chat", (body.conversation(), fields))
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    await _check(gateway, body)
+    if not body.prompt:
+        return JSONResponse(_loaded(body.model, {"response": ""}))
+    fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
+    if body.raw:
+        return await _generate(request, body, "generate", (body.prompt, fields))
+    return await _generate(request, body, "chat", (body.conversation(), fields))
+
+
+@router.post("/embed")
+async def embed(body: EmbedRequest, request: Request) -> dict:
+    gateway = gateway_of(request)
+    await _check_model(gateway, body.model)
+    if body.input == []:
+        raise invalid_fields([("input", "at least one input")])
+    started = time.monotonic_ns()
+    try:
+        out = await gateway.client.embed(body.input, body.dimensions)
+    except KvdError as e:
+        raise from_kvd_error(e) from None
+    return {
+        "model": body.model,
+        "embeddings": out.embeddings,
+        "total_duration": time.monotonic_ns() - started,
+        "load_duration": 0,
+        "prompt_eval_count": out.prompt_tokens,
+    }
+
+
+@router.post("/embeddings")
+async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
+    gateway = gateway_of(request)
+    await _check_model(gateway, body.model)
+    try:
+        out = await gateway.client.embed([body.prompt])
+    except KvdError as e:
+        raise from_kvd_error(e, {"input": "prompt"}) from None
+    return {"embedding": out.embeddings[0]}
+
+
+async def _check_model(gateway: Gateway, model: str) -> None:
+    try:
+        await gateway.check_model(model, also=(TAG,))
+    except ApiError as e:
+        raise ApiError(404, f"model {model!r} not found", e.type, "model", e.code) from None
+
+
+async def _check(gateway: Gateway, body: ChatRequest | GenerateRequest) -> None:
+    await _check_model(gateway, body.model)
+    refused = body.refusals()
+    if refused:
+        raise invalid_fields(refused)
+
+
+async def _model_card(gateway: Gateway) -> dict:
+    name = await gateway.model_name()
+    info = await gateway.model_info()
+    tagged = name if ":" in name else name + TAG
+    quantization = info["quantization"]
+    details = {
+        "parent_model": "",
+        "format": "gguf" if quantization != "none" else "safetensors",
+        "family": "llama",
+        "families": ["llama"],
+        "parameter_size": "",
+        "quantization_level": quantization.upper() if quantization != "none" else info["dtype"].upper(),
+    }
+    return {
+        "name": tagged,
+        "model": tagged,
+        "modified_at": _timestamp(gateway.started),
+        "size": 0,
+        "digest": hashlib.sha256(name.encode()).hexdigest(),
+        "details": details,
+    }
+
+
+def _timestamp(seconds: float | None = None) -> str:
+    """RFC 3339 in UTC, as Ollama's created_at."""
+    moment = datetime.now(timezone.utc) if seconds is None else datetime.fromtimestamp(seconds, timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _loaded(model: str, content: dict) -> dict:
+    return {"model": model, "created_at": _timestamp(), **content, "done": True, "done_reason": "load"}
+
+
+@dataclass
+class _Shape:
+    """Ollama's bodies for one generation: chat's `message` or generate's `response`, with timings."""
+
+    model: str
+    chat: bool
+    want_logprobs: bool
+    texts: TokenTexts
+    started: int = field(default_factory=time.monotonic_ns)
+    first_token: int | None = None
+
+    def lines(self, chunk: Chunk) -> list[dict]:
+        """The NDJSON lines for one daemon chunk; the last chunk ends with the `done` line."""
+        self.observe(chunk)
+        lines = []
+        if chunk.text or chunk.logprobs or not chunk.finished:
+            lines.append(self._body(chunk.text, [], chunk.logprobs, False))
+        if chunk.tool_calls:
+            lines.append(self._body("", chunk.tool_calls, None, False))
+        if chunk.finished:
+            lines.append({**self._body("", [], None, True), **self._stats(chunk)})
+        return lines
+
+    def observe(self, chunk: Chunk) -> None:
+        if chunk.token_ids and self.first_token is None:
+            self.first_token = time.monotonic_ns()
+
+    def whole(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob], final: Chunk) -> dict:
+        return {**self._body(text, calls, logprobs, True), **self._stats(final)}
+
+    def _body(
+        self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None, done: bool
+    ) -> dict:
+        body: dict[str, Any] = {"model": self.model, "created_at": _timestamp()}
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_tool_call(k, c) for k, c in enumerate(calls)]
+            body["message"] = message
+        else:
+            body["response"] = text
+        body["done"] = done
+        if self.want_logprobs and logprobs:
+            body["logprobs"] = [_logprob(lp, self.texts) for lp in logprobs]
+        return body
+
+    def _stats(self, final: Chunk) -> dict:
+        now = time.monotonic_ns()
+        first = self.first_token or now
+        return {
+            # Ollama reports a tool call as an ordinary stop.
+            "done_reason": "stop" if final.finish_reason == "tool_calls" else final.finish_reason,
+            "total_duration": now - self.started,
+            "load_duration": 0,
+            "prompt_eval_count": final.usage.prompt_tokens,
+            "prompt_eval_duration": first - self.started,
+            "eval_count": final.usage.completion_tokens,
+            "eval_duration": now - first,
+        }
+
+
+def _tool_call(index: int, call: ToolCall) -> dict:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}  # the daemon's calls are JSON objects; this only guards a broken reply
+    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
+
+
+def _logprob(lp: TokenLogprob, texts: TokenTexts) -> dict:
+    top = [{"token": texts[t], "logprob": v} for t, v in lp.top_logprobs]
+    return {"token": texts[lp.token_id], "logprob": lp.logprob, "top_logprobs": top}
+
+
+async def _generate(request: Request, body: ChatRequest | GenerateRequest, op: str, job: Job) -> Response:
+    gateway = gateway_of(request)
+    endpoint = request.url.path
+    shape = _Shape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
+    try:
+        streams = open_streams(gateway.client, op, [job])
+        if body.stream:
+            chunks = merged(streams, gateway.metrics)
+            first = await anext(chunks)  # errors before the first token are HTTP errors
+            return StreamingResponse(
+                _lines(gateway, shape, first, chunks, endpoint), media_type="application/x-ndjson"
+            )
+
+        async def collect() -> Choice:
+            choice = Choice(0)
+            async for _, chunk in merged(streams, gateway.metrics):
+                shape.observe(chunk)
+                choice.add(chunk)
+            return choice
+
+        choice = await unless_disconnected(request, collect())
+        if choice.finish_reason == "abort":
+            raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+        await gateway.texts.fill(choice.logprobs)
+        final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
+        result = shape.whole(choice.text, choice.tool_calls, choice.logprobs, final)
+    except ClientDisconnected:
+        gateway.metrics.request_done(endpoint, "disconnected")
+        return Response(status_code=499)
+    except (ApiError, KvdError) as e:
+        error = e if isinstance(e, ApiError) else from_kvd_error(e, PARAM_NAMES)
+        gateway.metrics.request_done(endpoint, "client_error" if error.status < 500 else "server_error")
+        raise error from None
+    gateway.metrics.request_done(endpoint, "success")
+    return JSONResponse(result)
+
+
+async def _lines(
+    gateway: Gateway, shape: _Shape, first: tuple, rest: AsyncIterator, endpoint: str
+) -> AsyncIterator[str]:
+    outcome = "disconnected"  # unless the loop below ends
+    try:
+        item = first
+        while item is not None:
+            _, chunk = item
+            if chunk.finish_reason == "abort":
+                outcome = "server_error"
+                yield _line({"error": CUT_MESSAGE})
+                return
+            await gateway.texts.fill(chunk.logprobs or [])
+            for line in shape.lines(chunk):
+                yield _line(line)
+            item = await anext(rest, None)
+        outcome = "success"
+    except KvdError as e:
+        outcome = "server_error"
+        yield _line({"error": from_kvd_error(e, PARAM_NAMES).message})
+    finally:
+        await rest.aclose()
+        gateway.metrics.request_done(endpoint, outcome)
+
+
+def _line(body: dict) -> str:
+    return json.dumps(body, ensure_ascii=False) + "\n"
