@@ -12,6 +12,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
 from kvd.engine.sampling_params import SamplingParams
+from kvd.engine.tool_calls import Tool
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -53,12 +54,36 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: list[Tool] | None = None,
     ) -> list[CompletionOutput]:
-        """Apply the tokenizer's chat template to each conversation and generate the assistant's reply."""
+        """Apply the tokenizer's chat template to each conversation (with `tools` rendered, see
+        kvd.engine.tool_calls.parse_tools) and generate the assistant's reply."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        prompts = [self.engine.apply_chat_template(list(c), tools) for c in conversations]
         return self.generate(prompts, params, use_tqdm)
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[list[float]]:
+        """One L2-normalised vector per input (text or token ids): the pooled final hidden states
+        (`engine.pooling`); batched like generations, never read from the prefix cache."""
+        inputs = _as_list(inputs)
+        ids = []
+        try:
+            for prompt in inputs:
+                rid = next(self._ids)
+                self.engine.add_embed_request(rid, prompt)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        index = {rid: i for i, rid in enumerate(ids)}
+        vectors: list[list[float]] = [[] for _ in inputs]
+        with tqdm(total=len(inputs), desc="embed", unit="input", disable=not use_tqdm) as bar:
+            for out in self._drain():
+                vectors[index[out.request_id]] = out.embedding
+                bar.update(1)
+        return vectors
 
     def stream(
         self,
