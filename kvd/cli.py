@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="complete a prompt, streaming to stdout")
     generate.add_argument("prompt", help="the prompt; - reads it from standard input")
     _sampling_flags(generate, max_tokens_default="the daemon's, 16")
+    _structured_flags(generate)
     _client_flags(generate, _generate)
 
     chat = commands.add_parser("chat", help="an interactive chat with history (/reset, /help, /exit)")
@@ -121,6 +122,28 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens_default: str) -> None
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
+def _structured_flags(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema", metavar="FILE", type=Path, help="constrain the output to this JSON schema (a file)"
+    )
+    group.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    group.add_argument("--regex", help="constrain the output to match this regular expression")
+    group.add_argument("--grammar", metavar="FILE", type=Path, help="constrain the output to a Lark grammar")
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """The structured-output field the flags ask for; the daemon validates the file's contents."""
+    fields = {"json_object": args.json or None, "regex": args.regex}
+    for name, path in (("json_schema", args.json_schema), ("grammar", args.grammar)):
+        if path is not None:
+            try:
+                fields[name] = path.read_text()
+            except OSError as e:
+                raise KvdError(f"--{name.replace('_', '-')} {path}: {e.strerror}") from None
+    return fields
+
+
 def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
     p.add_argument("--endpoint", help="the daemon's endpoint (default: $KVD_ENDPOINT or per-user)")
     p.add_argument(
@@ -185,7 +208,8 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 def _generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    with _connect(args) as client, client.stream(prompt, **_sampling(args)) as s:
+    fields = _sampling(args) | _structured(args)
+    with _connect(args) as client, client.stream(prompt, **fields) as s:
         for chunk in s:
             print(chunk.text, end="", flush=True)
     print()

@@ -3,8 +3,10 @@ chat commands, `kvd top` quitting on q, generations cut by a stopping daemon, tr
 
 from __future__ import annotations
 
+import json
 import os
 import pty
+import re
 import shutil
 import signal
 import subprocess
@@ -169,6 +171,23 @@ def test_top_shows_the_model_and_quits_on_q(daemon: DaemonProcess):
         proc.kill()
         os.close(leader)
     assert model in proc.stdout.read().decode()
+
+
+def test_generate_with_a_schema_a_regex_and_a_bad_schema(daemon: DaemonProcess, tmp_path: Path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    result = kvd_cli("generate", "Hi", *GREEDY, "--json-schema", str(path), "--endpoint", daemon.endpoint)
+    assert result.returncode == 0 and isinstance(json.loads(result.stdout)["ok"], bool)
+    result = kvd_cli("generate", "Hi", *GREEDY, "--regex", "[0-9]{4}", "--endpoint", daemon.endpoint)
+    assert result.returncode == 0 and re.fullmatch(r"[0-9]{4}\n", result.stdout)
+    path.write_text('{"type": 5}')
+    result = kvd_cli("generate", "Hi", "--json-schema", str(path), "--endpoint", daemon.endpoint)
+    assert result.returncode == 1 and "json_schema" in result.stderr and "type must be" in result.stderr
+    result = kvd_cli(
+        "generate", "Hi", "--json-schema", str(tmp_path / "missing.json"), "--endpoint", daemon.endpoint
+    )
+    assert result.returncode == 1 and "--json-schema" in result.stderr and "No such file" in result.stderr
 
 
 def test_a_generation_cut_by_the_daemon_stopping_exits_1(daemon: DaemonProcess):
