@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -31,10 +32,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+@contextmanager
+def gateway_daemon(model: Path, workdir: Path) -> Iterator[DaemonProcess]:
+    """`kvd serve --http` on a free port, with `base_url` set once the gateway answers; for other modules'
+    fixtures too (one daemon and gateway per module)."""
     port = free_port()
-    proc = start_daemon(tmp_path_factory.mktemp("gw"), "--http", f"127.0.0.1:{port}", model=tiny_daemon_model)
+    proc = start_daemon(workdir, "--http", f"127.0.0.1:{port}", model=model)
     proc.base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while not _health_ok(proc.base_url):
@@ -44,6 +47,12 @@ def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
     assert proc.stop() == 0, proc.log()
     with pytest.raises(OSError):  # the gateway went with the daemon
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    with gateway_daemon(tiny_daemon_model, tmp_path_factory.mktemp("gw")) as proc:
+        yield proc
 
 
 def _health_ok(base_url: str) -> bool:

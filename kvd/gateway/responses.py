@@ -68,6 +68,8 @@ class Reply:
     def chunks(self, index: int, chunk: Chunk) -> list[dict]:
         """The stream bodies for one daemon chunk: one, or with tool calls a delta for them and the finish."""
         self.generated[index] = self.generated.get(index, 0) + len(chunk.token_ids)
+        if not (chunk.text or chunk.logprobs or chunk.finished) and (index in self.started or not self.chat):
+            return []  # tokens whose text the daemon holds back (a possible stop string or tool call)
         usage = self._running_usage(index, chunk)
         logprobs = self._logprobs(chunk.logprobs, index)
         if not self.chat:

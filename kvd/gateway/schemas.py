@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -52,6 +52,12 @@ class JsonSchemaFormat(Strict):
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given exactly when type is 'json_schema'")
+        return self
 
     def daemon_fields(self) -> dict[str, Any]:
         if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
