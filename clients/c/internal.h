@@ -13,8 +13,15 @@ kvd_status kvd_fail(kvd_error *error, kvd_status status, const char *fmt, ...)
 /* The status for a daemon error code string ("bad_request" -> KVD_ERR_BAD_REQUEST). */
 kvd_status kvd_status_from_code(const char *code, size_t len);
 
-/* Encoding requests (wire.c). Each returns 0, or -1 when out of memory. */
-int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *request, int stream);
+/* JSON text to msgpack appended to `out` (json.c). A malformed text is KVD_ERR_INVALID_ARGUMENT with
+ * error->field set to `field`. */
+kvd_status kvd_json_to_msgpack(const char *json, msgpack_sbuffer *out, const char *field, kvd_error *error);
+
+/* Encoding requests (wire.c). Each returns 0, or -1 when out of memory. `tools` is the msgpack of
+ * request->tools_json (kvd_json_to_msgpack), or NULL. */
+int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *request, int stream,
+                      const msgpack_sbuffer *tools);
+int kvd_pack_embed(msgpack_sbuffer *out, uint64_t id, const kvd_embed_request *request);
 int kvd_pack_abort(msgpack_sbuffer *out, uint64_t id, uint64_t target);
 int kvd_pack_op(msgpack_sbuffer *out, uint64_t id, const char *op); /* an op without fields: health */
 
@@ -40,6 +47,10 @@ kvd_status kvd_reply_str(const kvd_reply *reply, const char *key, const char **s
                          kvd_error *error);
 kvd_status kvd_reply_int(const kvd_reply *reply, const msgpack_object *map, const char *key, int64_t *value,
                          kvd_error *error);
+/* A field of a nested map, or NULL. */
+const msgpack_object *kvd_map_get(const msgpack_object *map, const char *key);
+/* An int or float object as a double; returns 0, or -1 for another type. */
+int kvd_object_number(const msgpack_object *o, double *value);
 /* Copy a daemon `error` reply into `error`; returns its status. */
 kvd_status kvd_reply_error(const kvd_reply *reply, kvd_error *error);
 

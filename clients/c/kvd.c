@@ -39,13 +39,36 @@ void kvd_request_init(kvd_request *r) {
     r->max_tokens = r->top_k = r->seed = KVD_UNSET;
     r->temperature = r->top_p = r->min_p = NAN;
     r->presence_penalty = r->frequency_penalty = r->repetition_penalty = NAN;
+    r->logprobs = r->prompt_logprobs = KVD_UNSET;
+    r->parallel_tool_calls = -1;
+}
+
+void kvd_embed_request_init(kvd_embed_request *r) {
+    memset(r, 0, sizeof *r);
+    r->dimensions = KVD_UNSET;
+}
+
+static void free_logprobs(kvd_logprob *logprobs, size_t n) {
+    for (size_t i = 0; i < n; i++) free(logprobs[i].top_logprobs);
+    free(logprobs);
 }
 
 void kvd_result_free(kvd_result *result) {
     if (result == NULL) return;
     free(result->text);
     free(result->token_ids);
+    free_logprobs(result->logprobs, result->num_logprobs);
+    free_logprobs(result->prompt_logprobs, result->num_prompt_logprobs);
+    /* Each call's strings are one allocation, starting at id. */
+    for (size_t i = 0; i < result->num_tool_calls; i++) free((char *)result->tool_calls[i].id);
+    free(result->tool_calls);
     memset(result, 0, sizeof *result);
+}
+
+void kvd_embeddings_free(kvd_embeddings *embeddings) {
+    if (embeddings == NULL) return;
+    free(embeddings->data);
+    memset(embeddings, 0, sizeof *embeddings);
 }
 
 const char *kvd_endpoint(const kvd_client *c) { return c->endpoint; }
@@ -231,7 +254,7 @@ static kvd_status wait_for(kvd_client *c, uint64_t rid, int abortable, reply_fn 
 /* The state of one kvd_generate. */
 typedef struct generation {
     kvd_result *result;
-    size_t text_cap, ids_cap;
+    size_t text_cap, ids_cap, logprobs_cap;
     kvd_chunk_fn on_chunk;
     void *user_data;
     int stopped; /* on_chunk asked to stop: the abort is sent, no more calls */
@@ -246,6 +269,55 @@ static int grow(void **buf, size_t *cap, size_t need, size_t item) {
     *buf = p;
     *cap = cap2;
     return 0;
+}
+
+/* One logprobs entry, {"token_id", "logprob", "top_logprobs": [[id, logprob], ...]}, or nil (the first prompt
+ * token). On success `out` owns its top_logprobs. */
+static kvd_status read_logprob(const msgpack_object *o, kvd_logprob *out, kvd_error *error) {
+    memset(out, 0, sizeof *out);
+    if (o->type == MSGPACK_OBJECT_NIL) {
+        out->token_id = -1;
+        out->logprob = NAN;
+        return KVD_OK;
+    }
+    const msgpack_object *id = kvd_map_get(o, "token_id");
+    const msgpack_object *top = kvd_map_get(o, "top_logprobs");
+    if (id == NULL || id->type != MSGPACK_OBJECT_POSITIVE_INTEGER || id->via.u64 > INT32_MAX ||
+        kvd_object_number(kvd_map_get(o, "logprob"), &out->logprob) != 0 ||
+        (top != NULL && top->type != MSGPACK_OBJECT_ARRAY && top->type != MSGPACK_OBJECT_NIL))
+        return kvd_fail(error, KVD_ERR_PROTOCOL, "the daemon sent a malformed logprobs entry");
+    out->token_id = (int32_t)id->via.u64;
+    if (top == NULL || top->type != MSGPACK_OBJECT_ARRAY || top->via.array.size == 0) return KVD_OK;
+    size_t n = top->via.array.size;
+    kvd_top_logprob *alts = malloc(n * sizeof *alts);
+    if (alts == NULL) return kvd_fail(error, KVD_ERR_NO_MEMORY, "out of memory holding log-probabilities");
+    for (size_t i = 0; i < n; i++) {
+        const msgpack_object *pair = &top->via.array.ptr[i];
+        const msgpack_object *items = pair->type == MSGPACK_OBJECT_ARRAY ? pair->via.array.ptr : NULL;
+        if (items == NULL || pair->via.array.size != 2 || items[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER ||
+            items[0].via.u64 > INT32_MAX || kvd_object_number(&items[1], &alts[i].logprob) != 0) {
+            free(alts);
+            return kvd_fail(error, KVD_ERR_PROTOCOL, "the daemon sent a malformed top_logprobs entry");
+        }
+        alts[i].token_id = (int32_t)items[0].via.u64;
+    }
+    out->top_logprobs = alts;
+    out->num_top_logprobs = n;
+    return KVD_OK;
+}
+
+/* Append the entries of a logprobs array to *list (growing it; *num counts the entries that are whole). */
+static kvd_status append_logprobs(const msgpack_object *array, kvd_logprob **list, size_t *num, size_t *cap,
+                                  kvd_error *error) {
+    size_t n = array->via.array.size;
+    if (grow((void **)list, cap, *num + n, sizeof **list) != 0)
+        return kvd_fail(error, KVD_ERR_NO_MEMORY, "out of memory holding log-probabilities");
+    for (size_t i = 0; i < n; i++) {
+        kvd_status status = read_logprob(&array->via.array.ptr[i], &(*list)[*num], error);
+        if (status != KVD_OK) return status;
+        (*num)++;
+    }
+    return KVD_OK;
 }
 
 /* Append a chunk or final reply's increment to the result; the chunk view points into the result. */
@@ -277,6 +349,54 @@ static kvd_status append_increment(generation *g, const kvd_reply *reply, kvd_ch
             return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent a token id that is not an int32");
         r->token_ids[r->num_token_ids++] = (int32_t)id->via.u64;
     }
+    const msgpack_object *logprobs = kvd_reply_get(reply, "logprobs");
+    if (logprobs == NULL || logprobs->type == MSGPACK_OBJECT_NIL) {
+        if (n > 0 && r->num_logprobs > 0)
+            return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent tokens without their logprobs");
+        return KVD_OK;
+    }
+    size_t before = r->num_logprobs;
+    if (logprobs->type != MSGPACK_OBJECT_ARRAY || logprobs->via.array.size != n ||
+        before + n != r->num_token_ids)
+        return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent logprobs that do not match the tokens");
+    kvd_status lp = append_logprobs(logprobs, &r->logprobs, &r->num_logprobs, &g->logprobs_cap, &r->error);
+    if (lp != KVD_OK) return lp;
+    chunk->logprobs = r->logprobs + before;
+    return KVD_OK;
+}
+
+/* The final's tool_calls: [{"id", "type": "function", "function": {"name", "arguments"}}, ...]. */
+static kvd_status read_tool_calls(kvd_result *r, const msgpack_object *calls) {
+    if (calls == NULL || calls->type == MSGPACK_OBJECT_NIL) return KVD_OK;
+    if (calls->type != MSGPACK_OBJECT_ARRAY)
+        return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent tool_calls that are not an array");
+    size_t n = calls->via.array.size;
+    if (n == 0) return KVD_OK;
+    r->tool_calls = calloc(n, sizeof *r->tool_calls);
+    if (r->tool_calls == NULL) return kvd_fail(&r->error, KVD_ERR_NO_MEMORY, "out of memory holding tool calls");
+    for (size_t i = 0; i < n; i++) {
+        const msgpack_object *call = &calls->via.array.ptr[i];
+        const msgpack_object *function = kvd_map_get(call, "function");
+        const msgpack_object *parts[3] = {kvd_map_get(call, "id"), kvd_map_get(function, "name"),
+                                          kvd_map_get(function, "arguments")};
+        size_t size = 0;
+        for (int k = 0; k < 3; k++) {
+            if (parts[k] == NULL || parts[k]->type != MSGPACK_OBJECT_STR)
+                return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent a malformed tool call");
+            size += parts[k]->via.str.size + 1;
+        }
+        char *block = malloc(size);
+        if (block == NULL) return kvd_fail(&r->error, KVD_ERR_NO_MEMORY, "out of memory holding tool calls");
+        const char **fields[3] = {&r->tool_calls[i].id, &r->tool_calls[i].name, &r->tool_calls[i].arguments};
+        char *at = block;
+        for (int k = 0; k < 3; k++) {
+            memcpy(at, parts[k]->via.str.ptr, parts[k]->via.str.size);
+            at[parts[k]->via.str.size] = '\0';
+            *fields[k] = at;
+            at += parts[k]->via.str.size + 1;
+        }
+        r->num_tool_calls++;
+    }
     return KVD_OK;
 }
 
@@ -294,7 +414,13 @@ static kvd_status read_final(kvd_result *r, const kvd_reply *reply) {
             KVD_OK ||
         (status = kvd_reply_int(reply, usage, "cached_tokens", &r->usage.cached_tokens, &r->error)) != KVD_OK)
         return status;
-    return KVD_OK;
+    if ((status = read_tool_calls(r, kvd_reply_get(reply, "tool_calls"))) != KVD_OK) return status;
+    const msgpack_object *prompt = kvd_reply_get(reply, "prompt_logprobs");
+    if (prompt == NULL || prompt->type == MSGPACK_OBJECT_NIL) return KVD_OK;
+    if (prompt->type != MSGPACK_OBJECT_ARRAY)
+        return kvd_fail(&r->error, KVD_ERR_PROTOCOL, "the daemon sent prompt_logprobs that are not an array");
+    size_t cap = 0;
+    return append_logprobs(prompt, &r->prompt_logprobs, &r->num_prompt_logprobs, &cap, &r->error);
 }
 
 static kvd_status on_generation_reply(kvd_client *c, const kvd_reply *reply, void *ctx, int *done) {
@@ -321,6 +447,27 @@ static kvd_status on_generation_reply(kvd_client *c, const kvd_reply *reply, voi
     return KVD_OK;
 }
 
+/* What the library would otherwise pack from a NULL pointer; the daemon checks everything else. */
+static kvd_status check_request(const kvd_request *r, kvd_error *error) {
+    for (size_t i = 0; r->messages != NULL && i < r->num_messages; i++) {
+        const kvd_message *m = &r->messages[i];
+        if (m->role == NULL)
+            return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_generate: messages[%zu].role is NULL", i);
+        for (size_t j = 0; m->tool_calls != NULL && j < m->num_tool_calls; j++) {
+            const kvd_tool_call *call = &m->tool_calls[j];
+            if (call->id == NULL || call->name == NULL || call->arguments == NULL)
+                return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT,
+                                "kvd_generate: messages[%zu].tool_calls[%zu] needs id, name and arguments", i, j);
+        }
+    }
+    for (size_t i = 0; r->stop != NULL && i < r->num_stop; i++)
+        if (r->stop[i] == NULL) return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_generate: stop[%zu] is NULL", i);
+    if (r->tool_choice != NULL && r->tool_choice_function != NULL)
+        return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT,
+                        "kvd_generate: set at most one of tool_choice and tool_choice_function");
+    return KVD_OK;
+}
+
 kvd_status kvd_generate(kvd_client *c, const kvd_request *request, kvd_chunk_fn on_chunk, void *user_data,
                         kvd_result *result) {
     if (result == NULL) return KVD_ERR_INVALID_ARGUMENT;
@@ -331,12 +478,23 @@ kvd_status kvd_generate(kvd_client *c, const kvd_request *request, kvd_chunk_fn 
     if (inputs != 1)
         return kvd_fail(&result->error, KVD_ERR_INVALID_ARGUMENT,
                         "kvd_generate: set exactly one of prompt, prompt_token_ids and messages (%d set)", inputs);
+    kvd_status status = check_request(request, &result->error);
+    if (status != KVD_OK) return status;
+    msgpack_sbuffer tools;
+    msgpack_sbuffer_init(&tools);
+    if (request->tools_json != NULL &&
+        (status = kvd_json_to_msgpack(request->tools_json, &tools, "tools", &result->error)) != KVD_OK) {
+        msgpack_sbuffer_destroy(&tools);
+        return status;
+    }
     abort_requested(c, 0); /* forget aborts asked for while nothing was in flight */
     result->request_id = c->next_id++;
     msgpack_sbuffer message;
     msgpack_sbuffer_init(&message);
-    int packed = kvd_pack_generate(&message, result->request_id, request, on_chunk != NULL);
-    kvd_status status = send_packed(c, packed, &message, &result->error);
+    int packed = kvd_pack_generate(&message, result->request_id, request, on_chunk != NULL,
+                                   request->tools_json != NULL ? &tools : NULL);
+    msgpack_sbuffer_destroy(&tools);
+    status = send_packed(c, packed, &message, &result->error);
     if (status != KVD_OK) return status;
     generation g = {.result = result, .on_chunk = on_chunk, .user_data = user_data};
     status = wait_for(c, result->request_id, 1, on_generation_reply, &g, &result->error);
@@ -375,4 +533,81 @@ kvd_status kvd_health(kvd_client *c, char *status, size_t status_size, kvd_error
     if (result != KVD_OK) return result;
     health_call h = {status, status_size, error};
     return wait_for(c, rid, 0, on_health_reply, &h, error);
+}
+
+/* The state of one kvd_embed. */
+typedef struct embed_call {
+    kvd_embeddings *out;
+} embed_call;
+
+static kvd_status on_embed_reply(kvd_client *c, const kvd_reply *reply, void *ctx, int *done) {
+    (void)c;
+    kvd_embeddings *e = ((embed_call *)ctx)->out;
+    *done = 1;
+    if (kvd_reply_is(reply, "error")) return kvd_reply_error(reply, &e->error);
+    if (!kvd_reply_is(reply, "result"))
+        return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "expected a result reply, got '%.*s'", (int)reply->type_len,
+                        reply->type);
+    const msgpack_object *vectors = kvd_reply_get(reply, "embeddings");
+    int64_t dims;
+    kvd_status status = kvd_reply_int(reply, reply->map, "dimensions", &dims, &e->error);
+    if (status != KVD_OK) return status;
+    if (vectors == NULL || vectors->type != MSGPACK_OBJECT_ARRAY || dims <= 0)
+        return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "the daemon's embed result has no embeddings");
+    size_t n = vectors->via.array.size, d = (size_t)dims;
+    if (n > 0 && d > SIZE_MAX / sizeof(float) / n)
+        return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "the daemon sent an absurd number of dimensions");
+    e->data = malloc((n ? n : 1) * d * sizeof(float));
+    if (e->data == NULL) return kvd_fail(&e->error, KVD_ERR_NO_MEMORY, "out of memory holding the embeddings");
+    for (size_t i = 0; i < n; i++) {
+        const msgpack_object *v = &vectors->via.array.ptr[i];
+        if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size != d)
+            return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "the daemon sent embedding %zu with the wrong length", i);
+        for (size_t j = 0; j < d; j++) {
+            double x;
+            if (kvd_object_number(&v->via.array.ptr[j], &x) != 0)
+                return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "the daemon sent an embedding that is not numbers");
+            e->data[i * d + j] = (float)x;
+        }
+    }
+    e->num_vectors = n;
+    e->dimensions = d;
+    const char *pooling;
+    size_t len;
+    if (kvd_reply_str(reply, "pooling", &pooling, &len, NULL) == KVD_OK)
+        snprintf(e->pooling, sizeof e->pooling, "%.*s", (int)len, pooling);
+    const msgpack_object *usage = kvd_reply_get(reply, "usage");
+    if (usage != NULL && usage->type == MSGPACK_OBJECT_MAP)
+        return kvd_reply_int(reply, usage, "prompt_tokens", &e->prompt_tokens, &e->error);
+    return kvd_fail(&e->error, KVD_ERR_PROTOCOL, "the daemon's embed result has no usage");
+}
+
+kvd_status kvd_embed(kvd_client *c, const kvd_embed_request *request, kvd_embeddings *embeddings) {
+    if (embeddings == NULL) return KVD_ERR_INVALID_ARGUMENT;
+    memset(embeddings, 0, sizeof *embeddings);
+    kvd_error *error = &embeddings->error;
+    if (c == NULL || request == NULL)
+        return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_embed: client and request are required");
+    if ((request->texts != NULL) == (request->token_ids != NULL) || request->num_inputs == 0)
+        return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT,
+                        "kvd_embed: set exactly one of texts and token_ids, and num_inputs > 0");
+    for (size_t i = 0; i < request->num_inputs; i++) {
+        int missing = request->texts != NULL ? request->texts[i] == NULL
+                                             : request->token_ids[i] == NULL || request->num_token_ids == NULL;
+        if (missing) return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_embed: input %zu is NULL", i);
+    }
+    uint64_t rid = c->next_id++;
+    msgpack_sbuffer message;
+    msgpack_sbuffer_init(&message);
+    int packed = kvd_pack_embed(&message, rid, request);
+    kvd_status status = send_packed(c, packed, &message, error);
+    if (status != KVD_OK) return status;
+    embed_call call = {embeddings};
+    status = wait_for(c, rid, 0, on_embed_reply, &call, error);
+    if (status != KVD_OK) {
+        free(embeddings->data);
+        embeddings->data = NULL;
+        embeddings->num_vectors = embeddings->dimensions = 0;
+    }
+    return status;
 }

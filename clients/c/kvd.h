@@ -58,10 +58,29 @@ typedef struct kvd_error {
     char message[512]; /* one line that says what to do */
 } kvd_error;
 
+/* A tool call: one of an assistant message's earlier calls in a request, or one the model made in a result. */
+typedef struct kvd_tool_call {
+    const char *id;        /* "call_..." */
+    const char *name;      /* the function's name */
+    const char *arguments; /* the arguments as JSON text of an object */
+} kvd_tool_call;
+
+/* A chat message. Only role is required: content NULL is sent as nil (an assistant turn that only calls
+ * tools); tool_calls are an assistant's earlier calls, tool_call_id the call a "tool" message answers. */
 typedef struct kvd_message {
     const char *role;
     const char *content;
+    const kvd_tool_call *tool_calls;
+    size_t num_tool_calls;
+    const char *tool_call_id;
+    const char *name;
 } kvd_message;
+
+/* One logit_bias entry: `bias` in [-100, 100] is added to token_id's logit before sampling (-100 bans it). */
+typedef struct kvd_logit_bias {
+    int32_t token_id;
+    double bias;
+} kvd_logit_bias;
 
 /* A generation request. Set exactly one of prompt, prompt_token_ids and messages (messages makes it a chat
  * request: the daemon applies the model's chat template). Call kvd_request_init first: it leaves every
@@ -88,6 +107,27 @@ typedef struct kvd_request {
     double frequency_penalty;
     double repetition_penalty;
     const char *cache_salt; /* requests share prefix-cache blocks only with the same salt */
+
+    const kvd_logit_bias *logit_bias; /* at most 512 entries */
+    size_t num_logit_bias;
+    int64_t logprobs;        /* [0, 20]: result->logprobs, with this many alternatives per token */
+    int64_t prompt_logprobs; /* [0, 20]: result->prompt_logprobs (such a request skips the prefix cache) */
+
+    /* Structured output: set at most one; the output is then constrained to the language it describes. */
+    const char *json_schema; /* a JSON Schema as JSON text */
+    int json_object;         /* nonzero: any JSON object */
+    const char *regex;       /* a regular expression the whole output matches */
+    const char *grammar;     /* a context-free grammar in Lark syntax (llguidance's dialect) */
+
+    /* Tools (chat only). tools_json is JSON text of the protocol's array of tool maps,
+     * [{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}, ...]; the
+     * library converts it to msgpack (a malformed text fails with KVD_ERR_INVALID_ARGUMENT, field "tools").
+     * tool_choice is "none", "auto" or "required"; tool_choice_function instead forces a call to the function
+     * of that name (set at most one of the two; neither: the daemon's default, "auto" with tools). */
+    const char *tools_json;
+    const char *tool_choice;
+    const char *tool_choice_function;
+    int parallel_tool_calls; /* -1 (kvd_request_init): the daemon's default, true; 0 or 1 */
 } kvd_request;
 
 KVD_API void kvd_request_init(kvd_request *request);
@@ -98,6 +138,19 @@ typedef struct kvd_usage {
     int64_t cached_tokens; /* prompt tokens served from the prefix cache */
 } kvd_usage;
 
+/* A token's log-probability (of the model's raw distribution) and the best alternatives at its position. */
+typedef struct kvd_top_logprob {
+    int32_t token_id;
+    double logprob;
+} kvd_top_logprob;
+
+typedef struct kvd_logprob {
+    int32_t token_id; /* -1 for the first prompt token, which has no log-probability (logprob is NAN) */
+    double logprob;
+    kvd_top_logprob *top_logprobs; /* best first */
+    size_t num_top_logprobs;
+} kvd_logprob;
+
 /* One increment of a streamed completion. The pointers are valid during the callback only. */
 typedef struct kvd_chunk {
     uint64_t request_id;
@@ -105,6 +158,7 @@ typedef struct kvd_chunk {
     size_t text_len;
     const int32_t *token_ids;
     size_t num_token_ids;
+    const kvd_logprob *logprobs; /* one per token id when the request set logprobs, else NULL */
     int is_final; /* the last increment */
 } kvd_chunk;
 
@@ -118,8 +172,16 @@ typedef struct kvd_result {
     size_t text_len;
     int32_t *token_ids;
     size_t num_token_ids;
-    char finish_reason[16]; /* "stop", "length" or "abort" */
+    char finish_reason[16]; /* "stop", "length", "tool_calls" or "abort" */
     kvd_usage usage;
+    kvd_logprob *logprobs; /* when the request set logprobs: one per token id (num_logprobs == num_token_ids) */
+    size_t num_logprobs;
+    kvd_logprob *prompt_logprobs; /* one per prompt token when the request set prompt_logprobs, else NULL */
+    size_t num_prompt_logprobs;
+    /* The calls the model made (a chat with tools); their text is not in `text`. The strings are owned by the
+     * result, and the array may be passed as an assistant message's tool_calls in the next request. */
+    kvd_tool_call *tool_calls;
+    size_t num_tool_calls;
     kvd_error error; /* when kvd_generate did not return KVD_OK */
 } kvd_result;
 
@@ -146,7 +208,8 @@ KVD_API kvd_status kvd_set_timeout(kvd_client *client, int timeout_ms);
  * increment as it is produced, in order, their concatenation being result->text; the last call has is_final
  * set (its increment may be empty). Returns KVD_OK when the generation ended (finish_reason says how, "abort"
  * included), or the error, described in result->error. On a timeout or a broken reply the request is aborted
- * in the daemon. */
+ * in the daemon. An invalid schema, regex, grammar or tool is the daemon's KVD_ERR_BAD_REQUEST, error.field
+ * naming it ("regex", "tools[0].function.parameters"). */
 KVD_API kvd_status kvd_generate(kvd_client *client, const kvd_request *request, kvd_chunk_fn on_chunk,
                                 void *user_data, kvd_result *result);
 
@@ -154,6 +217,34 @@ KVD_API kvd_status kvd_generate(kvd_client *client, const kvd_request *request, 
  * kvd_generate then returns with finish_reason "abort". Thread-safe and async-signal-safe: call it from
  * another thread, a signal handler or on_chunk. A request that is not in flight is left alone. */
 KVD_API kvd_status kvd_abort(kvd_client *client, uint64_t request_id);
+
+/* An embed request: set exactly one of texts and token_ids. Call kvd_embed_request_init first. */
+typedef struct kvd_embed_request {
+    const char *const *texts; /* num_inputs non-empty strings */
+    const int32_t *const *token_ids; /* or num_inputs arrays of token ids, of num_token_ids[i] ids each */
+    const size_t *num_token_ids;
+    size_t num_inputs; /* 1..256 */
+    int64_t dimensions; /* keep the first N components (re-normalised); KVD_UNSET: all (the hidden size) */
+    const char *cache_salt;
+} kvd_embed_request;
+
+KVD_API void kvd_embed_request_init(kvd_embed_request *request);
+
+/* Embedding vectors: num_vectors rows of `dimensions` floats, row-major (vector i is
+ * data + i * dimensions), each L2-normalised, in the order of the inputs. Release with kvd_embeddings_free. */
+typedef struct kvd_embeddings {
+    float *data;
+    size_t num_vectors;
+    size_t dimensions;
+    char pooling[16];      /* "mean" or "last" */
+    int64_t prompt_tokens; /* all inputs together */
+    kvd_error error;       /* when kvd_embed did not return KVD_OK */
+} kvd_embeddings;
+
+KVD_API void kvd_embeddings_free(kvd_embeddings *embeddings);
+
+/* Embed the inputs, blocking until the vectors arrive. Fills `embeddings` (also on failure: error). */
+KVD_API kvd_status kvd_embed(kvd_client *client, const kvd_embed_request *request, kvd_embeddings *embeddings);
 
 /* The daemon's health: "ready" or "draining", written to status. */
 KVD_API kvd_status kvd_health(kvd_client *client, char *status, size_t status_size, kvd_error *error);

@@ -65,15 +65,80 @@ static void put_strs(fields *f, const char *name, const char *const *strs, size_
     for (size_t i = 0; i < n; i++) pack_cstr(f, strs[i]);
 }
 
+static void pack_opt_cstr(fields *f, const char *s) {
+    if (s != NULL) pack_cstr(f, s);
+    else f->failed |= msgpack_pack_nil(&f->pk) != 0;
+}
+
+static void pack_tool_call(fields *f, const kvd_tool_call *call) {
+    f->failed |= msgpack_pack_map(&f->pk, 3) != 0;
+    pack_cstr(f, "id");
+    pack_cstr(f, call->id);
+    pack_cstr(f, "type");
+    pack_cstr(f, "function");
+    pack_cstr(f, "function");
+    f->failed |= msgpack_pack_map(&f->pk, 2) != 0;
+    pack_cstr(f, "name");
+    pack_cstr(f, call->name);
+    pack_cstr(f, "arguments");
+    pack_cstr(f, call->arguments);
+}
+
 static void put_messages(fields *f, const kvd_message *messages, size_t n) {
     key(f, "messages");
     f->failed |= msgpack_pack_array(&f->pk, n) != 0;
     for (size_t i = 0; i < n; i++) {
-        f->failed |= msgpack_pack_map(&f->pk, 2) != 0;
+        const kvd_message *m = &messages[i];
+        uint32_t count = 2 + (m->tool_calls != NULL) + (m->tool_call_id != NULL) + (m->name != NULL);
+        f->failed |= msgpack_pack_map(&f->pk, count) != 0;
         pack_cstr(f, "role");
-        pack_cstr(f, messages[i].role);
+        pack_cstr(f, m->role);
         pack_cstr(f, "content");
-        pack_cstr(f, messages[i].content);
+        pack_opt_cstr(f, m->content);
+        if (m->tool_calls != NULL) {
+            pack_cstr(f, "tool_calls");
+            f->failed |= msgpack_pack_array(&f->pk, m->num_tool_calls) != 0;
+            for (size_t j = 0; j < m->num_tool_calls; j++) pack_tool_call(f, &m->tool_calls[j]);
+        }
+        if (m->tool_call_id != NULL) {
+            pack_cstr(f, "tool_call_id");
+            pack_cstr(f, m->tool_call_id);
+        }
+        if (m->name != NULL) {
+            pack_cstr(f, "name");
+            pack_cstr(f, m->name);
+        }
+    }
+}
+
+static void put_logit_bias(fields *f, const kvd_logit_bias *bias, size_t n) {
+    key(f, "logit_bias");
+    f->failed |= msgpack_pack_map(&f->pk, n) != 0;
+    for (size_t i = 0; i < n; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "%d", (int)bias[i].token_id); /* the protocol's keys: ids in decimal */
+        pack_cstr(f, id);
+        f->failed |= msgpack_pack_double(&f->pk, bias[i].bias) != 0;
+    }
+}
+
+static void put_packed(fields *f, const char *name, const msgpack_sbuffer *value) {
+    key(f, name);
+    f->failed |= msgpack_sbuffer_write(&f->body, value->data, value->size) != 0;
+}
+
+static void put_tool_choice(fields *f, const kvd_request *r) {
+    if (r->tool_choice != NULL) {
+        put_str(f, "tool_choice", r->tool_choice);
+    } else if (r->tool_choice_function != NULL) {
+        key(f, "tool_choice");
+        f->failed |= msgpack_pack_map(&f->pk, 2) != 0;
+        pack_cstr(f, "type");
+        pack_cstr(f, "function");
+        pack_cstr(f, "function");
+        f->failed |= msgpack_pack_map(&f->pk, 1) != 0;
+        pack_cstr(f, "name");
+        pack_cstr(f, r->tool_choice_function);
     }
 }
 
@@ -93,7 +158,8 @@ static int finish(fields *f, msgpack_sbuffer *out) {
     return failed ? -1 : 0;
 }
 
-int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *r, int stream) {
+int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *r, int stream,
+                      const msgpack_sbuffer *tools) {
     fields f;
     fields_init(&f);
     put_header(&f, id, r->messages != NULL ? "chat" : "generate");
@@ -113,6 +179,38 @@ int kvd_pack_generate(msgpack_sbuffer *out, uint64_t id, const kvd_request *r, i
     if (!isnan(r->presence_penalty)) put_double(&f, "presence_penalty", r->presence_penalty);
     if (!isnan(r->frequency_penalty)) put_double(&f, "frequency_penalty", r->frequency_penalty);
     if (!isnan(r->repetition_penalty)) put_double(&f, "repetition_penalty", r->repetition_penalty);
+    if (r->cache_salt != NULL) put_str(&f, "cache_salt", r->cache_salt);
+    if (r->logit_bias != NULL) put_logit_bias(&f, r->logit_bias, r->num_logit_bias);
+    if (r->logprobs != KVD_UNSET) put_int(&f, "logprobs", r->logprobs);
+    if (r->prompt_logprobs != KVD_UNSET) put_int(&f, "prompt_logprobs", r->prompt_logprobs);
+    if (r->json_schema != NULL) put_str(&f, "json_schema", r->json_schema); /* JSON text: the protocol takes it */
+    if (r->json_object) put_true(&f, "json_object");
+    if (r->regex != NULL) put_str(&f, "regex", r->regex);
+    if (r->grammar != NULL) put_str(&f, "grammar", r->grammar);
+    if (tools != NULL) put_packed(&f, "tools", tools);
+    put_tool_choice(&f, r);
+    if (r->parallel_tool_calls >= 0) {
+        key(&f, "parallel_tool_calls");
+        f.failed |= (r->parallel_tool_calls ? msgpack_pack_true(&f.pk) : msgpack_pack_false(&f.pk)) != 0;
+    }
+    return finish(&f, out);
+}
+
+int kvd_pack_embed(msgpack_sbuffer *out, uint64_t id, const kvd_embed_request *r) {
+    fields f;
+    fields_init(&f);
+    put_header(&f, id, "embed");
+    key(&f, "input");
+    f.failed |= msgpack_pack_array(&f.pk, r->num_inputs) != 0;
+    for (size_t i = 0; i < r->num_inputs; i++) {
+        if (r->texts != NULL) {
+            pack_cstr(&f, r->texts[i]);
+            continue;
+        }
+        f.failed |= msgpack_pack_array(&f.pk, r->num_token_ids[i]) != 0;
+        for (size_t j = 0; j < r->num_token_ids[i]; j++) f.failed |= msgpack_pack_int32(&f.pk, r->token_ids[i][j]) != 0;
+    }
+    if (r->dimensions != KVD_UNSET) put_int(&f, "dimensions", r->dimensions);
     if (r->cache_salt != NULL) put_str(&f, "cache_salt", r->cache_salt);
     return finish(&f, out);
 }
@@ -179,6 +277,21 @@ int kvd_reply_is(const kvd_reply *reply, const char *type) {
 }
 
 const msgpack_object *kvd_reply_get(const kvd_reply *reply, const char *name) { return map_get(reply->map, name); }
+
+const msgpack_object *kvd_map_get(const msgpack_object *map, const char *name) {
+    return map != NULL && map->type == MSGPACK_OBJECT_MAP ? map_get(map, name) : NULL;
+}
+
+int kvd_object_number(const msgpack_object *o, double *value) {
+    if (o == NULL) return -1;
+    switch (o->type) {
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64: *value = o->via.f64; return 0;
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: *value = (double)o->via.u64; return 0;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: *value = (double)o->via.i64; return 0;
+    default: return -1;
+    }
+}
 
 kvd_status kvd_reply_str(const kvd_reply *reply, const char *name, const char **str, size_t *len,
                          kvd_error *error) {
