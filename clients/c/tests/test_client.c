@@ -2,7 +2,7 @@
  * tests/test_c_client.py to compare with the Python client.
  *
  *   test_client generate [-e ENDPOINT] [-T TIMEOUT_MS] (-p PROMPT | -i ID,ID,... | -m ROLE[=CONTENT]...)
- *                        [-n MAX_TOKENS] [-t TEMPERATURE] [-k TOP_K] [-x STOP] [-E] [-s] [-a CHUNKS]
+ *                        [-n MAX_TOKENS] [-t TEMPERATURE] [-k TOP_K] [-X SEED] [-x STOP] [-E] [-s] [-a CHUNKS]
  *                        [-J SCHEMA | -O | -r REGEX | -g GRAMMAR] [-b ID=BIAS]... [-L N] [-P N]
  *                        [-o TOOLS_JSON] [-c TOOL_CHOICE | -f FUNCTION] [-Q 0|1]
  *                        [-C TOOL_CALL_ID] [-N NAME] [-K ID=NAME=ARGUMENTS]...
@@ -174,7 +174,7 @@ int main(int argc, char **argv) {
     optind = 2;
     kvd_message *last = NULL;
     char *parts[3];
-    while ((opt = getopt(argc, argv, "e:T:p:i:m:n:t:k:x:Esa:J:Or:g:b:L:P:o:c:f:Q:C:N:K:w:I:d:")) != -1) {
+    while ((opt = getopt(argc, argv, "e:T:p:i:m:n:t:k:X:x:Esa:J:Or:g:b:L:P:o:c:f:Q:C:N:K:w:I:d:")) != -1) {
         switch (opt) {
         case 'e': endpoint = optarg; break;
         case 'T': timeout_ms = atoi(optarg); break;
@@ -244,6 +244,7 @@ int main(int argc, char **argv) {
         case 'n': request.max_tokens = strtoll(optarg, NULL, 10); break;
         case 't': request.temperature = strtod(optarg, NULL); break;
         case 'k': request.top_k = strtoll(optarg, NULL, 10); break;
+        case 'X': request.seed = strtoll(optarg, NULL, 10); break;
         case 'x':
             stop[0] = optarg;
             request.stop = stop;
