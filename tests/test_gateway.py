@@ -285,6 +285,10 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
     )
     with pytest.raises(openai.BadRequestError):
         oai.completions.create(model=model, prompt=PROMPT, temperature=500)
+    with pytest.raises(openai.BadRequestError):  # refused by the gateway's own validation
+        oai.completions.create(model=model, prompt=PROMPT, extra_body={"frobnicate": 1})
+    assert _get(daemon.base_url, "/no/such/route")[0] == 404
+    assert _get(daemon.base_url, "/v1/completions")[0] == 405
     after = _metrics(daemon)
 
     def delta(name: str, **labels: str) -> float:
@@ -294,6 +298,13 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
 
     assert delta("kvd_gateway_requests_total", endpoint="/v1/completions", outcome="success") == 1
     assert delta("kvd_gateway_requests_total", endpoint="/v1/completions", outcome="client_error") == 1
+    http = "kvd_gateway_http_requests_total"
+    assert delta(http, endpoint="/v1/completions", status="200") == 1
+    assert delta(http, endpoint="/v1/completions", status="400") == 2
+    assert delta(http, endpoint="/v1/completions", status="405") == 1
+    assert delta(http, endpoint="unmatched", status="404") == 1
+    assert delta(http, endpoint="/metrics", status="200") == 1  # the scrape before
+    assert not [k for k in after if k[0] == http and ("endpoint", "/no/such/route") in k[1]]
     assert delta("kvd_gateway_generation_tokens_total") == 5
     assert delta("kvd_gateway_prompt_tokens_total") == len(kvd.tokenize(PROMPT))
     assert delta("kvd_gateway_time_to_first_token_seconds_count") == 1

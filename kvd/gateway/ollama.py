@@ -185,7 +185,7 @@ def _loaded(model: str, content: dict) -> dict:
 
 
 @dataclass
-class _Shape:
+class ReplyShape:
     """Ollama's bodies for one generation: chat's `message` or generate's `response`, with timings."""
 
     model: str
@@ -261,7 +261,7 @@ def _logprob(lp: TokenLogprob, texts: TokenTexts) -> dict:
 async def _generate(request: Request, body: ChatRequest | GenerateRequest, op: str, job: Job) -> Response:
     gateway = gateway_of(request)
     endpoint = request.url.path
-    shape = _Shape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
+    shape = ReplyShape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
     try:
         streams = open_streams(gateway.client, op, [job])
         if body.stream:
@@ -296,7 +296,7 @@ async def _generate(request: Request, body: ChatRequest | GenerateRequest, op: s
 
 
 async def _lines(
-    gateway: Gateway, shape: _Shape, first: tuple, rest: AsyncIterator, endpoint: str
+    gateway: Gateway, shape: ReplyShape, first: tuple, rest: AsyncIterator, endpoint: str
 ) -> AsyncIterator[str]:
     outcome = "disconnected"  # unless the loop below ends
     try:
