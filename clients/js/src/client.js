@@ -68,13 +68,27 @@ export class Client {
     return new Stream(this, "generate", { ...promptFields(request), stream: true });
   }
 
-  /** The assistant's reply to `request.messages` ([{role, content}]); the daemon applies the chat template. */
+  /**
+   * The assistant's reply to `request.messages` ([{role, content}]); the daemon applies the chat template.
+   * With `tools` (the protocol's tool maps), the calls the model made are the reply's `tool_calls`; pass them
+   * back as an assistant message's `tool_calls`, and answer each with a `{role: "tool", tool_call_id, content}`.
+   */
   async chat(request) {
     return this.#complete("chat", fields(request));
   }
 
   streamChat(request) {
     return new Stream(this, "chat", { ...fields(request), stream: true });
+  }
+
+  /**
+   * Embedding vectors of `request.input`: a string, an array of strings, or an array of token-id arrays (a
+   * bare string or array is taken as the input). `{input, dimensions, cache_salt}`; returns
+   * `{embeddings, dimensions, pooling, usage}`, one L2-normalised array of numbers per input, in order.
+   */
+  async embed(request) {
+    const bare = typeof request === "string" || Array.isArray(request);
+    return this.#call("embed", bare ? { input: request } : fields(request));
   }
 
   /** Token ids of `{text}` as a prompt, or of `{messages}` with the chat template applied. */
@@ -331,6 +345,10 @@ function fields(request) {
     throw new TypeError("a request is an object with the protocol's fields, e.g. {prompt, max_tokens}");
   }
   const { stream: _stream, ...rest } = request; // generate and stream decide that
+  if (rest.logit_bias instanceof Map) {
+    // A Map may have number keys; the protocol's keys are token ids in decimal (an object's keys are already).
+    rest.logit_bias = Object.fromEntries([...rest.logit_bias].map(([token, bias]) => [String(token), bias]));
+  }
   return rest;
 }
 

@@ -44,8 +44,11 @@ export function toResult(reply) {
 }
 
 /**
- * One streamed increment: {id, text, token_ids, logprobs, finish_reason, usage}. The last chunk of a stream
- * has finish_reason ("stop", "length" or "abort") and usage set; the others have them null.
+ * One streamed increment: {id, text, token_ids, logprobs, finish_reason, usage, tool_calls, prompt_logprobs}.
+ * The last chunk of a stream has finish_reason ("stop", "length", "tool_calls" or "abort") and usage set; the
+ * others have them null. tool_calls (the protocol's [{id, type, function: {name, arguments}}], arguments as
+ * JSON text) and prompt_logprobs (one entry per prompt token, null for the first) come with the last chunk
+ * only, when they apply; they are null otherwise.
  */
 export function toChunk(reply) {
   checkError(reply);
@@ -63,10 +66,12 @@ export function toChunk(reply) {
     logprobs: reply.logprobs ?? null,
     finish_reason: final ? reply.finish_reason : null,
     usage: final ? reply.usage : null,
+    tool_calls: final ? (reply.tool_calls ?? null) : null,
+    prompt_logprobs: final ? (reply.prompt_logprobs ?? null) : null,
   };
 }
 
-/** A whole generation: {id, text, token_ids, logprobs, finish_reason, usage}. */
+/** A whole generation: {id, text, token_ids, logprobs, finish_reason, usage, tool_calls, prompt_logprobs}. */
 export function toCompletion(reply) {
   checkError(reply);
   if (reply.type !== "final") throw new ProtocolError(`expected a final reply, got '${reply.type}'`);

@@ -133,3 +133,190 @@ test("a program that never calls close() still exits", () => {
   assert.equal(child.status, 0, child.stderr);
   assert.equal(child.stdout.trim(), "2");
 });
+
+// Structured output, logit_bias, log-probabilities, tools and embed (the tiny model's weights are random, so
+// only what the constraints guarantee is checked).
+
+const WEATHER = {
+  type: "object",
+  properties: { city: { enum: ["Paris", "Oslo"] }, unit: { enum: ["c", "f"] } },
+  required: ["city", "unit"],
+  additionalProperties: false,
+};
+const TIME = { type: "object", properties: { zone: { enum: ["utc", "cet"] } }, required: ["zone"] };
+const TOOLS = [
+  { type: "function", function: { name: "get_weather", description: "Weather now", parameters: WEATHER } },
+  { type: "function", function: { name: "get_time", parameters: TIME } },
+];
+const ASK = [{ role: "user", content: "What is the weather in Paris?" }];
+
+/** Every call names one of `names` and its arguments hold exactly the schema's enum-valued properties. */
+function assertValidCalls(reply, names) {
+  assert.equal(reply.finish_reason, "tool_calls");
+  assert.equal(reply.text, "");
+  assert.ok(reply.tool_calls.length >= 1);
+  for (const call of reply.tool_calls) {
+    assert.ok(call.id.startsWith("call_") && call.type === "function", JSON.stringify(call));
+    assert.ok(names.includes(call.function.name), call.function.name);
+    const schema = call.function.name === "get_weather" ? WEATHER : TIME;
+    const args = JSON.parse(call.function.arguments);
+    for (const name of schema.required) {
+      assert.ok(schema.properties[name].enum.includes(args[name]), call.function.arguments);
+    }
+    for (const name of Object.keys(args)) assert.ok(name in schema.properties, call.function.arguments);
+  }
+}
+
+test("regex, json_schema, grammar and json_object constrain the output", async () => {
+  const schema = {
+    type: "object",
+    properties: { ok: { type: "boolean" }, color: { enum: ["red", "green", "blue"] } },
+    required: ["ok", "color"],
+    additionalProperties: false,
+  };
+  for (let seed = 0; seed < 3; seed++) {
+    const sampled = { temperature: 1, seed, max_tokens: 64 };
+    for (const input of [{ prompt: "Name a number:" }, { messages: ASK }]) {
+      const call = (request) => ("messages" in request ? client.chat(request) : client.generate(request));
+      const byRegex = await call({ ...input, ...sampled, regex: "[a-z]{2,6}-[0-9]{1,3}" });
+      assert.match(byRegex.text, /^[a-z]{2,6}-[0-9]{1,3}$/);
+      assert.equal(byRegex.finish_reason, "stop");
+      const bySchema = await call({ ...input, ...sampled, json_schema: schema });
+      assert.equal(bySchema.finish_reason, "stop");
+      const value = JSON.parse(bySchema.text);
+      assert.deepEqual(Object.keys(value).sort(), ["color", "ok"]);
+      assert.equal(typeof value.ok, "boolean");
+      assert.ok(schema.properties.color.enum.includes(value.color));
+      // The schema as JSON text, as the protocol also allows.
+      const byText = await call({ ...input, ...sampled, json_schema: JSON.stringify(schema) });
+      assert.equal(byText.text, bySchema.text);
+      const byGrammar = await call({ ...input, ...sampled, grammar: 'start: "yes" | "no"' });
+      assert.ok(["yes", "no"].includes(byGrammar.text) && byGrammar.finish_reason === "stop", byGrammar.text);
+    }
+  }
+  const chunks = await collect(client.stream({ prompt: "Hi", temperature: 0, max_tokens: 24, json_object: true }));
+  const text = chunks.map((c) => c.text).join("");
+  assert.ok(text.startsWith("{"), text);
+  if (chunks.at(-1).finish_reason === "stop") assert.equal(typeof JSON.parse(text), "object");
+});
+
+test("an invalid regex, schema or grammar is a bad_request naming the field", async () => {
+  const cases = [
+    [{ regex: "(unclosed" }, "regex"],
+    [{ json_schema: { type: "nope" } }, "json_schema"],
+    [{ json_schema: "{not json" }, "json_schema"],
+    [{ grammar: "start: ::" }, "grammar"],
+    [{ prompt_logprobs: 99 }, "prompt_logprobs"],
+  ];
+  for (const [bad, field] of cases) {
+    await assert.rejects(client.generate({ prompt: "Hi", ...bad }), assertDaemonError("bad_request", field));
+    const streamed = collect(client.stream({ prompt: "Hi", ...bad }));
+    await assert.rejects(streamed, assertDaemonError("bad_request", field));
+  }
+  const twoConstraints = { prompt: "Hi", regex: "a", grammar: 'start: "a"' };
+  const badRequest = (e) => e instanceof DaemonError && e.code === "bad_request" && e.field !== null;
+  await assert.rejects(client.generate(twoConstraints), badRequest);
+  assert.equal((await client.generate({ prompt: "Hi", ...GREEDY })).token_ids.length, 12); // still serving
+});
+
+test("logit_bias bans and forces tokens", async () => {
+  const request = { prompt: "The capital of France is", temperature: 0, max_tokens: 4, ignore_eos: true };
+  const plain = await client.generate(request);
+  const first = plain.token_ids[0];
+  const banned = await client.generate({ ...request, logit_bias: { [first]: -100 } });
+  assert.ok(!banned.token_ids.includes(first), JSON.stringify([plain.token_ids, banned.token_ids]));
+  const forced = await client.generate({ ...request, logit_bias: new Map([[504, 100]]) });
+  assert.deepEqual(forced.token_ids, [504, 504, 504, 504]);
+});
+
+test("logprobs and prompt_logprobs", async () => {
+  const promptIds = await client.tokenize("The capital of France is");
+  const request = { prompt: "The capital of France is", ...GREEDY, logprobs: 2, prompt_logprobs: 3 };
+  const whole = await client.generate(request);
+  assert.deepEqual(whole.logprobs.map((e) => e.token_id), whole.token_ids);
+  for (const entry of whole.logprobs) assert.equal(entry.top_logprobs[0][0], entry.token_id); // greedy
+  assert.equal(whole.prompt_logprobs.length, promptIds.length);
+  assert.equal(whole.prompt_logprobs[0], null);
+  assert.deepEqual(whole.prompt_logprobs.slice(1).map((e) => e.token_id), promptIds.slice(1));
+  const chunks = await collect(client.stream(request));
+  assert.deepEqual(chunks.flatMap((c) => c.logprobs), whole.logprobs);
+  assert.deepEqual(chunks.at(-1).prompt_logprobs, whole.prompt_logprobs);
+  assert.ok(chunks.slice(0, -1).every((c) => c.prompt_logprobs === null));
+});
+
+test("tool_choice required and a named function always give calls that parse", async () => {
+  for (let seed = 0; seed < 3; seed++) {
+    const request = { messages: ASK, tools: TOOLS, tool_choice: "required", temperature: 1, seed };
+    request.max_tokens = 200;
+    const whole = await client.chat(request);
+    assertValidCalls(whole, ["get_weather", "get_time"]);
+    const chunks = await collect(client.streamChat(request));
+    assert.equal(chunks.map((c) => c.text).join(""), "");
+    const functions = (calls) => calls.map((c) => c.function);
+    assert.deepEqual(functions(chunks.at(-1).tool_calls), functions(whole.tool_calls));
+  }
+  const named = await client.chat({
+    messages: ASK,
+    tools: TOOLS,
+    tool_choice: { type: "function", function: { name: "get_time" } },
+    parallel_tool_calls: false,
+    temperature: 0,
+    max_tokens: 120,
+  });
+  assertValidCalls(named, ["get_time"]);
+  assert.equal(named.tool_calls.length, 1);
+});
+
+test("a tool conversation: calls go back as an assistant turn, results as tool messages", async () => {
+  const greedy = { temperature: 0, max_tokens: 120 };
+  const first = await client.chat({ messages: ASK, tools: TOOLS, tool_choice: "required", ...greedy });
+  const call = first.tool_calls[0];
+  const history = [
+    ...ASK,
+    { role: "assistant", content: null, tool_calls: [call] },
+    { role: "tool", tool_call_id: call.id, content: '{"temp": 21}' },
+  ];
+  const rendered = await client.detokenize(await client.tokenize({ messages: history }));
+  assert.ok(rendered.includes(call.function.name) && rendered.includes('{"temp": 21}'), rendered);
+  const answer = { messages: history, tools: TOOLS, tool_choice: "none", ...greedy, max_tokens: 8 };
+  const reply = await client.chat(answer);
+  assert.ok(["stop", "length"].includes(reply.finish_reason));
+  assert.ok(!reply.tool_calls?.length, JSON.stringify(reply.tool_calls));
+  const unanswered = [...ASK, { role: "tool", tool_call_id: "call_x", content: "r" }];
+  await assert.rejects(
+    client.chat({ messages: unanswered, tools: TOOLS }),
+    assertDaemonError("bad_request", "messages[1].tool_call_id"),
+  );
+  const badParameters = { type: "object", properties: { a: { type: "nope" } } };
+  const badTool = { type: "function", function: { name: "f", parameters: badParameters } };
+  await assert.rejects(
+    client.chat({ messages: ASK, tools: [badTool] }),
+    assertDaemonError("bad_request", "tools[0].function.parameters"),
+  );
+});
+
+test("embed: normalised vectors per input, dimensions, token-id inputs, bad inputs", async () => {
+  const info = await client.info();
+  const texts = ["Hello world", "The capital of France is"];
+  const result = await client.embed({ input: texts });
+  assert.equal(result.embeddings.length, 2);
+  assert.equal(result.dimensions, info.hidden_size);
+  assert.equal(result.pooling, info.pooling);
+  assert.ok(result.usage.prompt_tokens > 0);
+  const norm = (v) => Math.sqrt(v.reduce((sum, x) => sum + x * x, 0));
+  for (const vector of result.embeddings) {
+    assert.equal(vector.length, info.hidden_size);
+    assert.ok(Math.abs(norm(vector) - 1) < 1e-4);
+  }
+  // One input alone gives the same vector: embeddings do not depend on what else runs.
+  const alone = await client.embed(texts[1]);
+  alone.embeddings[0].forEach((x, i) => assert.ok(Math.abs(x - result.embeddings[1][i]) < 1e-5));
+  const ids = await client.tokenize(texts[0]);
+  const short = await client.embed({ input: [ids], dimensions: 8 });
+  assert.equal(short.dimensions, 8);
+  assert.equal(short.embeddings[0].length, 8);
+  assert.ok(Math.abs(norm(short.embeddings[0]) - 1) < 1e-4);
+  await assert.rejects(client.embed(["ok", ""]), assertDaemonError("bad_request", "input[1]"));
+  const badDimensions = client.embed({ input: "a", dimensions: 0 });
+  await assert.rejects(badDimensions, assertDaemonError("bad_request", "dimensions"));
+});
