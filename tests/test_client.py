@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -399,6 +400,38 @@ def test_info_and_stats(client: Client):
     assert after["requests_total"] == stats["daemon"]["requests_total"] + 1
     assert after["requests_rejected"] == stats["daemon"]["requests_rejected"] + 1
     assert after["num_requests"] == 0
+
+
+def test_embed_tool_calls_and_prompt_logprobs(client: Client):
+    out = client.embed(["Hello world", "Bonjour"])
+    assert len(out.embeddings) == 2 and out.pooling in ("mean", "last") and out.prompt_tokens > 2
+    assert all(abs(sum(v * v for v in e) - 1) < 1e-4 and len(e) == out.dimensions for e in out.embeddings)
+    ids = client.tokenize("Hello world")
+    assert client.embed([ids]).embeddings[0] == pytest.approx(out.embeddings[0], abs=1e-5)
+    assert len(client.embed("Hello world", dimensions=8).embeddings[0]) == 8
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    params = dict(tools=[tool], tool_choice="required", parallel_tool_calls=False, max_tokens=60, seed=1)
+    reply = client.chat([{"role": "user", "content": "Weather?"}], **params)
+    (call,) = reply.tool_calls
+    assert reply.finish_reason == "tool_calls" and call.name == "weather" and call.id.startswith("call_")
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    *_, last = client.stream_chat([{"role": "user", "content": "Weather?"}], **params)
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [(call.name, call.arguments)]  # the same seed
+    scored = client.generate("Hello world", max_tokens=1, prompt_logprobs=2)
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    assert [lp.token_id for lp in scored.prompt_logprobs[1:]] == ids[1:]
+    assert all(len(lp.top_logprobs) == 2 for lp in scored.prompt_logprobs[1:])
 
 
 def test_async_client_runs_concurrent_requests(client: Client, daemon: DaemonProcess):
