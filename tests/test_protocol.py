@@ -39,6 +39,37 @@ def generate(**fields: object) -> dict:
     return {"v": 1, "id": 7, "op": "generate", "prompt": "Hello", **fields}
 
 
+def chat(**fields: object) -> dict:
+    return {"v": 1, "id": 1, "op": "chat", "messages": [{"role": "user", "content": "Hi"}]} | fields
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def test_structured_fields_tools_and_embed_parse():
+    message = parse(
+        generate(json_schema={"type": "object"}, logit_bias={"7": -100, "9": 2.5}, prompt_logprobs=2)
+    )
+    assert message.params.structured == ("json_schema", {"type": "object"})
+    assert message.params.logit_bias == {7: -100, 9: 2.5} and message.params.prompt_logprobs == 2
+    history = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    message = parse(chat(messages=history, tools=[TOOL], tool_choice="required", parallel_tool_calls=False))
+    assert [t.name for t in message.tools] == ["f"]
+    assert (message.tool_choice.mode, message.parallel_tool_calls) == ("required", False)
+    assert parse(chat()).tools is None and parse(chat()).tool_choice.mode == "none"
+    embed = parse({"v": 1, "id": 2, "op": "embed", "input": "one", "dimensions": 8})
+    assert (embed.inputs, embed.dimensions) == (["one"], 8)
+    assert parse({"v": 1, "id": 2, "op": "embed", "input": [3, 4]}).inputs == [[3, 4]]
+
+
 def test_generate_request_carries_prompt_params_and_options():
     req = parse(
         generate(max_tokens=5, temperature=0.0, stop="\n", stream=True, cache_salt="tenant-a", seed=3)
@@ -124,6 +155,48 @@ def test_other_ops_parse_to_their_requests():
             "messages[0]",
         ),
         ({"v": 1, "id": 1, "op": "chat", "messages": [{"role": 1, "content": "a"}]}, "messages[0].role"),
+        (generate(json_schema=5), "json_schema"),
+        (generate(regex=""), "regex"),
+        (generate(grammar=["start"]), "grammar"),
+        (generate(json_object="yes"), "json_object"),
+        (generate(regex="a", json_schema={"type": "object"}), "regex"),  # two structured fields
+        (generate(logit_bias=[1, 2]), "logit_bias"),
+        (generate(logit_bias={"abc": 1.0}), "logit_bias"),
+        (generate(logit_bias={"-1": 1.0}), "logit_bias"),
+        (generate(logit_bias={"5": 200}), "logit_bias"),
+        (generate(logit_bias={"5": "x"}), "logit_bias"),
+        (generate(prompt_logprobs=21), "prompt_logprobs"),
+        (generate(tools=[]), "tools"),  # tools belong to chat
+        (chat(tools="x"), "tools"),
+        (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
+            "tools[0].function.parameters",
+        ),
+        (chat(tool_choice="required"), "tool_choice"),  # without tools
+        (
+            chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+            "tool_choice.function.name",
+        ),
+        (chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+        (chat(tools=[TOOL], parallel_tool_calls="yes"), "parallel_tool_calls"),
+        (chat(tools=[TOOL], tool_choice="required", json_object=True), "tool_choice"),
+        (
+            chat(
+                messages=[
+                    {"role": "user", "content": "a"},
+                    {"role": "tool", "tool_call_id": "c1", "content": "r"},
+                ]
+            ),
+            "messages[1].tool_call_id",
+        ),
+        (chat(messages=[{"role": "user", "content": None}]), "messages[0].content"),
+        (chat(messages=[{"role": "user", "content": "a", "tool_call_id": 5}]), "messages[0].tool_call_id"),
+        ({"v": 1, "id": 1, "op": "embed"}, "input"),
+        ({"v": 1, "id": 1, "op": "embed", "input": ["a", 5]}, "input[1]"),
+        ({"v": 1, "id": 1, "op": "embed", "input": [[1, -1]]}, "input[0]"),
+        ({"v": 1, "id": 1, "op": "embed", "input": "a", "dimensions": True}, "dimensions"),
+        ({"v": 1, "id": 1, "op": "embed", "input": "a", "temperature": 0}, "temperature"),
         ({"v": 1, "id": 1, "op": "tokenize"}, "text"),
         ({"v": 1, "id": 1, "op": "detokenize", "token_ids": "abc"}, "token_ids"),
         ({"v": 1, "id": 1, "op": "abort"}, "target"),
