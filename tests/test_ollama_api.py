@@ -109,6 +109,18 @@ def test_sampling_options_reach_the_daemon(api: ollama.Client, kvd: Client, mode
     assert stop not in cut.message.content and cut.done_reason == "stop"
 
 
+def test_logprobs_in_ollamas_shape(api: ollama.Client, kvd: Client, model: str):
+    expected = kvd.chat(HI, temperature=0, max_tokens=8, logprobs=2)
+    got = api.chat(model=model, messages=HI, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert "".join(lp.token for lp in got.logprobs) == got.message.content
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in expected.logprobs])
+    assert all(len(lp.top_logprobs) == 2 for lp in got.logprobs)
+    parts = list(api.generate(model=model, prompt="Hi", options=GREEDY, logprobs=True, stream=True))
+    assert [lp.logprob for p in parts for lp in p.logprobs or []] == pytest.approx(
+        [lp.logprob for lp in expected.logprobs]
+    )
+
+
 def test_format_json_and_a_schema(api: ollama.Client, model: str):
     reply = api.chat(model=model, messages=HI, format="json", options={"temperature": 0, "num_predict": 200})
     assert isinstance(json.loads(reply.message.content), dict)
