@@ -67,7 +67,9 @@ def test_constrained_outputs_parse_and_validate(llm, schema, sampling):
 
 def test_schema_as_json_text(llm):
     text = json.dumps(SCHEMAS[0])
-    out = llm.generate("x", SamplingParams(max_tokens=200, temperature=0, json_schema=text), use_tqdm=False)[0]
+    out = llm.generate("x", SamplingParams(max_tokens=200, temperature=0, json_schema=text), use_tqdm=False)[
+        0
+    ]
     jsonschema.validate(json.loads(out.text), SCHEMAS[0])
 
 
