@@ -10,6 +10,7 @@ from kvd.settings import positive_int, setting
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_TCP = re.compile(r"^tcp://[^/:]+:\d+/?$")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # kvd.model.layers.selector's BACKEND_NAMES, spelt out: importing it would load torch for every command.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
@@ -98,6 +99,32 @@ class EngineArgs:
         choices=POOLINGS,
     )
 
+    # Tensor parallel (kvd.distributed; docs/architecture.md, "Tensor parallel").
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that each hold 1/N of every weight; the daemon is rank 0 and starts the others, unless "
+        "--distributed-init is given (%(default)s)",
+        aliases=("--world-size",),
+        type=positive_int,
+    )
+    rank: int = setting(
+        0, "this process's rank; 1..N-1 joins the daemon (rank 0) at --distributed-init instead of serving"
+    )
+    distributed_init: str | None = setting(
+        None,
+        "tcp://HOST:PORT where the ranks meet, rank 0 listening (default: a loopback port, the other ranks "
+        "started by the daemon)",
+    )
+    distributed_timeout: float = setting(
+        60.0,
+        "seconds a collective may wait on another rank before the group is declared failed (%(default)s)",
+    )
+    cpu_binding: str = setting(
+        "auto",
+        "CPU cores per rank: auto (a NUMA node each, else an even split), none, or lists like 0-15|16-31 "
+        "(%(default)s)",
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -134,3 +161,14 @@ class EngineArgs:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise EngineArgsError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise EngineArgsError(
+                f"rank must be in 0..{self.tensor_parallel_size - 1} (--world-size {self.tensor_parallel_size}), "
+                f"got {self.rank}"
+            )
+        if self.rank > 0 and self.distributed_init is None:
+            raise EngineArgsError("a rank other than 0 needs --distributed-init tcp://HOST:PORT of rank 0")
+        if self.distributed_init is not None and not _TCP.match(self.distributed_init):
+            raise EngineArgsError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
+        if self.distributed_timeout <= 0:
+            raise EngineArgsError(f"distributed_timeout must be positive, got {self.distributed_timeout}")

@@ -6,10 +6,13 @@ import logging
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
 
+from kvd.distributed.group import fingerprint, weight_bytes
+from kvd.distributed.shard import WHOLE
 from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs
@@ -29,6 +32,9 @@ from kvd.kernels.native_build import native_isa
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.selector import resolve_block_size
 from kvd.model.llama import CausalLM
+
+if TYPE_CHECKING:
+    from kvd.distributed.launch import TensorParallel
 from kvd.model.loader import load_model
 
 logger = logging.getLogger("kvd.engine")
@@ -68,6 +74,15 @@ class LLMEngine:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         self.device = torch.device(args.device)
+        # Tensor parallel: the other ranks start (or are met) first, so that every rank loads its shard at once.
+        self.tp = _start_tensor_parallel(args)
+        try:
+            self._start(args)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, args: EngineArgs) -> None:
         baseline = DeviceMemory.read(self.device) if self.device.type == "cuda" else None
         loaded = load_model(
             args.model,
@@ -76,6 +91,7 @@ class LLMEngine:
             attention_backend=args.attention_backend,
             quantization=args.quantization,
             batch_invariant=args.batch_invariant,
+            shard=self.tp.shard if self.tp else WHOLE,
         )
         self.attention_backend = loaded.model.attention_backend.name
         # Unset, the block size is the backend's default (flash-attn reads 256-token pages).
@@ -100,9 +116,20 @@ class LLMEngine:
         self.max_model_len = min(self.config.cap_max_model_len(args.max_model_len), pool_tokens)
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.weight_bytes = weight_bytes(loaded.model)
+        if self.tp:
+            self.tp.finish_startup(
+                {
+                    "num_blocks": self.num_blocks,
+                    "block_size": args.block_size,
+                    "max_model_len": self.max_model_len,
+                    "max_num_seqs": args.max_num_seqs,
+                    "fingerprint": fingerprint(loaded.model, self.dtype, self.quantization, self.config),
+                }
+            )
         self.runner = ModelRunner(
             loaded.model,
-            self.config,
+            loaded.model.config,  # this rank's slice: its KV heads in its pool
             self.num_blocks,
             args.block_size,
             self.dtype,
@@ -110,6 +137,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
             enforce_eager=args.enforce_eager,
+            channel=self.tp.channel if self.tp else None,
         )
         self.metrics = EngineMetrics()
         self.requests: dict[Hashable, EngineRequest] = {}
@@ -119,7 +147,9 @@ class LLMEngine:
             self.num_blocks,
             args.block_size,
             pool_tokens,
-            self.num_blocks * kv_cache_bytes_per_block(self.config, args.block_size, self.dtype) / 2**20,
+            self.num_blocks
+            * kv_cache_bytes_per_block(loaded.model.config, args.block_size, self.dtype)
+            / 2**20,
             self.dtype,
             self.max_model_len,
             self.attention_backend,
@@ -127,8 +157,14 @@ class LLMEngine:
 
     def _pool_blocks(self, model: CausalLM, baseline: DeviceMemory | None) -> int:
         args = self.args
-        per_block = kv_cache_bytes_per_block(self.config, args.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(model.config, args.block_size, self.dtype)
         budget = args.kv_cache_memory
+        if budget is None and self.tp and baseline is not None:
+            raise RequestRejectedError(
+                "tensor parallel on CUDA needs --kv-cache-memory (the pool of each rank): the profiling pass "
+                "runs on one rank only",
+                "kv_cache_memory",
+            )
         if budget is None and baseline is not None:
             budget = profile_kv_cache_budget(
                 model,
@@ -140,7 +176,10 @@ class LLMEngine:
                 baseline,
             )
         elif budget is None:
-            budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction)
+            # The ranks of one host share its memory: each takes its part of the fraction.
+            budget = int(
+                _available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size
+            )
         num_blocks = budget // per_block
         if num_blocks < 2:
             raise RequestRejectedError(
@@ -241,6 +280,17 @@ class LLMEngine:
         vocab = self.config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise RequestRejectedError(f"prompt token ids must lie in [0, {vocab})")
+
+    def check_workers(self) -> None:
+        """Raise TensorParallelError if another rank died or stopped answering; a no-op without them."""
+        if self.tp:
+            self.tp.check()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op without them); the engine cannot step afterwards."""
+        tp, self.tp = getattr(self, "tp", None), None
+        if tp:
+            tp.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -429,7 +479,18 @@ class LLMEngine:
                 "format": self.tool_template.format.value,
                 "template": "model" if self.tool_template.native else "kvd",
             },
+            "threads": torch.get_num_threads(),
+            "weight_bytes": self.weight_bytes,
+            "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }
+
+
+def _start_tensor_parallel(args: EngineArgs) -> TensorParallel | None:
+    if args.tensor_parallel_size == 1:
+        return None
+    from kvd.distributed.launch import TensorParallel
+
+    return TensorParallel.start(args)
 
 
 def _eos_token_ids(config: object, tokenizer: object) -> set[int]:

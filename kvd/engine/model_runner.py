@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from kvd.distributed.step import Command, StepChannel, StepInputs
 from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
 from kvd.model.compile import compile_hot_paths
@@ -20,7 +23,11 @@ class MaxModelLenError(ValueError):
 
 class ModelRunner:
     """Owns the KV pool (num_blocks for the block manager, then one null block that CUDA-graph padding rows
-    read) and, on CUDA, the compiled hot paths and the decode graphs."""
+    read) and, on CUDA, the compiled hot paths and the decode graphs.
+
+    With tensor parallelism every rank has one, over its shard and its own pool: rank 0's sends each step and
+    each logits projection through `channel` to the others, whose loop (kvd.distributed.worker) calls
+    `execute` and `logits` with what it receives."""
 
     def __init__(
         self,
@@ -33,6 +40,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         enforce_eager: bool,
+        channel: StepChannel | None = None,
     ) -> None:
         if max_model_len > config.max_position_embeddings:
             raise MaxModelLenError(
@@ -42,13 +50,15 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.channel = channel
         self.null_block = num_blocks
         self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device)
         model.bind_kv_cache(self.kv_caches)
         self.graphs: DecodeGraphRunner | None = None
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
         self.num_eager_steps = 0
-        if device.type == "cuda" and not enforce_eager:
+        # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here.
+        if device.type == "cuda" and not enforce_eager and not model.shard.sharded:
             compile_hot_paths(model)
             if isinstance(model.attention_backend, GraphDecodeBackend):
                 self.graphs = DecodeGraphRunner(
@@ -62,41 +72,54 @@ class ModelRunner:
 
         A decode step replayed from a CUDA graph gives one row per chunk; an eager step one row per token."""
         input_ids: list[int] = []
-        positions: list[int] = []
         starts: list[int] = []
         for chunk in chunks:
             start = chunk.seq.num_computed_tokens
-            end = start + chunk.num_new_tokens
             starts.append(len(input_ids))
-            input_ids.extend(chunk.seq.token_ids[start:end])
-            positions.extend(range(start, end))
-        block_tables = [c.seq.block_table for c in chunks]
-        context_lens = [c.seq.num_computed_tokens + c.num_new_tokens for c in chunks]
+            input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_new_tokens])
+        inputs = StepInputs(
+            input_ids,
+            query_lens=[c.num_new_tokens for c in chunks],
+            context_lens=[c.seq.num_computed_tokens + c.num_new_tokens for c in chunks],
+            block_tables=[c.seq.block_table for c in chunks],
+        )
         if self._replays(chunks):
             self.num_graph_steps += 1
-            return self.graphs.run(input_ids, block_tables, context_lens), starts
+            return self.graphs.run(input_ids, inputs.block_tables, inputs.context_lens), starts
         self.num_eager_steps += 1
+        with self._command(Command.STEP, lambda: inputs.encode(self.block_size)):
+            return self.execute(inputs), starts
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over one step's inputs, eagerly: the final hidden states, one row per token."""
         attn = build_attention_metadata(
-            block_tables=block_tables,
-            context_lens=context_lens,
-            query_lens=[c.num_new_tokens for c in chunks],
+            block_tables=inputs.block_tables,
+            context_lens=inputs.context_lens,
+            query_lens=inputs.query_lens,
             block_size=self.block_size,
             device=self.device,
             backend=self.model.attention_backend,
         )
-        hidden = self.model(
-            host_to_device(input_ids, torch.long, self.device),
-            host_to_device(positions, torch.long, self.device),
+        return self.model(
+            host_to_device(inputs.input_ids, torch.long, self.device),
+            host_to_device(inputs.positions, torch.long, self.device),
             attn,
         )
-        return hidden, starts
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """float32 logits of the given rows of `hidden`."""
         if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[host_to_device(rows, torch.long, self.device)])
+        with self._command(Command.LOGITS, lambda: rows):
+            return self.model.compute_logits(hidden[host_to_device(rows, torch.long, self.device)])
+
+    def _command(self, command: Command, payload) -> contextlib.AbstractContextManager:
+        """Rank 0: send the command to the other ranks (payload built only then); alone: nothing to send."""
+        if self.channel is None:
+            return contextlib.nullcontext()
+        return self.channel.command(command, payload())
 
     def _replays(self, chunks: list[ScheduledChunk]) -> bool:
         """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvd.distributed.comm import all_reduce, gather_vocab
+from kvd.distributed.shard import WHOLE, Shard, shard_config
 from kvd.model.config import ModelConfig
 from kvd.model.layers.activation import silu_and_mul
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -35,8 +37,12 @@ class KVCacheNotBoundError(RuntimeError):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    """With tensor parallelism: this rank's heads and KV heads (config is the rank's slice); o is
+    row-parallel, so its partial sums are all-reduced."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -59,27 +65,28 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        return all_reduce(self.o_proj(out.reshape(tokens, -1)), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
+        self.shard = shard
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(*self.gate_up_proj.forward_shards(x)))
+        return all_reduce(self.down_proj(silu_and_mul(*self.gate_up_proj.forward_shards(x))), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, backend)
+        self.self_attn = SelfAttention(config, backend, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
     def forward(
         self,
@@ -96,21 +103,33 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, vocab_start: int
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, shard, vocab_start)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, shard) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids [T], positions [T], attn) -> hidden [T, H]; compute_logits on the rows to sample."""
+    """forward(input_ids [T], positions [T], attn) -> hidden [T, H]; compute_logits on the rows to sample.
 
-    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None) -> None:
+    With a sharded `shard` (tensor parallel), `config` is the whole model's and `self.config` this rank's
+    slice (kvd.distributed.shard): its heads, KV heads, MLP columns and vocabulary rows."""
+
+    def __init__(
+        self, config: ModelConfig, attention_backend: AttentionBackend | None = None, shard: Shard = WHOLE
+    ) -> None:
         super().__init__()
+        self.shard = shard
+        self.vocab_size = config.vocab_size
+        config = shard_config(config, shard)
         self.config = config
         self.attention_backend = attention_backend or TorchAttentionBackend()
-        self.model = DecoderModel(config, self.attention_backend)
+        self.model = DecoderModel(config, self.attention_backend, shard, shard.vocab_start(self.vocab_size))
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
         )
@@ -139,7 +158,8 @@ class CausalLM(nn.Module):
 
     def _decoder_for(self, hidden: torch.Tensor, attn: AttentionMetadata) -> NativeDecoder | None:
         """The native layer loop when it can run this step (kvd.model.native_decode), else None."""
-        if self._native_decoder is False or not NativeDecoder.decodes(hidden, attn):
+        # The native loop runs every layer in one C call: no place for the all-reduces between them.
+        if self.shard.sharded or self._native_decoder is False or not NativeDecoder.decodes(hidden, attn):
             return None
         if self._native_decoder is None or not self._native_decoder.valid_for(self):
             self._native_decoder = NativeDecoder(self) if NativeDecoder.applies(self) else False
@@ -147,12 +167,17 @@ class CausalLM(nn.Module):
         return decoder if decoder and decoder.takes(hidden) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled)."""
+        """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled).
+
+        Sharded: each rank projects onto its vocabulary rows and rank 0 gathers them (the others get their own
+        slice back); every logit is one rank's whole dot product, so the values are TP=1's bits."""
         if self.output_proj is not None:
-            return self.output_proj(hidden).float()
-        if self.lm_head is None:
-            return self.model.embed_tokens.as_output(hidden).float()
-        return self.lm_head(hidden).float()
+            local = self.output_proj(hidden)
+        elif self.lm_head is None:
+            local = self.model.embed_tokens.as_output(hidden)
+        else:
+            local = self.lm_head(hidden)
+        return gather_vocab(local.float(), self.shard, self.vocab_size)
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""

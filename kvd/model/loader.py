@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from kvd.distributed.shard import WHOLE, Shard, shard_tensor
 from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
@@ -100,6 +101,7 @@ def load_model(
     attention_backend: AttentionBackend | str | None = None,
     quantization: str = "none",
     batch_invariant: bool = True,
+    shard: Shard = WHOLE,
 ) -> LoadedModel:
     """Load weights, config and tokenizer without building a transformers model.
 
@@ -110,6 +112,8 @@ def load_model(
     `quantization`: none | int8 | int4 | auto (on CPU, what a GGUF file holds): the decoder layers' weights stay
     quantized in memory and run through kvd's native CPU kernels, else torch's (kvd.model.layers.quantized_linear).
     `batch_invariant`: every kernel rounds a row the same whatever else shares its step (kvd.model.batch_invariance).
+    `shard`: this tensor-parallel rank's slice (kvd.distributed.shard); only that slice is ever allocated, each
+    checkpoint tensor is read whole and cut. The returned config is the whole model's.
     """
     device = check_device(device)
     path = resolve_model_path(model)
@@ -126,10 +130,10 @@ def load_model(
         )
     tokenizer = checkpoint.load_tokenizer()
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
-    causal_lm = build_causal_lm(config, attention_backend, run_dtype, device)
+    causal_lm = build_causal_lm(config, attention_backend, run_dtype, device, shard)
     causal_lm.load_weights(  # casts to the parameters' dtype
         tqdm(
-            checkpoint.weights(),
+            ((n, shard_tensor(n, t, shard)) for n, t in checkpoint.weights()),
             total=checkpoint.num_tensors,
             desc=f"Loading {name}",
             unit="tensor",
@@ -167,12 +171,13 @@ def build_causal_lm(
     attention_backend: AttentionBackend | None,
     dtype: torch.dtype,
     device: torch.device,
+    shard: Shard = WHOLE,
 ) -> CausalLM:
     """The model with uninitialized parameters created in `dtype` on `device`: peak memory is the run
     dtype's, never float32's. Only the rotary tables are computed in float32 (their code asks for it), then
     rounded to `dtype` as transformers rounds its cos/sin."""
     with torch.device(device), _default_dtype(dtype):
-        causal_lm = CausalLM(config, attention_backend)
+        causal_lm = CausalLM(config, attention_backend, shard)
     return causal_lm.to(dtype)  # casts the float32 buffers; the parameters are already in dtype
 
 

@@ -8,6 +8,7 @@ import time
 
 import zmq
 
+from kvd.distributed.comm import TensorParallelError
 from kvd.engine.llm_engine import LLMEngine
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
@@ -59,6 +60,8 @@ class Daemon:
         self.notifier = notifier or Notifier({})
         self.drain_deadline: float | None = None
         self.stop_now = False
+        # Set when another tensor-parallel rank died or hung: every request failed, the loop ends, serve exits.
+        self.failure: TensorParallelError | None = None
         self._last_status = (0.0, "")
 
     def run(self) -> None:
@@ -71,7 +74,7 @@ class Daemon:
         try:
             with signal_wakeup() as wakeup:
                 poller.register(wakeup, zmq.POLLIN)
-                while not self._done():
+                while not self._done() and self.failure is None:
                     for item, _ in poller.poll(self._poll_timeout_ms()):
                         if item is self.socket:
                             self._receive()
@@ -82,6 +85,7 @@ class Daemon:
                     self.admission.admit()
                     if self.engine.has_unfinished():
                         self._step()
+                    self._check_workers()
                     self.router.outbox.service()
                     self._tell_manager()
             self._flush_before_close()
@@ -158,11 +162,28 @@ class Daemon:
     def _step(self) -> None:
         try:
             step = self.engine.step()
+        except TensorParallelError as e:
+            self._fail_group(e)
+            return
         except Exception:
             logger.exception("engine step failed; failing every request in flight")
             self.aborts.fail_all()
             return
         self.router.route(step)
+
+    def _check_workers(self) -> None:
+        """A rank that died while the engine was idle fails the daemon as one that dies in a step does."""
+        try:
+            self.engine.check_workers()
+        except TensorParallelError as e:
+            self._fail_group(e)
+
+    def _fail_group(self, error: TensorParallelError) -> None:
+        if self.failure is not None:
+            return
+        logger.error("tensor-parallel group failed: %s; failing every request in flight and exiting", error)
+        self.failure = error
+        self.aborts.fail_all()
 
     def _flush_before_close(self) -> None:
         outbox = self.router.outbox

@@ -18,7 +18,7 @@ from kvd.gateway.server import check_port_free, parse_http_address, spawn_gatewa
 from kvd.server.config import ServerConfig
 from kvd.server.listener import check_endpoint, close_socket, open_publisher, open_router
 from kvd.server.systemd import Notifier
-from kvd_client.endpoint import parse_endpoint, resolve_endpoint
+from kvd_client.endpoint import Endpoint, parse_endpoint, resolve_endpoint
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
@@ -64,7 +64,17 @@ def warm_up(engine: LLMEngine) -> float:
     return time.perf_counter() - started
 
 
+# The exit status of a daemon whose tensor-parallel group failed (a rank died or hung): not 0, so that
+# systemd's Restart=on-failure starts it again.
+EXIT_GROUP_FAILED = 3
+
+
 def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
+    if engine_args.rank > 0:
+        # Another host's rank: no socket, no engine; it runs rank 0's steps until rank 0 stops it.
+        from kvd.distributed.worker import run_worker
+
+        raise SystemExit(run_worker(engine_args))
     endpoint = resolve_endpoint(config.listen)
     check_endpoint(endpoint, config)
     events_endpoint = parse_endpoint(config.events) if config.events else None
@@ -76,11 +86,26 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         logger.warning("listening beyond loopback: requests are neither authenticated nor encrypted")
     # Imported only now: a misconfigured daemon fails in a fraction of a second, before torch loads.
     from kvd.engine.llm_engine import LLMEngine
-    from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
 
     notifier = Notifier()
     with extending_start_timeout(notifier):
         engine = LLMEngine(engine_args)
+    try:
+        _serve_engine(engine, endpoint, events_endpoint, config, notifier)
+    finally:
+        engine.close()  # stops the other tensor-parallel ranks
+
+
+def _serve_engine(
+    engine: LLMEngine,
+    endpoint: Endpoint,
+    events_endpoint: Endpoint | None,
+    config: ServerConfig,
+    notifier: Notifier,
+) -> None:
+    from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
+
+    with extending_start_timeout(notifier):
         warm_up_s = warm_up(engine)
     context = zmq.Context()
     sock = open_router(context, endpoint, config)
@@ -116,4 +141,9 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         if event_sock is not None:
             close_socket(event_sock, events_endpoint, linger_ms=0)
         context.term()
+    if daemon.failure is not None:
+        logger.error(
+            "exiting with %d: the tensor-parallel group failed (%s)", EXIT_GROUP_FAILED, daemon.failure
+        )
+        raise SystemExit(EXIT_GROUP_FAILED)
     logger.info("stopped")

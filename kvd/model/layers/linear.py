@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvd.distributed.comm import all_reduce
+from kvd.distributed.shard import WHOLE, Shard
 from kvd.kernels import cpu_native
 
 # Rows up to which kvd's native float32 kernel (weights streamed once for all rows) beats torch's matmul on the
@@ -91,16 +93,28 @@ class Linear(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding table [vocab, hidden]; tied models reuse it as the output projection."""
+    """Token embedding table [vocab, hidden]; tied models reuse it as the output projection.
+
+    Vocab-parallel under tensor parallelism: this rank holds rows [vocab_start, vocab_start + num_embeddings),
+    looks up the ids that fall there, zeros the others and all-reduces (x + 0 is exact: TP=1's values)."""
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, shard: Shard = WHOLE, vocab_start: int = 0
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.shard = shard
+        self.vocab_start = vocab_start
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if not self.shard.sharded:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(rows.masked_fill_(outside[:, None], 0.0), self.shard)
 
     def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table^T: the output projection of a model with tied embeddings."""

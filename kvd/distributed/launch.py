@@ -1,0 +1,156 @@
+"""Rank 0's side of the group: start the local workers, meet every rank, hold the step channel, stop them."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from kvd.distributed import group
+from kvd.distributed.comm import TensorParallelError
+from kvd.distributed.cpu_binding import rank_cpus
+from kvd.distributed.group import DistributedStartupError
+from kvd.distributed.shard import Shard
+from kvd.distributed.step import StepChannel
+
+logger = logging.getLogger("kvd.distributed")
+
+STOP_WAIT_S = 10.0  # how long a worker gets to leave after STOP before it is killed
+
+
+def _die_with_parent() -> None:
+    """In a spawned worker: SIGKILL when the daemon dies, whatever killed it (Linux prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+
+
+@dataclass
+class TensorParallel:
+    """The group as rank 0 holds it. Started before rank 0 loads its shard, so every rank loads at once."""
+
+    args: object  # the EngineArgs every rank runs with
+    store: dist.TCPStore
+    cpus: str | None
+    workers: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> process, when started here
+    channel: StepChannel | None = None
+    ranks: list[dict] = field(default_factory=list)  # what each rank reported: cores, threads, weight bytes
+
+    @property
+    def shard(self) -> Shard:
+        return Shard(0, self.args.tensor_parallel_size)
+
+    @classmethod
+    def start(cls, args: object) -> TensorParallel:
+        """Without --distributed-init, rank 0 picks a loopback port and starts ranks 1..N-1 here; with it, the
+        other ranks are started by hand (other hosts), and join at that address."""
+        world = args.tensor_parallel_size
+        spawn = args.distributed_init is None
+        init = args.distributed_init or f"tcp://127.0.0.1:{group.free_loopback_port()}"
+        # Every local rank's cores are chosen here, before rank 0 binds itself (its workers inherit that).
+        placement = [
+            rank_cpus(args.cpu_binding, i, world if spawn else 1) for i in range(world if spawn else 1)
+        ]
+        cpus = group.place_rank(placement[0], args.num_threads)
+        store = group.open_store(init, 0)
+        tp = cls(dataclasses.replace(args, distributed_init=init), store, cpus)
+        try:
+            if spawn:
+                for rank in range(1, world):
+                    tp.workers[rank] = _spawn(tp.args, rank, placement[rank])
+            tp._meet()
+        except BaseException:
+            tp.close()
+            raise
+        return tp
+
+    def _meet(self) -> None:
+        world = self.shard.world_size
+        group.put(self.store, "hello/0", {"world_size": world})
+        for rank in range(1, world):
+            hello = group.get(self.store, f"hello/{rank}", self._check_started)
+            if hello["world_size"] != world:
+                self.fail_startup(
+                    f"rank {rank} was started with --world-size {hello['world_size']}, rank 0 with {world}"
+                )
+        logger.info("tensor parallel: %d ranks met at %s", world, self.args.distributed_init)
+
+    def finish_startup(self, plan: dict) -> None:
+        """Give the workers the plan (KV pool, block size, the model's fingerprint), wait until each has
+        loaded its shard and checked it, then form the process group."""
+        group.put(self.store, "plan", plan)
+        for rank in range(1, self.shard.world_size):
+            ready = group.get(self.store, f"ready/{rank}", self._check_started)
+            if "error" in ready:
+                self.fail_startup(ready["error"])
+            self.ranks.append(ready)
+        device = group.rank_device(self.args.device, 0)
+        group.init_group(self.store, self.shard, device, self.args.distributed_timeout)
+        self.channel = StepChannel(device, self.args.distributed_timeout)
+
+    def fail_startup(self, message: str) -> None:
+        """Tell the workers the startup failed (they exit with the same line), then raise it here."""
+        group.put(self.store, "plan", {"error": message})
+        raise DistributedStartupError(message)
+
+    def _check_started(self) -> None:
+        for rank, proc in self.workers.items():
+            if proc.poll() is not None:
+                raise DistributedStartupError(
+                    f"rank {rank} exited with code {proc.returncode} while starting; its error is above"
+                )
+
+    def check(self) -> None:
+        """Raise TensorParallelError if a worker died or a collective (a step, a heartbeat) failed."""
+        for rank, proc in self.workers.items():
+            if proc.poll() is not None:
+                raise TensorParallelError(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}")
+        if self.channel is not None:
+            self.channel.check()
+
+    def info(self, threads: int, weight_bytes: int) -> dict:
+        rank0 = {"rank": 0, "cpus": self.cpus, "threads": threads, "weight_bytes": weight_bytes}
+        return {
+            "size": self.shard.world_size,
+            "backend": "nccl" if torch.device(self.args.device).type == "cuda" else "gloo",
+            "init": self.args.distributed_init,
+            "ranks": [rank0, *self.ranks],
+        }
+
+    def close(self) -> None:
+        """Stop every rank: STOP through the channel, then SIGKILL for a worker still there after STOP_WAIT_S."""
+        failed = self.channel is not None and self.channel.failure is not None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        for proc in self.workers.values():
+            if failed or proc.poll() is not None:
+                # The group is broken: the survivors may wait in a collective that will never complete.
+                proc.kill()
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.workers.clear()
+        if not failed:
+            group.close_group()
+
+
+def _spawn(args: object, rank: int, cpus: list[int] | None) -> subprocess.Popen:
+    spec = {
+        "args": dataclasses.asdict(dataclasses.replace(args, rank=rank)),
+        "local_index": rank,
+        "cpus": cpus,
+    }
+    cmd = [sys.executable, "-m", "kvd.distributed.worker", json.dumps(spec)]
+    # stdout and stderr are the daemon's: the workers' lines land in its log, marked with their rank.
+    return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=os.environ.copy())

@@ -1,0 +1,150 @@
+"""What crosses from rank 0 to the other ranks each step: a command and its integers, in one broadcast.
+
+A step is sent as its token ids, query and context lengths and block tables (positions and slot mapping follow
+from them), so every rank builds the same attention metadata for its own pool. The broadcast buffer holds
+HEADER_INTS integers; a larger command (a long prefill) sends the rest in a second broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import torch.distributed as dist
+
+from kvd.distributed.comm import TensorParallelError
+
+logger = logging.getLogger("kvd.distributed")
+
+HEADER_INTS = 2048  # 16 KiB: a decode step of up to a few hundred sequences fits in one broadcast
+
+
+class Command(IntEnum):
+    STEP = 1  # run the model on StepInputs, keep the hidden states
+    LOGITS = 2  # project the given rows of the kept hidden states, gather to rank 0
+    PING = 3  # nothing: keeps an idle group's collectives inside their timeout
+    STOP = 4  # leave the loop and exit
+
+
+@dataclass
+class StepInputs:
+    """One flat varlen batch: sequence s computes query_lens[s] tokens ending at context_lens[s]."""
+
+    input_ids: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for q, c in zip(self.query_lens, self.context_lens, strict=True) for p in range(c - q, c)]
+
+    def encode(self, block_size: int) -> list[int]:
+        """[S, then per sequence: query, context, blocks, its blocks..., then the token ids]."""
+        out = [len(self.query_lens)]
+        for q, c, table in zip(self.query_lens, self.context_lens, self.block_tables, strict=True):
+            used = table[: -(-c // block_size)]  # only the blocks the context covers
+            out += [q, c, len(used), *used]
+        return out + self.input_ids
+
+    @classmethod
+    def decode(cls, ints: list[int]) -> StepInputs:
+        num_seqs, i = ints[0], 1
+        queries, contexts, tables = [], [], []
+        for _ in range(num_seqs):
+            q, c, n = ints[i : i + 3]
+            queries.append(q)
+            contexts.append(c)
+            tables.append(ints[i + 3 : i + 3 + n])
+            i += 3 + n
+        return cls(ints[i:], queries, contexts, tables)
+
+
+def _broadcast(ints: torch.Tensor, device: torch.device) -> torch.Tensor:
+    on_device = ints.to(device) if device.type == "cuda" else ints  # NCCL moves device tensors only
+    try:
+        dist.broadcast(on_device, src=0)
+    except RuntimeError as e:
+        raise TensorParallelError(f"step broadcast failed: {e}") from e
+    return on_device.cpu()
+
+
+class StepChannel:
+    """Rank 0's end. Each command holds a lock from its broadcast until the collectives it starts are done,
+    so the heartbeat thread's PING can only fall between commands, where every worker waits for the next."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device = device
+        self.failure: TensorParallelError | None = None
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._interval = max(0.5, timeout_s / 4)
+        self._closed = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="kvd-tp-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    @contextlib.contextmanager
+    def command(self, command: Command, payload: list[int] = ()) -> Iterator[None]:
+        """Send the command, then run the body (rank 0's part of it) under the lock."""
+        with self._lock:
+            self.check()
+            try:
+                self._send(command, list(payload))
+                yield
+            except TensorParallelError as e:
+                self.failure = e
+                raise
+
+    def check(self) -> None:
+        """Raise the failure the channel saw (in a step or a heartbeat), if any."""
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Tell the workers to exit (unless the group already failed) and stop the heartbeat."""
+        self._closed.set()
+        self._heartbeat.join()
+        if self.failure is None:
+            with self._lock, contextlib.suppress(TensorParallelError):
+                self._send(Command.STOP, [])
+
+    def _send(self, command: Command, payload: list[int]) -> None:
+        ints = [int(command), len(payload), *payload]
+        head = torch.zeros(HEADER_INTS, dtype=torch.int64)
+        first = ints[:HEADER_INTS]
+        head[: len(first)] = torch.tensor(first, dtype=torch.int64)
+        _broadcast(head, self.device)
+        if len(ints) > HEADER_INTS:
+            _broadcast(torch.tensor(ints[HEADER_INTS:], dtype=torch.int64), self.device)
+        self._last = time.monotonic()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self._interval / 2):
+            if time.monotonic() - self._last < self._interval or self.failure is not None:
+                continue
+            with self._lock:
+                if self._closed.is_set() or self.failure is not None:
+                    return
+                try:
+                    self._send(Command.PING, [])
+                except TensorParallelError as e:
+                    logger.error("tensor-parallel heartbeat failed: %s", e)
+                    self.failure = e
+
+
+def receive(device: torch.device) -> tuple[Command, list[int]]:
+    """A worker's end: block until rank 0's next command; its payload."""
+    head = _broadcast(torch.zeros(HEADER_INTS, dtype=torch.int64), device)
+    command, length = int(head[0]), int(head[1])
+    total = 2 + length
+    ints = head[: min(total, HEADER_INTS)].tolist()
+    if total > HEADER_INTS:
+        rest = _broadcast(torch.zeros(total - HEADER_INTS, dtype=torch.int64), device)
+        ints += rest.tolist()
+    return Command(command), ints[2:]

@@ -1,0 +1,138 @@
+"""A worker rank: load this rank's shard, then run rank 0's commands until STOP or until rank 0 is gone.
+
+Started by the daemon (`python -m kvd.distributed.worker SPEC`) or, on another host, by
+`kvd serve --rank R --world-size N --distributed-init tcp://HOST:PORT` (same model and settings as rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+
+import torch
+
+from kvd.distributed import group
+from kvd.distributed.comm import TensorParallelError
+from kvd.distributed.cpu_binding import rank_cpus
+from kvd.distributed.group import DistributedStartupError
+from kvd.distributed.shard import Shard
+from kvd.distributed.step import Command, StepInputs, receive
+from kvd.engine.engine_args import EngineArgs
+
+logger = logging.getLogger("kvd.distributed")
+
+
+def run_worker(args: EngineArgs, local_index: int = 0, cpus: list[int] | None = None) -> int:
+    """Serve as rank args.rank; 0 after STOP, 1 when the group failed, 2 when it could not form."""
+    try:
+        if cpus is None:  # started by hand: the only rank of this command, on its host
+            cpus = rank_cpus(args.cpu_binding, 0, 1)
+        runner, device = _join(args, local_index, cpus)
+    except DistributedStartupError as e:
+        logger.error("rank %d: %s", args.rank, e)
+        return 2
+    try:
+        _loop(runner, device)
+    except TensorParallelError as e:
+        logger.error("rank %d: %s; rank 0 is gone or failed, exiting", args.rank, e)
+        return 1
+    finally:
+        group.close_group()
+    return 0
+
+
+def _join(args: EngineArgs, local_index: int, cpus: list[int] | None):
+    from kvd.engine.model_runner import ModelRunner
+    from kvd.model.loader import load_model
+
+    shard = Shard(args.rank, args.tensor_parallel_size)
+    placed = group.place_rank(cpus, args.num_threads)
+    device = group.rank_device(args.device, local_index)
+    store = group.open_store(args.distributed_init, shard.rank)
+    group.claim_rank(store, shard.rank)
+    group.put(store, f"hello/{shard.rank}", {"world_size": shard.world_size})
+    hello = group.get(store, "hello/0")
+    if hello["world_size"] != shard.world_size:
+        raise DistributedStartupError(
+            f"rank 0 runs with --world-size {hello['world_size']}, this rank with {shard.world_size}"
+        )
+    loaded = load_model(
+        args.model,
+        dtype=args.dtype,
+        device=device,
+        attention_backend=args.attention_backend,
+        quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
+        shard=shard,
+    )
+    plan = group.get(store, "plan")
+    if "error" in plan:
+        raise DistributedStartupError(f"rank 0 gave up: {plan['error']}")
+    mine = group.fingerprint(loaded.model, loaded.dtype, loaded.quantization, loaded.config)
+    if mine != plan["fingerprint"]:
+        message = (
+            f"rank {shard.rank} loaded {mine}, but rank 0 loaded {plan['fingerprint']}: start every rank "
+            "with the same --model, --dtype, --quantization and --attention-backend"
+        )
+        group.put(store, f"ready/{shard.rank}", {"error": message})
+        raise DistributedStartupError(message)
+    runner = ModelRunner(
+        loaded.model,
+        loaded.model.config,
+        plan["num_blocks"],
+        plan["block_size"],
+        loaded.dtype,
+        device,
+        max_num_seqs=plan["max_num_seqs"],
+        max_model_len=plan["max_model_len"],
+        enforce_eager=True,
+    )
+    ready = {
+        "rank": shard.rank,
+        "cpus": placed,
+        "threads": torch.get_num_threads(),
+        "weight_bytes": group.weight_bytes(loaded.model),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    group.put(store, f"ready/{shard.rank}", ready)
+    group.init_group(store, shard, device, args.distributed_timeout)
+    logger.info(
+        "rank %d of %d ready (cores %s, %d threads)", shard.rank, shard.world_size, placed, ready["threads"]
+    )
+    return runner, device
+
+
+def _loop(runner, device: torch.device) -> None:
+    hidden = None
+    while True:
+        command, ints = receive(device)
+        if command is Command.STEP:
+            hidden = runner.execute(StepInputs.decode(ints))
+        elif command is Command.LOGITS:
+            runner.logits(hidden, ints)
+        elif command is Command.STOP:
+            return
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    # The daemon stops its workers itself (STOP, after its drain): a SIGTERM or Ctrl-C that reaches the whole
+    # process group (systemd's control-group kill, a terminal) must not end them mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    args = EngineArgs(**spec["args"])
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s rank {args.rank} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run_worker(args, spec["local_index"], spec["cpus"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
