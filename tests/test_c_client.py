@@ -209,7 +209,12 @@ WEATHER = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["utc", "cet"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
 TOOLS = [
     {
         "type": "function",
@@ -528,39 +533,35 @@ def assert_valid_calls(result: dict, names: set[str]) -> None:
 
 
 def test_required_and_named_tool_calls_parse(c_build: Path, tiny_daemon: DaemonProcess):
-    tools = ["-o", json.dumps(TOOLS)]
+    # Bounded schemas and one call each: the forced output always completes, so it always parses. (Parallel calls
+    # may go on until max_tokens cuts them, and then the text is incomplete: the protocol's "length".)
+    tools = ["-o", json.dumps(TOOLS), "-c", "required"]
     for seed in range(3):
         for stream in ([], ["-s"]):
-            code, result = generate_with(
-                c_build,
-                tiny_daemon,
-                *ASK,
-                *tools,
-                "-c",
-                "required",
-                "-t",
-                "1.0",
-                "-X",
-                str(seed),
-                "-n",
-                "200",
-                *stream,
-            )
+            sampled = ["-t", "1.0", "-X", str(seed), "-n", "200", "-Q", "0", *stream]
+            code, result = generate_with(c_build, tiny_daemon, *ASK, *tools, *sampled)
             assert code == 0
             assert_valid_calls(result, {"get_weather", "get_time"})
+            assert len(result["tool_calls"]) == 1
             if stream:
                 assert "".join(c["text"] for c in result["chunks"]) == ""
+    code, result = generate_with(c_build, tiny_daemon, *ASK, *tools, "-t", "0", "-n", "400")
+    assert code == 0
+    if result["finish_reason"] != "length":
+        assert_valid_calls(result, {"get_weather", "get_time"})
     code, result = generate_with(
-        c_build, tiny_daemon, *ASK, *tools, "-f", "get_time", "-Q", "0", "-t", "0", "-n", "120"
+        c_build, tiny_daemon, *ASK, "-o", json.dumps(TOOLS), "-f", "get_time", "-t", "0", "-n", "120"
     )
     assert code == 0
     assert_valid_calls(result, {"get_time"})
-    assert len(result["tool_calls"]) == 1
+    assert len(result["tool_calls"]) == 1  # a named function is called once
 
 
 def test_a_tool_conversation_round_trip(c_build: Path, tiny_daemon: DaemonProcess):
     tools = ["-o", json.dumps(TOOLS)]
-    code, result = generate_with(c_build, tiny_daemon, *ASK, *tools, "-c", "required", "-t", "0", "-n", "120")
+    code, result = generate_with(
+        c_build, tiny_daemon, *ASK, *tools, "-c", "required", "-Q", "0", "-t", "0", "-n", "120"
+    )
     assert code == 0
     call = result["tool_calls"][0]
     history = [*ASK, "-m", "assistant", "-K", f"{call['id']}={call['name']}={call['arguments']}"]
