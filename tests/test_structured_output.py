@@ -211,3 +211,20 @@ def test_prompt_logprobs_match_transformers(tiny_daemon_model, llm):
         assert entry.token_id == prompt[i]
         assert entry.logprob == pytest.approx(want[i - 1, prompt[i]].item(), abs=1e-4)
         assert [t for t, _ in entry.top_logprobs] == want[i - 1].topk(3).indices.tolist()
+
+
+def test_properties_come_in_the_schema_order_and_objects_are_closed(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}}}
+    out = llm.generate("x", SamplingParams(max_tokens=60, temperature=0, json_schema=schema), use_tqdm=False)[
+        0
+    ]
+    value = json.loads(out.text)
+    # Listed properties only (as OpenAI's strict mode), and in the order the schema gives them.
+    assert set(value) <= {"zeta", "alpha"} and out.finish_reason == "stop"
+    assert list(value) == [k for k in ("zeta", "alpha") if k in value]
+    open_schema = dict(schema, additionalProperties=True)
+    compiler = llm.engine.grammars
+    strict = compiler.matcher(SamplingParams(json_schema=schema))
+    loose = compiler.matcher(SamplingParams(json_schema=open_schema))
+    extra = llm.engine.encode('{"other": 1}')
+    assert not strict.consume_tokens(extra) and loose.consume_tokens(extra)

@@ -89,9 +89,9 @@ class GrammarCompiler:
 
 
 def _text(name: str, value: object) -> str:
-    """The field's value as the text the cache is keyed by."""
+    """The field's value as the text the cache is keyed by (key order kept: it is the output's order)."""
     if name == "json_schema" and isinstance(value, dict):
-        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return json.dumps(value, separators=(",", ":"))
     if name == "json_object":
         return ""
     return str(value)
@@ -105,7 +105,7 @@ def _grammar(name: str, text: str) -> str:
             raise ValueError(f"not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("a JSON schema is an object (or true/false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(_closed(schema), defaults=JSON_OPTIONS)
     if name == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if name == "regex":
@@ -113,19 +113,50 @@ def _grammar(name: str, text: str) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+# Keywords whose values are subschemas (a schema, a list of them, or a map of names to them).
+_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_EXTRA_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _closed(schema: object) -> object:
+    """The schema with every object that lists `properties` and says nothing of others closed to them.
+
+    As in OpenAI's strict structured outputs (and vLLM's default): JSON Schema's own default lets a model invent
+    keys until max_tokens, which small models do. `"additionalProperties": true` keeps an object open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out and not any(k in out for k in _EXTRA_KEYS):
+        out["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    return out
+
+
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-    """Set to -inf, in rows `rows` of `logits`, every token the row's matcher does not allow next."""
+    """Set to -inf, in place in rows `rows` of `logits`, every token the row's matcher does not allow next."""
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
     bitmask = torch.empty((len(rows), words), dtype=torch.int32)
     for i, matcher in enumerate(matchers):
-        row = bitmask[i]
-        matcher.unsafe_compute_mask_ptr(row.data_ptr(), words * 4)
-    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
-    allowed = bits.reshape(len(rows), words * 32)[:, :vocab].bool().to(logits.device)
+        matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), words * 4)
+    # Byte by byte through a table (bit j of byte b is token 8b + j, little-endian): a gather, not 32 shifts.
+    allowed = _BYTE_BITS[bitmask.view(torch.uint8).long()].reshape(len(rows), words * 32)[:, :vocab]
+    allowed = allowed.to(logits.device)
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill_(~allowed, float("-inf"))
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
     return logits
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # [256, 8]

@@ -43,14 +43,16 @@ class SampledToken:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """Sample one token per row of `logits` ([N, V], float32)."""
+    raw = logits  # never written: the caller's tensor
     logprobs = _logprobs(logits, rows)
     if any(r.params.has_penalties for r in rows):
-        logits = _apply_penalties(logits.clone(), rows)
+        logits = _apply_penalties(logits, rows)  # a new tensor
     if any(r.params.logit_bias for r in rows):
-        logits = _apply_logit_bias(logits.clone(), rows)
+        logits = _apply_logit_bias(logits.clone() if logits is raw else logits, rows)
     constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
     if constrained:  # last, so that nothing lifts a masked token back
-        logits = apply_masks(logits.clone(), constrained, [rows[i].matcher for i in constrained])
+        matchers = [rows[i].matcher for i in constrained]
+        logits = apply_masks(logits.clone() if logits is raw else logits, constrained, matchers)
     greedy_ids = logits.argmax(dim=-1)
     if all(r.params.greedy for r in rows):
         token_ids = greedy_ids
