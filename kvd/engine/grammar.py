@@ -115,20 +115,21 @@ def _grammar(name: str, text: str) -> str:
 
 # Keywords whose values are subschemas (a schema, a list of them, or a map of names to them).
 _SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _EXTRA_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def _closed(schema: object) -> object:
+def _closed(schema: object, close: bool = True) -> object:
     """The schema with every object that lists `properties` and says nothing of others closed to them.
 
     As in OpenAI's strict structured outputs (and vLLM's default): JSON Schema's own default lets a model invent
-    keys until max_tokens, which small models do. `"additionalProperties": true` keeps an object open."""
+    keys until max_tokens, which small models do. `"additionalProperties": true` keeps an object open. The parts
+    of an allOf are left open at their top (each lists only some of the properties the whole has)."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    if "properties" in out and not any(k in out for k in _EXTRA_KEYS):
+    if close and "properties" in out and not any(k in out for k in _EXTRA_KEYS) and "allOf" not in out:
         out["additionalProperties"] = False
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), dict):
@@ -136,6 +137,8 @@ def _closed(schema: object) -> object:
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [_closed(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [_closed(s, close=False) for s in out["allOf"]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(s) for name, s in out[key].items()}
