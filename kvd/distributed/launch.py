@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kvd.distributed import group
 from kvd.distributed.comm import TensorParallelError
-from kvd.distributed.cpu_binding import rank_cpus
+from kvd.distributed.cpu_binding import bind_process, rank_cpus
 from kvd.distributed.group import DistributedStartupError
 from kvd.distributed.shard import Shard
 from kvd.distributed.step import StepChannel
@@ -40,6 +40,7 @@ class TensorParallel:
     args: object  # the EngineArgs every rank runs with
     store: dist.TCPStore
     cpus: str | None
+    affinity: set[int]  # this process's cores before rank 0 was bound: given back by close()
     workers: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> process, when started here
     channel: StepChannel | None = None
     ranks: list[dict] = field(default_factory=list)  # what each rank reported: cores, threads, weight bytes
@@ -56,12 +57,13 @@ class TensorParallel:
         spawn = args.distributed_init is None
         init = args.distributed_init or f"tcp://127.0.0.1:{group.free_loopback_port()}"
         # Every local rank's cores are chosen here, before rank 0 binds itself (its workers inherit that).
+        affinity = os.sched_getaffinity(0)
         placement = [
             rank_cpus(args.cpu_binding, i, world if spawn else 1) for i in range(world if spawn else 1)
         ]
         cpus = group.place_rank(placement[0], args.num_threads)
         store = group.open_store(init, 0)
-        tp = cls(dataclasses.replace(args, distributed_init=init), store, cpus)
+        tp = cls(dataclasses.replace(args, distributed_init=init), store, cpus, affinity)
         try:
             if spawn:
                 for rank in range(1, world):
@@ -143,6 +145,8 @@ class TensorParallel:
         self.workers.clear()
         if not failed:
             group.close_group()
+        if self.cpus is not None:  # an embedding application keeps its cores after the engine is gone
+            bind_process(sorted(self.affinity))
 
 
 def _spawn(args: object, rank: int, cpus: list[int] | None) -> subprocess.Popen:

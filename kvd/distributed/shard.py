@@ -9,10 +9,8 @@ import torch
 
 from kvd.model.config import ModelConfig
 
-# Split along the output rows (column-parallel): each rank computes its own heads / MLP columns.
-_COLUMN_PARALLEL = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
-# Split along the input columns (row-parallel): each rank's partial sums are all-reduced.
-_ROW_PARALLEL = (".o_proj.", ".down_proj.")
+# q/k/v and gate/up are split along their output rows (column-parallel: each rank computes its own heads and
+# MLP columns), o and down along their input columns (row-parallel: the partial sums are all-reduced).
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -39,46 +37,84 @@ class Shard:
         return self.rank * self.vocab_rows(vocab_size)
 
 
-def shard_config(config: ModelConfig, shard: Shard) -> ModelConfig:
-    """The config of one rank's slice: 1/N of the heads, the KV heads, the MLP width and the vocabulary."""
-    if not shard.sharded:
-        return config
-    n = shard.world_size
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, name)
-        if value % n:
+def kv_head_range(num_kv_heads: int, shard: Shard) -> tuple[int, int]:
+    """(first, count) of this rank's KV heads: an even split, the first ranks taking one more when it is not.
+
+    Query heads follow their KV head (whole GQA groups per rank), so 9 heads over 3 KV heads (SmolLM2) split
+    6 + 3 on two ranks: uneven, but every rank's attention is the unsharded model's for its heads."""
+    base, extra = divmod(num_kv_heads, shard.world_size)
+    first = shard.rank * base + min(shard.rank, extra)
+    return first, base + (shard.rank < extra)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One rank's slice of a model: its config and the part of each checkpoint tensor it keeps."""
+
+    config: ModelConfig  # the whole model's
+    shard: Shard
+
+    def local_config(self) -> ModelConfig:
+        """The config of this rank's slice: its heads and KV heads, 1/N of the MLP width and the vocabulary."""
+        config, n = self.config, self.shard.world_size
+        if not self.shard.sharded:
+            return config
+        if config.num_key_value_heads < n:
             raise ShardingError(
-                f"{name} is {value}, which {n} ranks cannot split evenly; use a tensor-parallel size that "
-                f"divides it (heads {config.num_attention_heads}, KV heads {config.num_key_value_heads})"
+                f"the model has {config.num_key_value_heads} KV heads, fewer than {n} ranks: use a "
+                "tensor-parallel size of at most that"
             )
-    return dataclasses.replace(
-        config,
-        num_attention_heads=config.num_attention_heads // n,
-        num_key_value_heads=config.num_key_value_heads // n,
-        intermediate_size=config.intermediate_size // n,
-        vocab_size=shard.vocab_rows(config.vocab_size),
-    )
+        if config.intermediate_size % n:
+            raise ShardingError(
+                f"intermediate_size is {config.intermediate_size}, which {n} ranks cannot split evenly; use a "
+                "tensor-parallel size that divides it"
+            )
+        _, kv_heads = kv_head_range(config.num_key_value_heads, self.shard)
+        return dataclasses.replace(
+            config,
+            num_attention_heads=kv_heads * self._group(),
+            num_key_value_heads=kv_heads,
+            intermediate_size=config.intermediate_size // n,
+            vocab_size=self.shard.vocab_rows(config.vocab_size),
+        )
 
-
-def shard_tensor(name: str, tensor: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """This rank's slice of the checkpoint tensor `name` (Hugging Face naming); norms are replicated."""
-    if not shard.sharded:
+    def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor `name` (Hugging Face naming); norms are replicated."""
+        if not self.shard.sharded:
+            return tensor
+        if ".q_proj." in name:
+            return tensor.narrow(0, *self._rows(self._group()))
+        if ".k_proj." in name or ".v_proj." in name:
+            return tensor.narrow(0, *self._rows(1))
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor.chunk(self.shard.world_size, dim=0)[self.shard.rank]
+        if ".o_proj." in name or ".down_proj." in name:
+            if name.endswith(".bias"):
+                # Added once, by rank 0, to the sum the all-reduce forms: the others add zeros.
+                return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
+            if ".o_proj." in name:
+                return tensor.narrow(1, *self._rows(self._group()))
+            return tensor.chunk(self.shard.world_size, dim=1)[self.shard.rank]
+        if name in _VOCAB_PARALLEL:
+            return self._vocab_rows(tensor)
         return tensor
-    if any(part in name for part in _COLUMN_PARALLEL):
-        return tensor.chunk(shard.world_size, dim=0)[shard.rank]
-    if any(part in name for part in _ROW_PARALLEL):
-        if name.endswith(".bias"):
-            # Added once, by rank 0, to the sum the all-reduce forms: the others add zeros.
-            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
-        return tensor.chunk(shard.world_size, dim=1)[shard.rank]
-    if name in _VOCAB_PARALLEL:
+
+    def _group(self) -> int:
+        return self.config.num_attention_heads // self.config.num_key_value_heads
+
+    def _rows(self, heads_per_kv_head: int) -> tuple[int, int]:
+        """(start, length) in rows of a projection with heads_per_kv_head heads per KV head."""
+        first, count = kv_head_range(self.config.num_key_value_heads, self.shard)
+        size = heads_per_kv_head * self.config.head_dim
+        return first * size, count * size
+
+    def _vocab_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         vocab = tensor.shape[0]
-        rows, start = shard.vocab_rows(vocab), shard.vocab_start(vocab)
+        rows, start = self.shard.vocab_rows(vocab), self.shard.vocab_start(vocab)
         part = tensor[start : start + rows]
         if part.shape[0] < rows:  # the last rank's padding rows: never looked up, their logits cut off
             part = torch.cat((part, part.new_zeros(rows - part.shape[0], *part.shape[1:])))
         return part
-    return tensor
 
 
 WHOLE = Shard()  # the whole model in one process

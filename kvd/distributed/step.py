@@ -18,7 +18,7 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from kvd.distributed.comm import TensorParallelError
+from kvd.distributed.comm import STATS, TensorParallelError
 
 logger = logging.getLogger("kvd.distributed")
 
@@ -67,11 +67,13 @@ class StepInputs:
 
 
 def _broadcast(ints: torch.Tensor, device: torch.device) -> torch.Tensor:
+    started = time.perf_counter()
     on_device = ints.to(device) if device.type == "cuda" else ints  # NCCL moves device tensors only
     try:
         dist.broadcast(on_device, src=0)
     except RuntimeError as e:
         raise TensorParallelError(f"step broadcast failed: {e}") from e
+    STATS.add(started, ints)
     return on_device.cpu()
 
 
