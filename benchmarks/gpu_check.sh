@@ -7,7 +7,9 @@
 #      (identical tokens) and bfloat16 (gpu_bench.BF16_MIN_SHARED), with real CUDA graphs replayed between eager
 #      prefill steps and torch.compile (Inductor), and with --enforce-eager;
 #   3. nano-vllm's throughput workload (256 sequences, 100-1024 tokens in and out) on a random Qwen3-0.6B:
-#      output tokens/s with graphs + compile, the --enforce-eager figure beside it, and the steps each replayed.
+#      output tokens/s with graphs + compile, the --enforce-eager figure beside it, and the steps each replayed;
+#   4. on a host with two GPUs or more, a TP=2 run over NCCL (benchmarks/tensor_parallel.py --check), whose
+#      greedy tokens must be TP=1's (120 s more); skipped with a message on one GPU.
 # It exits non-zero when any check fails.
 #
 #   benchmarks/gpu_check.sh                 run it (PYTHON=python3 by default; KVD_BACKEND=auto for step 3)
@@ -84,6 +86,15 @@ check 100 "greedy parity against transformers (float32 identical, bfloat16 by th
   "$PY" -m benchmarks.gpu_bench parity --device "$DEVICE" "${BENCH_ARGS[@]}"
 check 150 "throughput: nano-vllm workload (256 sequences, 100-1024 tokens in and out), random Qwen3-0.6B" \
   "$PY" -m benchmarks.gpu_bench throughput --device "$DEVICE" --attention-backend "${KVD_BACKEND:-auto}" "${BENCH_ARGS[@]}"
+if [[ $DEVICE == cuda ]]; then
+  # Tensor parallel over NCCL needs a GPU per rank: on a single GPU there is nothing to run.
+  if [[ $("$PY" -c "import torch; print(torch.cuda.device_count())") -ge 2 ]]; then
+    check 120 "tensor parallel: a TP=2 step over NCCL (SmolLM2, float32; greedy tokens equal to TP=1)" \
+      "$PY" -m benchmarks.tensor_parallel --device cuda --batch 4 --steps 8 --check
+  else
+    step "tensor parallel: skipped, this host has one GPU (TP=2 over NCCL needs two)"
+  fi
+fi
 
 step "done"
 if ((${#failed[@]})); then

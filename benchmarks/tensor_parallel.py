@@ -1,7 +1,9 @@
 """Tensor parallel: TP=1 vs TP=2 on this host, decode and prefill steps of the bundled SmolLM2 (or --model).
 
     python -m benchmarks.tensor_parallel [--model PATH] [--quantization none|auto] [--batch 1 8] [--steps 32]
-        [--json]
+        [--device cpu|cuda] [--check] [--json]
+
+--check: exit 1 unless TP=2's greedy tokens are TP=1's (benchmarks/gpu_check.sh runs it on two GPUs).
 
 TP=1 runs with every core, TP=2 with half of them per rank (--cpu-binding auto), so both use the same cores.
 On a host whose ranks share one memory bus, TP buys no bandwidth: the figure that matters is what the group
@@ -21,10 +23,13 @@ from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.sampling_params import SamplingParams
 
 
-def measure(model: str | None, tp: int, quantization: str, batch: int, steps: int, prompt_len: int) -> dict:
+def measure(
+    model: str | None, tp: int, quantization: str, batch: int, steps: int, prompt_len: int, device: str
+) -> dict:
     cores = len(os.sched_getaffinity(0))
     engine = LLMEngine(
         model=model,
+        device=device,
         dtype="float32",
         quantization=quantization,
         kv_cache_memory="256M",
@@ -36,12 +41,18 @@ def measure(model: str | None, tp: int, quantization: str, batch: int, steps: in
         for i in range(batch):
             engine.add_request(i, [(7 * i + j) % 1000 + 10 for j in range(prompt_len)], params)
         started = time.perf_counter()
-        engine.step()  # the prefill of every prompt, in one step (prompt_len * batch <= the token budget)
+        tokens: dict[int, list[int]] = {i: [] for i in range(batch)}
+
+        def step() -> None:
+            for out in engine.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+
+        step()  # the prefill of every prompt, in one step (prompt_len * batch <= the token budget)
         prefill_s = time.perf_counter() - started
         before = comm.CommStats(comm.STATS.calls, comm.STATS.seconds, comm.STATS.bytes)
         started = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            step()
         decode_s = time.perf_counter() - started
         info = engine.info()
     finally:
@@ -57,6 +68,7 @@ def measure(model: str | None, tp: int, quantization: str, batch: int, steps: in
         "comm_ms_per_step": (comm.STATS.seconds - before.seconds) / steps * 1e3,
         "comm_kib_per_step": (comm.STATS.bytes - before.bytes) / steps / 1024,
         "weight_mib_per_rank": [r["weight_bytes"] / 2**20 for r in ranks],
+        "tokens": [tokens[i] for i in range(batch)],
     }
 
 
@@ -67,13 +79,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--check", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [
-        measure(args.model, tp, args.quantization, batch, args.steps, args.prompt_len)
+        measure(args.model, tp, args.quantization, batch, args.steps, args.prompt_len, args.device)
         for batch in args.batch
         for tp in (1, 2)
     ]
+    same = all(rows[i]["tokens"] == rows[i + 1]["tokens"] for i in range(0, len(rows), 2))
+    for r in rows:
+        del r["tokens"]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -86,6 +103,9 @@ def main() -> None:
             f"{r['comm_ms_per_step']:>12.2f} {r['comm_kib_per_step']:>13.1f}  "
             + " / ".join(f"{w:.1f}" for w in r["weight_mib_per_rank"])
         )
+    print(f"greedy tokens TP=2 vs TP=1: {'identical' if same else 'DIFFERENT'}")
+    if args.check and not same:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
