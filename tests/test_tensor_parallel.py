@@ -5,8 +5,10 @@ request and ends the daemon; startup mistakes are one line (docs/architecture.md
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,6 +220,30 @@ def test_daemon_tp2_serves_tp1_tokens_and_a_killed_worker_fails_every_request(ti
     assert "tensor-parallel group failed" in daemon.log()
 
 
+def test_a_hung_worker_fails_the_daemon_within_the_timeout(tiny_daemon_model, tmp_path):
+    daemon = start_daemon(
+        tmp_path, "--tensor-parallel-size", "2", "--distributed-timeout", "3", model=tiny_daemon_model
+    )
+    (worker,) = _children(daemon.proc.pid)
+    try:
+        with daemon.client(timeout=60) as client:
+            stream = client.stream("Hello", max_tokens=3000, temperature=0.0, ignore_eos=True)
+            next(iter(stream))
+            os.kill(worker, signal.SIGSTOP)  # alive, its sockets open, never answering
+            stopped = time.monotonic()
+            with pytest.raises(KvdError) as failure:
+                for _ in stream:
+                    pass
+        assert daemon.proc.wait(30) == 3, daemon.log()
+        assert time.monotonic() - stopped < 30
+        assert getattr(failure.value, "code", None) == "internal"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+        if daemon.proc.poll() is None:
+            daemon.stop(signal.SIGKILL)
+
+
 def test_sigterm_stops_every_rank(tiny_daemon_model, tmp_path):
     daemon = start_daemon(tmp_path, "--tensor-parallel-size", "2", model=tiny_daemon_model)
     (worker,) = _children(daemon.proc.pid)
@@ -258,7 +284,7 @@ def test_ranks_started_by_hand_meet_over_loopback_tcp(tiny_daemon_model, tmp_pat
 
 
 def test_startup_mistakes_are_one_line(tiny_daemon_model, tiny_checkpoint, tmp_path):
-    """A wrong world size and another model on a rank: each side says so in one line and exits 2."""
+    """Another model on a rank, a port taken, a wrong world size: each side says so in one line, exits 2."""
     init = f"tcp://127.0.0.1:{free_loopback_port()}"
     base = ["--kv-cache-memory", "64M", "--distributed-init", init]
     rank1 = _serve(*base, "--model", str(tiny_checkpoint("llama")), "--rank", "1", "--world-size", "2",
@@ -268,6 +294,15 @@ def test_startup_mistakes_are_one_line(tiny_daemon_model, tiny_checkpoint, tmp_p
     assert rank0.wait(180) == 2 and rank1.wait(60) == 2
     for log in ("daemon.log", "rank1.log"):
         assert "start every rank with the same --model" in (tmp_path / log).read_text(), log
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rank0 = _serve("--model", str(tiny_daemon_model), "--world-size", "2", "--distributed-init",
+                       f"tcp://127.0.0.1:{port}", "--listen", f"ipc://{tmp_path}/kvd3.sock",
+                       log=tmp_path / "taken.log")  # fmt: skip
+        assert rank0.wait(120) == 2
+    assert "the port is taken" in (tmp_path / "taken.log").read_text()
     rank1 = _serve(*base, "--model", str(tiny_daemon_model), "--rank", "1", "--world-size", "3",
                    log=tmp_path / "rank1b.log")  # fmt: skip
     rank0 = _serve(*base, "--model", str(tiny_daemon_model), "--world-size", "2", "--listen",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 import json
@@ -72,6 +73,9 @@ class TensorParallel:
         except BaseException:
             tp.close()
             raise
+        atexit.register(
+            tp.close
+        )  # an embedding application that never closes its engine still stops its ranks
         return tp
 
     def _meet(self) -> None:
