@@ -726,6 +726,81 @@ static inline __attribute__((always_inline)) float dot_row(const float* a, const
     return sum;
 }
 
+#if KVD_AVX2
+// Lane j = the sum of v[j]'s eight lanes, in one fixed tree whatever the caller.
+static inline __m256 hsum8x8_ps(const __m256* v) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// The scores of eight consecutive pool rows against one query row: an 8-lane fma chain over D per row, then
+// hsum8x8_ps (one reduction for eight scores, where dot_row spends one per score).
+static inline __attribute__((always_inline)) __m256 dot_rows8(const float* q, const char* k, int64_t slot_bytes,
+                                                              int bf16, const int64_t D) {
+    const int elem = bf16 ? 2 : 4;
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(qv, load8(k + j * slot_bytes + i * elem, bf16), acc[j]);
+    }
+    return hsum8x8_ps(acc);
+}
+
+// e^x for x <= 0 (a softmax's shifted scores): Cody-Waite reduction to [-ln2/2, ln2/2], a degree-6 polynomial,
+// the power of two put into the exponent; within 2 ulp of expf, 0 below -87.
+static inline __m256 exp_nonpositive(__m256 x) {
+    const __m256 floor_x = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, floor_x, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, floor_x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+// scores[t] = exp(scores[t] - max) for t < n; returns their sum. Eight at a time where SIMD runs: the order of
+// the sum depends on n alone, so a query's softmax is the same whatever else the call holds.
+static inline float softmax_numerators(float* sc, int64_t n) {
+    float mx = -INFINITY, sum = 0.f;
+    int64_t t = 0;
+#if KVD_AVX2
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sc + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m8);
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+#endif
+    for (; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+    t = 0;
+#if KVD_AVX2
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 s8 = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
+        _mm256_storeu_ps(sc + t, e);
+        s8 = _mm256_add_ps(s8, e);
+    }
+    sum = hsum(s8);
+#endif
+    for (; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    return sum;
+}
+
 // acc += p x a pool row of D values.
 static inline __attribute__((always_inline)) void add_scaled_row(float* acc, float p, const char* v, int bf16, int64_t D) {
     int64_t i = 0;
@@ -791,14 +866,15 @@ static inline __attribute__((always_inline)) void attend_group(
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t t = 0; t < n; t++) sc[t0 + t] = dot_row(qf + g * D, k + t * slot_bytes, bf16, D);
+            int64_t t = 0;
+#if KVD_AVX2
+            if (D % 8 == 0)
+                for (; t + 8 <= n; t += 8)
+                    _mm256_storeu_ps(sc + t0 + t, dot_rows8(qf + g * D, k + t * slot_bytes, slot_bytes, bf16, D));
+#endif
+            for (; t < n; t++) sc[t0 + t] = dot_row(qf + g * D, k + t * slot_bytes, bf16, D);
         }
-        float mx = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < ctx; t++) mx = sc[t] > mx ? sc[t] : mx;
-        for (int64_t t = 0; t < ctx; t++) {
-            sc[t] = expf(sc[t] - mx);
-            sum += sc[t];
-        }
+        const float sum = softmax_numerators(sc, ctx);
         float* a = acc + g * D;
         weighted_values(a, sc, values, table, ctx, block_size, slot_bytes, head, bf16, D);
         const float inv = 1.f / sum;
@@ -839,7 +915,8 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
         // One work area per thread, for the longest context: no allocation per (sequence, head).
         float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D)));
         failed |= !work;
-#pragma omp for schedule(static) collapse(2)
+// Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
+#pragma omp for schedule(static, 1) collapse(2)
         for (int64_t s = 0; s < S; s++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
                 if (!work) continue;
