@@ -845,8 +845,66 @@ static inline __attribute__((always_inline)) void weighted_values(float* a, cons
     }
 }
 
+#if KVD_AVX2
+// a[g][i0 .. i0 + 32) for GN heads at once: each value row is read once for all of them, and every output
+// element is still one fma chain over the context in order, as in weighted_values.
+static inline __attribute__((always_inline)) void values_tile(float* a, const float* p, const char* values,
+                                                              const int32_t* table, int64_t ctx, int64_t block_size,
+                                                              int64_t slot_bytes, int64_t head, int bf16, int64_t D,
+                                                              int64_t i0, const int GN) {
+    const int elem = bf16 ? 2 : 4;
+    __m256 acc[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const char* row = v + t * slot_bytes;
+            const __m256 v0 = load8(row, bf16), v1 = load8(row + 8 * elem, bf16);
+            const __m256 v2 = load8(row + 16 * elem, bf16), v3 = load8(row + 24 * elem, bf16);
+            for (int g = 0; g < GN; g++) {
+                const __m256 pv = _mm256_set1_ps(p[g * ctx + t0 + t]);
+                acc[g][0] = _mm256_fmadd_ps(pv, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(pv, v1, acc[g][1]);
+                acc[g][2] = _mm256_fmadd_ps(pv, v2, acc[g][2]);
+                acc[g][3] = _mm256_fmadd_ps(pv, v3, acc[g][3]);
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(a + g * D + i0 + i * 8, acc[g][i]);
+}
+#endif
+
+// a[g] = the weighted value sum of head g, for the group's heads: three heads per pass over the values where
+// SIMD runs and D is a multiple of 32 (the same arithmetic as weighted_values, head by head, otherwise).
+static inline __attribute__((always_inline)) void group_values(float* a, const float* p, const char* values,
+                                                                const int32_t* table, int64_t ctx,
+                                                                int64_t block_size, int64_t slot_bytes, int64_t head,
+                                                                int bf16, int64_t group, const int64_t D) {
+#if KVD_AVX2
+    if (D % 32 == 0) {
+        for (int64_t g = 0; g < group; g += 3)
+            for (int64_t i0 = 0; i0 < D; i0 += 32) {
+                float* ag = a + g * D;
+                const float* pg = p + g * ctx;
+                if (group - g >= 3)
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3);
+                else if (group - g == 2)
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2);
+                else
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1);
+            }
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < group; g++)
+        weighted_values(a + g * D, p + g * ctx, values, table, ctx, block_size, slot_bytes, head, bf16, D);
+}
+
 // One sequence's query heads that share kv head `kvh`: scores over its context, softmax, weighted values.
-// work: group x (ctx + 2 D) floats. D is a constant where it is expanded for the common head sizes, so a
+// work: group x (ctx + 2 D + 1) floats. D is a constant where it is expanded for the common head sizes, so a
 // head's query and accumulator rows stay in registers across the context.
 static inline __attribute__((always_inline)) void attend_group(
     const void* q, void* out, const char* keys, const char* values, int bf16, int64_t s, int64_t kvh,
@@ -854,31 +912,34 @@ static inline __attribute__((always_inline)) void attend_group(
     const int32_t* table, int64_t ctx, float scale, float* work) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D], pre-scaled
-    float* acc = qf + group * D;     // [group, D]
+    float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
     const int elem = bf16 ? 2 : 4;
     const int64_t head = kvh * D * elem;
     for (int64_t g = 0; g < group; g++)
         for (int64_t i = 0; i < D; i++)
             qf[g * D + i] = load_f(q, s * q_stride + (kvh * group + g) * D + i, bf16) * scale;
-    for (int64_t g = 0; g < group; g++) {
-        float* sc = scores + g * ctx;
-        // Block by block: the slots of a block are consecutive rows of the pool.
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+    // Block by block (the slots of a block are consecutive rows of the pool), every head of the group against
+    // a block while its keys are in L1.
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t g = 0; g < group; g++) {
+            float* sc = scores + g * ctx + t0;
             int64_t t = 0;
 #if KVD_AVX2
             if (D % 8 == 0)
                 for (; t + 8 <= n; t += 8)
-                    _mm256_storeu_ps(sc + t0 + t, dot_rows8(qf + g * D, k + t * slot_bytes, slot_bytes, bf16, D));
+                    _mm256_storeu_ps(sc + t, dot_rows8(qf + g * D, k + t * slot_bytes, slot_bytes, bf16, D));
 #endif
-            for (; t < n; t++) sc[t0 + t] = dot_row(qf + g * D, k + t * slot_bytes, bf16, D);
+            for (; t < n; t++) sc[t] = dot_row(qf + g * D, k + t * slot_bytes, bf16, D);
         }
-        const float sum = softmax_numerators(sc, ctx);
-        float* a = acc + g * D;
-        weighted_values(a, sc, values, table, ctx, block_size, slot_bytes, head, bf16, D);
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, a[i] * inv, bf16);
+    }
+    float* sums = acc + group * D;  // [group]
+    for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
+    group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, bf16, group, D);
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.f / sums[g];
+        for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, acc[g * D + i] * inv, bf16);
     }
 }
 
@@ -913,7 +974,7 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         // One work area per thread, for the longest context: no allocation per (sequence, head).
-        float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D)));
+        float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D + 1)));
         failed |= !work;
 // Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
 #pragma omp for schedule(static, 1) collapse(2)
