@@ -22,7 +22,7 @@ from kvd_client.messages import (
     Message,
     RequestId,
     chat_fields,
-    embed_input,
+    embed_fields,
     pack_request,
     prompt_fields,
     to_chunk,
@@ -73,8 +73,7 @@ class AsyncClient:
         dimensions: int | None = None,
         cache_salt: str | None = None,
     ) -> Embeddings:
-        fields = {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
-        return to_embeddings(await self._call_reply("embed", fields))
+        return to_embeddings(await self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
 
     async def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         fields = {

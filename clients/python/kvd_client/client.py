@@ -21,7 +21,7 @@ from kvd_client.messages import (
     Message,
     RequestId,
     chat_fields,
-    embed_input,
+    embed_fields,
     pack_request,
     prompt_fields,
     to_chunk,
@@ -79,8 +79,7 @@ class Client:
         cache_salt: str | None = None,
     ) -> Embeddings:
         """One L2-normalised vector per input (a text, texts, or token id lists); `dimensions` truncates."""
-        fields = {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
-        return to_embeddings(self._call_reply("embed", fields))
+        return to_embeddings(self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
         """Token ids of `text` as a prompt, or of `messages` with the chat template applied."""

@@ -107,6 +107,12 @@ def chat_fields(messages: Sequence[Message], params: dict[str, Any]) -> dict[str
     return {"messages": [dict(m) for m in messages], **params}
 
 
+def embed_fields(
+    input: str | Sequence[str] | Sequence[Sequence[int]], dimensions: int | None, cache_salt: str | None
+) -> dict[str, Any]:
+    return {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
+
+
 def embed_input(input: str | Sequence[str] | Sequence[Sequence[int]]) -> str | list:
     """`embed`'s input as msgpack takes it: a text, or a list of texts or of token id lists."""
     if isinstance(input, str):
