@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvd.gateway import embeddings, ollama
-from kvd.gateway.choices import ClientDisconnected, Job, collect, merged, open_streams, unless_disconnected
+from kvd.gateway.choices import Job, collect, merged, open_streams, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields
 from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
+from kvd.gateway.outcome import answer
 from kvd.gateway.responses import EchoedPrompt, Reply
 from kvd.gateway.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from kvd.gateway.state import Gateway, gateway_of
@@ -153,38 +154,43 @@ async def _generate(
     plan: Callable[[Gateway, str], Awaitable[Plan]],
 ) -> Response:
     gateway = gateway_of(request)
-    endpoint = request.url.path
     names = body.param_names()
-    try:
-        name = await gateway.check_model(body.model)
-        refused = body.refusals()
-        if refused:
-            raise invalid_fields(refused)
-        jobs, reply, drop_generated = await plan(gateway, name)
-        streams = open_streams(gateway.client, op, jobs)
-        if body.stream:
-            # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
-            chunks = merged(streams, gateway.metrics)
-            first = await anext(chunks)
-            events = _events(gateway, reply, body.include_usage, len(jobs), first, chunks, endpoint, names)
-            return StreamingResponse(events, media_type="text/event-stream")
-        choices = await unless_disconnected(request, collect(merged(streams, gateway.metrics), len(jobs)))
-        if any(c.finish_reason == "abort" for c in choices):
-            raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
-        if drop_generated:
-            for choice in choices:
-                choice.drop_generated()
-        await gateway.texts.fill([lp for c in choices for lp in [*c.logprobs, *(c.prompt_logprobs or [])]])
-        result = reply.whole(choices)
-    except ClientDisconnected:
-        gateway.metrics.request_done(endpoint, "disconnected")
-        return Response(status_code=499)
-    except (ApiError, KvdError) as e:
-        error = e if isinstance(e, ApiError) else from_kvd_error(e, names)
-        gateway.metrics.request_done(endpoint, "client_error" if error.status < 500 else "server_error")
-        raise error from None
-    gateway.metrics.request_done(endpoint, "success")
-    return JSONResponse(result)
+    return await answer(
+        gateway.metrics, request.url.path, names, _reply(request, gateway, body, op, plan, names)
+    )
+
+
+async def _reply(
+    request: Request,
+    gateway: Gateway,
+    body: CompletionRequest | ChatCompletionRequest,
+    op: str,
+    plan: Callable[[Gateway, str], Awaitable[Plan]],
+    names: dict[str, str],
+) -> dict | StreamingResponse:
+    """The whole reply's body, or the stream of its events."""
+    name = await gateway.check_model(body.model)
+    refused = body.refusals()
+    if refused:
+        raise invalid_fields(refused)
+    jobs, reply, drop_generated = await plan(gateway, name)
+    streams = open_streams(gateway.client, op, jobs)
+    if body.stream:
+        # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
+        chunks = merged(streams, gateway.metrics)
+        first = await anext(chunks)
+        events = _events(
+            gateway, reply, body.include_usage, len(jobs), first, chunks, request.url.path, names
+        )
+        return StreamingResponse(events, media_type="text/event-stream")
+    choices = await unless_disconnected(request, collect(merged(streams, gateway.metrics), len(jobs)))
+    if any(c.finish_reason == "abort" for c in choices):
+        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+    if drop_generated:
+        for choice in choices:
+            choice.drop_generated()
+    await gateway.texts.fill([lp for c in choices for lp in [*c.logprobs, *(c.prompt_logprobs or [])]])
+    return reply.whole(choices)
 
 
 async def _events(

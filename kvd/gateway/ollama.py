@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvd.gateway.choices import Choice, ClientDisconnected, Job, merged, open_streams, unless_disconnected
+from kvd.gateway.choices import Choice, Job, merged, open_streams, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.ollama_schemas import (
@@ -24,6 +24,7 @@ from kvd.gateway.ollama_schemas import (
     EmbedRequest,
     GenerateRequest,
 )
+from kvd.gateway.outcome import answer
 from kvd.gateway.schemas import Strict
 from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
@@ -260,39 +261,36 @@ def _logprob(lp: TokenLogprob, texts: TokenTexts) -> dict:
 
 async def _generate(request: Request, body: ChatRequest | GenerateRequest, op: str, job: Job) -> Response:
     gateway = gateway_of(request)
-    endpoint = request.url.path
+    return await answer(
+        gateway.metrics, request.url.path, PARAM_NAMES, _reply(request, gateway, body, op, job)
+    )
+
+
+async def _reply(
+    request: Request, gateway: Gateway, body: ChatRequest | GenerateRequest, op: str, job: Job
+) -> dict | StreamingResponse:
+    """The whole reply's body, or the stream of its lines."""
     shape = ReplyShape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
-    try:
-        streams = open_streams(gateway.client, op, [job])
-        if body.stream:
-            chunks = merged(streams, gateway.metrics)
-            first = await anext(chunks)  # errors before the first token are HTTP errors
-            return StreamingResponse(
-                _lines(gateway, shape, first, chunks, endpoint), media_type="application/x-ndjson"
-            )
+    streams = open_streams(gateway.client, op, [job])
+    if body.stream:
+        chunks = merged(streams, gateway.metrics)
+        first = await anext(chunks)  # errors before the first token are HTTP errors
+        lines = _lines(gateway, shape, first, chunks, request.url.path)
+        return StreamingResponse(lines, media_type="application/x-ndjson")
 
-        async def collect() -> Choice:
-            choice = Choice(0)
-            async for _, chunk in merged(streams, gateway.metrics):
-                shape.observe(chunk)
-                choice.add(chunk)
-            return choice
+    async def collect() -> Choice:
+        choice = Choice(0)
+        async for _, chunk in merged(streams, gateway.metrics):
+            shape.observe(chunk)
+            choice.add(chunk)
+        return choice
 
-        choice = await unless_disconnected(request, collect())
-        if choice.finish_reason == "abort":
-            raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
-        await gateway.texts.fill(choice.logprobs)
-        final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
-        result = shape.whole(choice.text, choice.tool_calls, choice.logprobs, final)
-    except ClientDisconnected:
-        gateway.metrics.request_done(endpoint, "disconnected")
-        return Response(status_code=499)
-    except (ApiError, KvdError) as e:
-        error = e if isinstance(e, ApiError) else from_kvd_error(e, PARAM_NAMES)
-        gateway.metrics.request_done(endpoint, "client_error" if error.status < 500 else "server_error")
-        raise error from None
-    gateway.metrics.request_done(endpoint, "success")
-    return JSONResponse(result)
+    choice = await unless_disconnected(request, collect())
+    if choice.finish_reason == "abort":
+        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+    await gateway.texts.fill(choice.logprobs)
+    final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
+    return shape.whole(choice.text, choice.tool_calls, choice.logprobs, final)
 
 
 async def _lines(
