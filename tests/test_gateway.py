@@ -9,13 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import openai
 import pytest
-from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
+from daemon_fixtures import REPO, DaemonProcess, daemon_env
+from gateway_fixtures import daemon_fixture, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd_client import Client
@@ -26,72 +24,10 @@ PROMPT = "The capital of France is"
 LONG_PROMPT = "Once upon a time in a land far away there lived a king who had three daughters. " * 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def gateway_daemon(model: Path, workdir: Path) -> Iterator[DaemonProcess]:
-    """`kvd serve --http` on a free port, with `base_url` set once the gateway answers; for other modules'
-    fixtures too (one daemon and gateway per module)."""
-    port = free_port()
-    proc = start_daemon(workdir, "--http", f"127.0.0.1:{port}", model=model)
-    proc.base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not _health_ok(proc.base_url):
-        assert time.monotonic() < deadline, f"the gateway did not answer; log:\n{proc.log()}"
-        time.sleep(0.2)
-    yield proc
-    assert proc.stop() == 0, proc.log()
-    with pytest.raises(OSError):  # the gateway went with the daemon
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with gateway_daemon(tiny_daemon_model, tmp_path_factory.mktemp("gw")) as proc:
-        yield proc
-
-
-def _health_ok(base_url: str) -> bool:
-    try:
-        return _get(base_url, "/health")[0] == 200
-    except OSError:
-        return False
-
-
-def _get(base_url: str, path: str) -> tuple[int, str]:
-    conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=30)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read().decode()
-    finally:
-        conn.close()
-
-
-@pytest.fixture(scope="module")
-def kvd(daemon: DaemonProcess) -> Iterator[Client]:
-    with daemon.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(kvd: Client) -> str:
-    return kvd.info()["model"]
-
-
-@pytest.fixture(scope="module")
-def oai(daemon: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 def test_models_and_health(oai: openai.OpenAI, kvd: Client, daemon: DaemonProcess):
     (card,) = oai.models.list().data
     assert card.id == kvd.info()["model"] and card.owned_by == "kvd"
-    assert json.loads(_get(daemon.base_url, "/health")[1]) == {"status": "ready"}
+    assert json.loads(http_get(daemon.base_url, "/health")[1]) == {"status": "ready"}
 
 
 def test_completions_match_the_daemon_streamed_or_not(oai: openai.OpenAI, kvd: Client, model: str):
@@ -287,8 +223,8 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
         oai.completions.create(model=model, prompt=PROMPT, temperature=500)
     with pytest.raises(openai.BadRequestError):  # refused by the gateway's own validation
         oai.completions.create(model=model, prompt=PROMPT, extra_body={"frobnicate": 1})
-    assert _get(daemon.base_url, "/no/such/route")[0] == 404
-    assert _get(daemon.base_url, "/v1/completions")[0] == 405
+    assert http_get(daemon.base_url, "/no/such/route")[0] == 404
+    assert http_get(daemon.base_url, "/v1/completions")[0] == 405
     after = _metrics(daemon)
 
     def delta(name: str, **labels: str) -> float:
@@ -324,7 +260,7 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
 
 
 def _metrics(daemon: DaemonProcess) -> dict[tuple[str, tuple], float]:
-    status, text = _get(daemon.base_url, "/metrics")
+    status, text = http_get(daemon.base_url, "/metrics")
     assert status == 200
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -3,14 +3,11 @@ methods, and bound tools."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from daemon_fixtures import DaemonProcess
+from gateway_fixtures import daemon_fixture  # noqa: F401
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
-from test_gateway import gateway_daemon
 
 
 class Person(BaseModel):
@@ -24,12 +21,6 @@ class Weather(BaseModel):
     """The weather in a city."""
 
     city: str = Field(max_length=10)
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with gateway_daemon(tiny_daemon_model, tmp_path_factory.mktemp("lc")) as proc:
-        yield proc
 
 
 @pytest.fixture(scope="module")

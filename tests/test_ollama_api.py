@@ -4,15 +4,13 @@ streams, format, embeddings, tools, the model listings, and the options it refus
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import ollama
 import pytest
 from daemon_fixtures import DaemonProcess
-from test_gateway import gateway_daemon
+from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
 
 from kvd.gateway.ollama import ReplyShape
 from kvd_client import Chunk, Client, ToolCall, Usage
@@ -37,23 +35,6 @@ def weather(city: str) -> str:
       city: the city's name
     """
     return "sunny"
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with gateway_daemon(tiny_daemon_model, tmp_path_factory.mktemp("ollama")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def kvd(daemon: DaemonProcess) -> Iterator[Client]:
-    with daemon.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(kvd: Client) -> str:
-    return kvd.info()["model"]
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,13 @@ import base64
 import json
 import struct
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from daemon_fixtures import DaemonProcess
-from test_gateway import gateway_daemon
+from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 
 from kvd_client import Client
 
@@ -62,28 +61,6 @@ TIME = {
 }
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    with gateway_daemon(tiny_daemon_model, tmp_path_factory.mktemp("oai")) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def kvd(daemon: DaemonProcess) -> Iterator[Client]:
-    with daemon.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(kvd: Client) -> str:
-    return kvd.info()["model"]
-
-
-@pytest.fixture(scope="module")
-def oai(daemon: DaemonProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
