@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="folder or .gguf (default: the bundled SmolLM2-135M)")
     p.add_argument("--schemas", type=int, default=len(SCHEMAS), help="use the first N schemas")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="prompts per schema for validity")
-    p.add_argument("--max-tokens", type=int, default=256, help="per validity request")
+    p.add_argument("--max-tokens", type=int, default=512, help="per validity request (the 60-property object needs ~360)")
     p.add_argument("--num-requests", type=int, default=16, help="concurrent requests of the throughput runs")
     p.add_argument("--throughput-max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="ABAB rounds of the throughput runs")

@@ -228,3 +228,18 @@ def test_properties_come_in_the_schema_order_and_objects_are_closed(llm):
     loose = compiler.matcher(SamplingParams(json_schema=open_schema))
     extra = llm.engine.encode('{"other": 1}')
     assert not strict.consume_tokens(extra) and loose.consume_tokens(extra)
+
+
+def test_an_all_of_of_plain_objects_is_one_closed_object(llm):
+    schema = {
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"enum": [1, 2]}}, "required": ["b"]},
+        ]
+    }
+    out = llm.generate("x", SamplingParams(max_tokens=40, temperature=0, json_schema=schema), use_tqdm=False)[
+        0
+    ]
+    value = json.loads(out.text)
+    jsonschema.validate(value, schema)
+    assert list(value) == ["a", "b"] and out.finish_reason == "stop"

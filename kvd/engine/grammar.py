@@ -128,7 +128,7 @@ def _closed(schema: object, close: bool = True) -> object:
     of an allOf are left open at their top (each lists only some of the properties the whole has)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
+    out = _merged_all_of(schema)
     if close and "properties" in out and not any(k in out for k in _EXTRA_KEYS) and "allOf" not in out:
         out["additionalProperties"] = False
     for key in _SUBSCHEMA:
@@ -142,6 +142,33 @@ def _closed(schema: object, close: bool = True) -> object:
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: _closed(s) for name, s in out[key].items()}
+    return out
+
+
+_PLAIN_OBJECT = {"type", "properties", "required", "description", "title"}
+
+
+def _merged_all_of(schema: dict) -> dict:
+    """An allOf of plain objects (properties and required only) as the one object it describes, which can then
+    be closed; any other allOf is kept as it is."""
+    parts = schema.get("allOf")
+    plain = (
+        isinstance(parts, list)
+        and parts
+        and all(
+            isinstance(p, dict) and set(p) <= _PLAIN_OBJECT and p.get("type", "object") == "object"
+            for p in parts
+        )
+    )
+    names = [name for p in parts for name in p.get("properties", {})] if plain else []
+    if not plain or len(set(names)) < len(names) or any(k in schema for k in ("properties", *_EXTRA_KEYS)):
+        return dict(schema)  # a property in two parts must meet both: not a plain union
+    out = {k: v for k, v in schema.items() if k != "allOf"}
+    out["type"] = "object"
+    out["properties"] = {name: s for p in parts for name, s in p.get("properties", {}).items()}
+    out["required"] = list(
+        dict.fromkeys([*schema.get("required", []), *(r for p in parts for r in p.get("required", []))])
+    )
     return out
 
 
