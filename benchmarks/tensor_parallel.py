@@ -5,7 +5,8 @@
 
 --check: exit 1 unless TP=2's greedy tokens are TP=1's (benchmarks/gpu_check.sh runs it on two GPUs).
 
-TP=1 runs with every core, TP=2 with half of them per rank (--cpu-binding auto), so both use the same cores.
+TP=1 runs with every core, TP=2 with half of them per rank (--cpu-binding auto, or none: the OS places them),
+so both use the same cores.
 On a host whose ranks share one memory bus, TP buys no bandwidth: the figure that matters is what the group
 costs per step, rank 0's time inside collectives (step broadcast, two all-reduces per layer, the embedding's,
 the logits gather) with their count and bytes, and the weight bytes each rank holds.
@@ -24,12 +25,20 @@ from kvd.engine.sampling_params import SamplingParams
 
 
 def measure(
-    model: str | None, tp: int, quantization: str, batch: int, steps: int, prompt_len: int, device: str
+    model: str | None,
+    tp: int,
+    quantization: str,
+    batch: int,
+    steps: int,
+    prompt_len: int,
+    device: str,
+    cpu_binding: str,
 ) -> dict:
     cores = len(os.sched_getaffinity(0))
     engine = LLMEngine(
         model=model,
         device=device,
+        cpu_binding=cpu_binding,
         dtype="float32",
         quantization=quantization,
         kv_cache_memory="256M",
@@ -80,11 +89,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cpu-binding", default="auto", help="each TP=2 rank's cores (auto: half each)")
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = [
-        measure(args.model, tp, args.quantization, batch, args.steps, args.prompt_len, args.device)
+        measure(
+            args.model,
+            tp,
+            args.quantization,
+            batch,
+            args.steps,
+            args.prompt_len,
+            args.device,
+            args.cpu_binding,
+        )
         for batch in args.batch
         for tp in (1, 2)
     ]

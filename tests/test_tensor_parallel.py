@@ -141,6 +141,7 @@ def test_bundled_smollm2_tp2_matches_tp1_and_each_rank_holds_half_the_weights(mo
     per_rank = [r["weight_bytes"] for r in info["ranks"]]
     assert len(per_rank) == 2 and all(0.4 * whole < b < 0.6 * whole for b in per_rank), (per_rank, whole)
     assert [r["threads"] for r in info["ranks"]] == [1, 1]
+    assert info["collectives"] == "shared memory"  # both ranks on this host
 
 
 def test_step_inputs_round_trip_and_trim_block_tables():
@@ -261,7 +262,11 @@ def _serve(*args: str, log: Path) -> subprocess.Popen:
 
 
 def test_ranks_started_by_hand_meet_over_loopback_tcp(tiny_daemon_model, tmp_path):
-    """The multi-host path on one host: rank 0 and rank 1 as two `kvd serve` commands, tcp rendezvous."""
+    """The multi-host path on one host: rank 0 and rank 1 as two `kvd serve` commands, tcp rendezvous, and
+    every collective through torch.distributed (gloo), as between hosts."""
+    single = LLMEngine(model=str(tiny_daemon_model), kv_cache_memory="64M", dtype="float32", num_threads=1)
+    want = _generate(single, [single.encode("Hello")], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    del single
     init = f"tcp://127.0.0.1:{free_loopback_port()}"
     common = ["--model", str(tiny_daemon_model), "--kv-cache-memory", "64M", "--distributed-init", init]
     common += ["--world-size", "2"]
@@ -274,7 +279,8 @@ def test_ranks_started_by_hand_meet_over_loopback_tcp(tiny_daemon_model, tmp_pat
     try:
         wait_ready(daemon, 180)
         with daemon.client() as client:
-            assert len(client.generate("Hello", max_tokens=4, temperature=0.0).token_ids) == 4
+            assert client.generate("Hello", max_tokens=6, temperature=0.0).token_ids == want
+            assert client.info()["tensor_parallel"]["collectives"] == "torch.distributed"
         assert daemon.stop() == 0, daemon.log()
         assert rank1.wait(30) == 0, (tmp_path / "rank1.log").read_text()
     finally:

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvd.distributed import shm
+from kvd.distributed.errors import TensorParallelError
 from kvd.distributed.shard import Shard
 
-
-class TensorParallelError(RuntimeError):
-    """A rank died, left or did not answer within the timeout: the group cannot run another step."""
+__all__ = ["STATS", "CommStats", "TensorParallelError", "all_reduce", "gather_vocab"]
 
 
 @dataclass
@@ -35,7 +35,8 @@ STATS = CommStats()
 def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
     """The sum of every rank's x, the same bits on every rank and for every batch shape.
 
-    Two ranks: one all-reduce (a + b is commutative, so each element rounds once, the same everywhere). More:
+    Ranks on one host exchange through shared memory (kvd.distributed.shm), summing in rank order. Otherwise,
+    two ranks: one all-reduce (a + b is commutative, so each element rounds once, the same everywhere). More:
     gather and add in rank order, since a ring all-reduce starts each element's sum at a rank that depends on
     where the element falls in the tensor, that is, on the batch's size: batch invariance would not hold.
     """
@@ -43,6 +44,11 @@ def all_reduce(x: torch.Tensor, shard: Shard) -> torch.Tensor:
         return x
     started = time.perf_counter()
     x = x.contiguous()
+    shared = shm.active()
+    if shared is not None and shared.fits(x):
+        out = shared.all_reduce(x)
+        STATS.add(started, x)
+        return out
     try:
         if shard.world_size == 2:
             dist.all_reduce(x)
@@ -65,11 +71,15 @@ def gather_vocab(local: torch.Tensor, shard: Shard, vocab_size: int) -> torch.Te
         return local
     started = time.perf_counter()
     local = local.contiguous()
-    parts = [torch.empty_like(local) for _ in range(shard.world_size)] if shard.rank == 0 else None
-    try:
-        dist.gather(local, parts, dst=0)
-    except RuntimeError as e:
-        raise TensorParallelError(f"logits gather failed: {e}") from e
+    shared = shm.active()
+    if shared is not None and shared.fits(local):
+        parts = shared.gather(local)
+    else:
+        parts = [torch.empty_like(local) for _ in range(shard.world_size)] if shard.rank == 0 else None
+        try:
+            dist.gather(local, parts, dst=0)
+        except RuntimeError as e:
+            raise TensorParallelError(f"logits gather failed: {e}") from e
     STATS.add(started, local)
     if parts is None:
         return local

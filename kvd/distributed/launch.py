@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kvd.distributed import group
-from kvd.distributed.comm import TensorParallelError
+from kvd.distributed import group, shm
 from kvd.distributed.cpu_binding import bind_process, rank_cpus
+from kvd.distributed.errors import TensorParallelError
 from kvd.distributed.group import DistributedStartupError
 from kvd.distributed.shard import Shard
 from kvd.distributed.step import StepChannel
@@ -89,17 +89,38 @@ class TensorParallel:
                 )
         logger.info("tensor parallel: %d ranks met at %s", world, self.args.distributed_init)
 
-    def finish_startup(self, plan: dict) -> None:
+    def finish_startup(self, plan: dict, slot_bytes: int) -> None:
         """Give the workers the plan (KV pool, block size, the model's fingerprint), wait until each has
-        loaded its shard and checked it, then form the process group."""
-        group.put(self.store, "plan", plan)
-        for rank in range(1, self.shard.world_size):
-            ready = group.get(self.store, f"ready/{rank}", self._check_started)
-            if "error" in ready:
-                self.fail_startup(ready["error"])
-            self.ranks.append(ready)
+        loaded its shard and checked it, then form the process group.
+
+        When every rank runs on this host's CPU, the plan names a shared file for the collectives
+        (kvd.distributed.shm; `slot_bytes` per rank and buffer); it is unlinked once every rank has mapped it."""
+        world = self.shard.world_size
         device = group.rank_device(self.args.device, 0)
+        path = f"/dev/shm/kvd-tp-{os.getpid()}-{group.parse_init(self.args.distributed_init)[1]}"
+        local = len(self.workers) == world - 1 and shm.supported(device)
+        plan["shm"] = (
+            {"path": path, "slot_bytes": slot_bytes}
+            if local and shm.create(path, world, slot_bytes)
+            else None
+        )
+        shared = None
+        try:
+            if plan["shm"]:
+                shared = shm.SharedCollectives(
+                    path, 0, world, slot_bytes, self.args.distributed_timeout, self.check
+                )
+            group.put(self.store, "plan", plan)
+            for rank in range(1, world):
+                ready = group.get(self.store, f"ready/{rank}", self._check_started)
+                if "error" in ready:
+                    self.fail_startup(ready["error"])
+                self.ranks.append(ready)
+        finally:
+            if plan["shm"]:
+                os.unlink(path)
         group.init_group(self.store, self.shard, device, self.args.distributed_timeout)
+        shm.activate(shared)
         self.channel = StepChannel(device, self.args.distributed_timeout)
 
     def fail_startup(self, message: str) -> None:
@@ -128,11 +149,13 @@ class TensorParallel:
             "size": self.shard.world_size,
             "backend": "nccl" if torch.device(self.args.device).type == "cuda" else "gloo",
             "init": self.args.distributed_init,
+            "collectives": "shared memory" if shm.active() else "torch.distributed",
             "ranks": [rank0, *self.ranks],
         }
 
     def close(self) -> None:
         """Stop every rank: STOP through the channel, then SIGKILL for a worker still there after STOP_WAIT_S."""
+        shm.activate(None)
         failed = self.channel is not None and self.channel.failure is not None
         if self.channel is not None:
             self.channel.close()

@@ -18,7 +18,8 @@ from enum import IntEnum
 import torch
 import torch.distributed as dist
 
-from kvd.distributed.comm import STATS, TensorParallelError
+from kvd.distributed.comm import STATS
+from kvd.distributed.errors import TensorParallelError
 
 logger = logging.getLogger("kvd.distributed")
 

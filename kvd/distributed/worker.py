@@ -15,9 +15,9 @@ import sys
 
 import torch
 
-from kvd.distributed import group
-from kvd.distributed.comm import TensorParallelError
+from kvd.distributed import group, shm
 from kvd.distributed.cpu_binding import rank_cpus
+from kvd.distributed.errors import TensorParallelError
 from kvd.distributed.group import DistributedStartupError
 from kvd.distributed.shard import Shard
 from kvd.distributed.step import Command, StepInputs, receive
@@ -80,6 +80,13 @@ def _join(args: EngineArgs, local_index: int, cpus: list[int] | None):
         )
         group.put(store, f"ready/{shard.rank}", {"error": message})
         raise DistributedStartupError(message)
+    shared = None
+    if plan["shm"]:  # mapped before ready: rank 0 unlinks the file once every rank is ready
+        parent = os.getppid()
+        shared = shm.SharedCollectives(
+            plan["shm"]["path"], shard.rank, shard.world_size, plan["shm"]["slot_bytes"],
+            args.distributed_timeout, lambda: _check_parent(parent),
+        )  # fmt: skip
     runner = ModelRunner(
         loaded.model,
         loaded.model.config,
@@ -101,10 +108,17 @@ def _join(args: EngineArgs, local_index: int, cpus: list[int] | None):
     }
     group.put(store, f"ready/{shard.rank}", ready)
     group.init_group(store, shard, device, args.distributed_timeout)
+    shm.activate(shared)
     logger.info(
         "rank %d of %d ready (cores %s, %d threads)", shard.rank, shard.world_size, placed, ready["threads"]
     )
     return runner, device
+
+
+def _check_parent(parent: int) -> None:
+    """A spawned worker's rank 0 is its parent: once that is gone, it is reparented."""
+    if os.getppid() != parent:
+        raise TensorParallelError("rank 0 exited")
 
 
 def _loop(runner, device: torch.device) -> None:

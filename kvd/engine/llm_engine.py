@@ -13,6 +13,7 @@ import torch
 
 from kvd.distributed.group import fingerprint, weight_bytes
 from kvd.distributed.shard import WHOLE
+from kvd.distributed.shm import slot_bytes
 from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs
@@ -125,7 +126,13 @@ class LLMEngine:
                     "max_model_len": self.max_model_len,
                     "max_num_seqs": args.max_num_seqs,
                     "fingerprint": fingerprint(loaded.model, self.dtype, self.quantization, self.config),
-                }
+                },
+                slot_bytes(
+                    self.config.hidden_size,
+                    loaded.model.config.vocab_size,
+                    args.max_num_batched_tokens,
+                    args.max_num_seqs,
+                ),
             )
         self.runner = ModelRunner(
             loaded.model,

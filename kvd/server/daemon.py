@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from kvd.distributed.comm import TensorParallelError
+from kvd.distributed.errors import TensorParallelError
 from kvd.engine.llm_engine import LLMEngine
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
