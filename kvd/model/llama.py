@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from kvd.distributed.comm import all_reduce, gather_vocab
-from kvd.distributed.shard import WHOLE, Shard, shard_config
+from kvd.distributed.shard import WHOLE, Shard, ShardPlan
 from kvd.model.config import ModelConfig
 from kvd.model.layers.activation import silu_and_mul
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
@@ -126,7 +126,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shard = shard
         self.vocab_size = config.vocab_size
-        config = shard_config(config, shard)
+        config = ShardPlan(config, shard).local_config()
         self.config = config
         self.attention_backend = attention_backend or TorchAttentionBackend()
         self.model = DecoderModel(config, self.attention_backend, shard, shard.vocab_start(self.vocab_size))

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
-from kvd.distributed.shard import WHOLE, Shard, shard_tensor
+from kvd.distributed.shard import WHOLE, Shard, ShardPlan
 from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
@@ -131,9 +131,10 @@ def load_model(
     tokenizer = checkpoint.load_tokenizer()
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
     causal_lm = build_causal_lm(config, attention_backend, run_dtype, device, shard)
+    plan = ShardPlan(config, shard)
     causal_lm.load_weights(  # casts to the parameters' dtype
         tqdm(
-            ((n, shard_tensor(n, t, shard)) for n, t in checkpoint.weights()),
+            ((n, plan.tensor(n, t)) for n, t in checkpoint.weights()),
             total=checkpoint.num_tensors,
             desc=f"Loading {name}",
             unit="tensor",
