@@ -85,17 +85,26 @@ def _close_rows(got: dict, want: dict) -> None:
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="batch invariance needs kvd's native kernels")
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "linear_rope", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    ("family", "quantization"),
+    [
+        *((f, "none") for f in ("llama", "llama3_rope", "linear_rope", "mistral", "qwen2", "qwen3")),
+        ("llama", "int4"),  # the native quantized kernels on shards
+        ("qwen2", "int8"),
+    ],
+)
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(
-    tiny_checkpoint, monkeypatch, family
+    tiny_checkpoint, monkeypatch, family, quantization
 ):
+    """Float weights: logits within 1e-5 of TP=1's. Quantized: the kernels quantize activations to int8, where
+    a last-bit difference of the all-reduce can cross a step, so only the tokens are compared."""
     folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
-    single = _engine(folder, 1)
+    single = _engine(folder, 1, quantization=quantization)
     want = _generate(single, PROMPTS)
     want_rows = dict(recorder.rows)
     recorder.rows.clear()
-    engine = _engine(folder, 2)
+    engine = _engine(folder, 2, quantization=quantization)
     try:
         got = _generate(engine, PROMPTS)
         got_rows = dict(recorder.rows)
@@ -109,7 +118,8 @@ def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_inva
         engine.close()
     assert got == want
     assert stats["num_preemptions"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0, stats
-    _close_rows(got_rows, want_rows)
+    if quantization == "none":
+        _close_rows(got_rows, want_rows)
     assert alone.keys() == got_rows.keys()
     for key, row in alone.items():
         assert torch.equal(row, got_rows[key]), key
