@@ -156,6 +156,13 @@ def test_grammars_are_compiled_once(llm):
             "",
         ),
         ({"regex": "[a-"}, "regex", "unclosed character class"),
+        # Unsatisfiable: a required property the closed object cannot have.
+        (
+            {"json_schema": {"type": "object", "properties": {"a": {}}, "required": ["b"]}},
+            "json_schema",
+            "unsatisfiable",
+        ),
+        ({"json_schema": {"type": "integer", "minimum": 5, "maximum": 1}}, "json_schema", ""),
         ({"grammar": "start: missing_rule"}, "grammar", "missing_rule"),
     ],
 )
@@ -243,3 +250,13 @@ def test_an_all_of_of_plain_objects_is_one_closed_object(llm):
     value = json.loads(out.text)
     jsonschema.validate(value, schema)
     assert list(value) == ["a", "b"] and out.finish_reason == "stop"
+
+
+def test_a_huge_schema_is_refused_or_compiled_without_harm(llm):
+    # 20,000 properties: llguidance's grammar-size limit refuses it with its reason, and the engine goes on.
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20000)}}
+    with pytest.raises(RequestRejectedError) as e:
+        llm.generate("x", SamplingParams(max_tokens=4, json_schema=huge), use_tqdm=False)
+    assert e.value.field == "json_schema" and str(e.value).count(":") >= 1
+    out = llm.generate("x", SamplingParams(max_tokens=4, temperature=0, regex="[ab]+"), use_tqdm=False)[0]
+    assert re.fullmatch("[ab]+", out.text)

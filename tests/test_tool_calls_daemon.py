@@ -178,3 +178,13 @@ def test_bad_tool_requests_name_the_field(tiny_daemon: DaemonProcess, fields, fi
             client.chat(messages, **fields)
         assert e.value.field == field
         assert client.chat(ASK, max_tokens=2).finish_reason == "length"  # still serving
+
+
+def test_the_developer_role_reaches_a_template_without_one_as_system(tiny_daemon: DaemonProcess):
+    with tiny_daemon.client() as client:
+        developer = client.tokenize(messages=[{"role": "developer", "content": "Be brief."}, *ASK])
+        system = client.tokenize(messages=[{"role": "system", "content": "Be brief."}, *ASK])
+        rendered = client.detokenize(developer)
+    assert developer == system
+    # SmolLM2's template adds its own system prompt only when the conversation has none.
+    assert "Be brief." in rendered and "SmolLM" not in rendered
