@@ -18,6 +18,9 @@ from kvd.kernels.store_kvcache import KernelInputError
 
 BLOCK_N = 64  # context tokens per tile
 MAX_SPLITS = 16
+# Batch-invariant decoding: every launch has MAX_SPLITS splits and a sequence's split size follows from its own
+# context (at least this many tokens), so its partial sums and their merge never depend on the batch.
+INVARIANT_SPLIT_TOKENS = 256
 # A program's tiles are [16 query rows x 64 tokens x head_dim]: 4 warps cover them, and 2 stages keep the next
 # K/V tile's load in flight during this one's dots (decode is bound by those loads, not by the math).
 NUM_WARPS = 4
@@ -61,11 +64,16 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Same result as paged_decode_attention_reference, as Triton kernels; writes into `out` when given.
 
     A sequence with context length 0 gets zeros (CUDA-graph padding rows should use length 1 instead).
+    `batch_invariant`: MAX_SPLITS splits of a size set by each sequence's own context (num_splits is ignored),
+    so a sequence's output is bitwise the same whatever else the launch holds.
     """
+    if batch_invariant:
+        num_splits = MAX_SPLITS
     _check_inputs(q, kv_cache, block_tables, context_lens, num_splits)
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -96,6 +104,7 @@ def paged_decode_attention(
         kv_cache.stride(0),
         kv_cache.stride(1),
         scale,
+        INVARIANT_SPLIT_TOKENS if batch_invariant else 0,
         GROUP=group,
         GROUP_PAD=max(16, 1 << (group - 1).bit_length()),  # tl.dot wants at least 16 rows
         HEAD_DIM=head_dim,
@@ -179,6 +188,7 @@ def _kernels():
         kv_stride,  # from K's half of the pool to V's
         block_stride,
         scale,
+        min_split_tokens,  # 0, or the least tokens a split takes (batch invariance)
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -193,8 +203,9 @@ def _kernels():
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)  # a runtime value: one compiled kernel serves every split count
         ctx = tl.load(ctx_ptr + seq)
-        # Each split takes whole tiles, so only the last tile of a sequence is ragged.
-        per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        # Each split takes whole tiles, so only the last tile of a sequence is ragged; with min_split_tokens
+        # (batch invariance) the size depends on this sequence alone.
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_split_tokens)
         start = split * per_split
         end = tl.minimum(start + per_split, ctx)
 

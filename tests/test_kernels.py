@@ -127,6 +127,26 @@ def test_paged_decode_zero_context_gives_zeros_and_leaves_other_rows_alone():
         torch.testing.assert_close(out[:1], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_batch_invariant_decode_gives_each_sequence_the_same_bits_in_any_batch():
+    """Split sizes follow each sequence's own context: alone, or beside any others, the same output bits."""
+    gen = torch.Generator().manual_seed(11)
+    context_lens = [700, 5, 64, 1500, 300]  # one split for short contexts, several for long ones
+    num_blocks = sum(-(-c // 16) for c in context_lens) + 2
+    tables = random_tables(context_lens, 16, num_blocks, gen).to(DEVICE)
+    pool = torch.randn(2, num_blocks, 16, 2, 64, generator=gen).to(DEVICE)
+    q = torch.randn(len(context_lens), 6, 64, generator=gen).to(DEVICE)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    batched = paged_decode_attention(q, pool, tables, lens, 0.125, batch_invariant=True)
+    torch.testing.assert_close(batched, paged_decode_attention_reference(q, pool, tables, lens, 0.125))
+    for s in range(len(context_lens)):
+        one = slice(s, s + 1)
+        alone = paged_decode_attention(q[one], pool, tables[one], lens[one], 0.125, batch_invariant=True)
+        assert torch.equal(alone, batched[one]), f"sequence {s} (context {context_lens[s]})"
+        pair = [s, (s + 1) % len(context_lens)]
+        beside = paged_decode_attention(q[pair], pool, tables[pair], lens[pair], 0.125, batch_invariant=True)
+        assert torch.equal(beside[:1], batched[one])
+
+
 def test_paged_decode_writes_into_out():
     gen = torch.Generator().manual_seed(5)
     tables = random_tables([30], 16, 4, gen).to(DEVICE)

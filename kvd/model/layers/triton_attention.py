@@ -42,6 +42,8 @@ class TritonAttentionMetadata(AttentionMetadata):
 class TritonAttentionBackend(GraphDecodeBackend):
     name = "triton"
     metadata_cls = TritonAttentionMetadata
+    # Decode with splits sized by each sequence's own context (kvd.model.batch_invariance sets it per model).
+    batch_invariant = True
 
     def __init__(self) -> None:
         self._prefill_backend = TorchAttentionBackend()
@@ -106,10 +108,17 @@ class TritonAttentionBackend(GraphDecodeBackend):
             out.index_copy_(0, rows, attended)
         return out
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+    ) -> torch.Tensor:
         return paged_decode_attention(
-            q, kv_cache, group.block_tables, group.context_lens, scale, num_splits=group.num_splits
+            q,
+            kv_cache,
+            group.block_tables,
+            group.context_lens,
+            scale,
+            num_splits=group.num_splits,
+            batch_invariant=self.batch_invariant,
         )
 
     def _prefill_group(
