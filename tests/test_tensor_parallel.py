@@ -227,6 +227,7 @@ def test_daemon_tp2_serves_tp1_tokens_and_a_killed_worker_fails_every_request(ti
             daemon.stop(signal.SIGKILL)
     assert len(errors) == 2, daemon.log()
     assert all(getattr(e, "code", None) == "internal" for e in errors), errors
+    assert all("tensor-parallel group failed" in str(e) for e in errors), errors  # the client is told why
     assert code == 3, daemon.log()
     assert "tensor-parallel group failed" in daemon.log()
 

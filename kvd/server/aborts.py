@@ -42,7 +42,7 @@ class Aborts:
                 self.abort(session, generation)
             self.state.sessions.release_if_idle(session)
 
-    def fail_all(self) -> None:
+    def fail_all(self, message: str = "the engine failed; see the log") -> None:
         for session in self.state.sessions:
             for generation in list(session.requests.values()):
                 self._forget(session, generation)
@@ -50,7 +50,7 @@ class Aborts:
                 self.router.publish_finished(session, generation, "error")
                 self.router.send(
                     session.identity,
-                    protocol.error_reply(generation.id, INTERNAL, "the engine failed; see the log"),
+                    protocol.error_reply(generation.id, INTERNAL, message),
                 )
             self.state.sessions.release_if_idle(session)
 

@@ -183,7 +183,9 @@ class Daemon:
             return
         logger.error("tensor-parallel group failed: %s; failing every request in flight and exiting", error)
         self.failure = error
-        self.aborts.fail_all()
+        self.aborts.fail_all(
+            f"the tensor-parallel group failed ({error}); the daemon exits, retry once it is back"
+        )
 
     def _flush_before_close(self) -> None:
         outbox = self.router.outbox
