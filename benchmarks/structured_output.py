@@ -22,12 +22,12 @@ import json
 import statistics
 import time
 from importlib.metadata import version
-from pathlib import Path
 
 import jsonschema
 import llguidance
 import torch
 
+from benchmarks.host import cpu_name
 from benchmarks.schemas import PROMPTS, SCHEMAS
 from kvd import LLM, SamplingParams
 from kvd.engine.grammar import JSON_OPTIONS, GrammarCompiler, apply_masks
@@ -45,7 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="folder or .gguf (default: the bundled SmolLM2-135M)")
     p.add_argument("--schemas", type=int, default=len(SCHEMAS), help="use the first N schemas")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="prompts per schema for validity")
-    p.add_argument("--max-tokens", type=int, default=512, help="per validity request (the 60-property object needs ~360)")
+    p.add_argument(
+        "--max-tokens", type=int, default=512, help="per validity request (the 60-property object needs ~360)"
+    )
     p.add_argument("--num-requests", type=int, default=16, help="concurrent requests of the throughput runs")
     p.add_argument("--throughput-max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3, help="ABAB rounds of the throughput runs")
@@ -54,18 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p.parse_args(argv)
-
-
-def cpu_name() -> str:
-    """The first core's model name from /proc/cpuinfo (empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.partition(":")[2].strip()
-    return ""
 
 
 def percentile(values: list[float], q: float) -> float:

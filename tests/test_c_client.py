@@ -24,6 +24,7 @@ from client_parity import (
     stale_socket,
 )
 from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply
+from tool_fixtures import SCHEMAS, TOOLS
 
 from kvd_client import resolve_endpoint
 
@@ -203,26 +204,6 @@ def test_malformed_endpoints_are_refused(c_build: Path, url: str):
 
 # Structured output, logit_bias, log-probabilities, tools and embed.
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["utc", "cet"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
-    },
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = ["-m", "user=What is the weather in Paris?"]
 
 

@@ -11,29 +11,10 @@ import jsonschema
 import pytest
 from chat_templates import QWEN2_5
 from daemon_fixtures import DaemonProcess, start_daemon
+from tool_fixtures import SCHEMAS, TOOLS
 
 from kvd_client import BadRequestError
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"enum": ["utc", "cet"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
-    },
-    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0, "max_tokens": 120}
 
