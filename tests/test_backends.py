@@ -222,10 +222,11 @@ def flash_varlen_reference(
 
 
 def flash_with_kvcache_reference(
-    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False
+    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, num_splits=0
 ):
     """flash_attn_with_kvcache over a paged cache for one new token per sequence: q [B, 1, H, D]."""
     check_flash_args(k_cache, block_table, cache_seqlens)
+    assert num_splits == 1  # batch invariance: no split count chosen by batch size
     assert q.dim() == 4 and q.shape[1] == 1
     pool = torch.stack((k_cache, v_cache))
     return paged_decode_attention_reference(q[:, 0], pool, block_table, cache_seqlens, softmax_scale)[:, None]

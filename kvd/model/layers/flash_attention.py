@@ -53,6 +53,8 @@ class FlashAttentionMetadata(AttentionMetadata):
 class FlashAttentionBackend(GraphDecodeBackend):
     name = "flash-attn"
     metadata_cls = FlashAttentionMetadata
+    # Decode without flash-attn's split heuristic, which picks the split count by batch size (batch invariance).
+    batch_invariant = True
 
     def __init__(self, ops: FlashAttnOps | None = None) -> None:
         self.ops = ops or load_flash_attn_ops()
@@ -111,6 +113,7 @@ class FlashAttentionBackend(GraphDecodeBackend):
                 block_table=attn.block_tables,
                 softmax_scale=scale,
                 causal=True,
+                num_splits=1 if self.batch_invariant else 0,  # 0: flash-attn's heuristic
             )
             return out.squeeze(1)
         # Causal masking in flash-attn aligns each sequence's queries with the end of its keys, which is
