@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 from daemon_fixtures import start_daemon
+from logits_recorder import LogitsRecorder
 
 from kvd import LLM
-from kvd.engine import llm_engine
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native, native_build
 
@@ -39,21 +39,6 @@ MODES = [
     ("bfloat16", "int8", "qwen3"),
     ("bfloat16", "int4", "llama"),
 ]
-
-
-class LogitsRecorder:
-    """Wraps the real sampler: keeps each sampled row's logits under the tokens its sequence had then."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.rows: dict[tuple[int, ...], torch.Tensor] = {}
-        sample = llm_engine.sample
-
-        def recording(logits, rows):
-            for i, row in enumerate(rows):
-                self.rows[tuple(row.token_ids)] = logits[i].clone()
-            return sample(logits, rows)
-
-        monkeypatch.setattr(llm_engine, "sample", recording)
 
 
 def _params(i: int) -> SamplingParams:

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 from daemon_fixtures import REPO, daemon_env, start_daemon, wait_ready
+from logits_recorder import LogitsRecorder
 
 from kvd.distributed.cpu_binding import format_cpulist, parse_cpulist
 from kvd.distributed.group import free_loopback_port
 from kvd.distributed.shard import Shard, ShardPlan
 from kvd.distributed.step import StepInputs
-from kvd.engine import llm_engine
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native
@@ -36,21 +36,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # Small budgets: the 71-token prompt is chunked, and 12 blocks of 16 tokens cannot hold every sequence, so some
 # are preempted and recomputed.
 ENGINE = dict(dtype="float32", num_threads=1, max_num_seqs=4, max_num_batched_tokens=32)
-
-
-class LogitsRecorder:
-    """Wraps the engine's sampler: each sampled row's logits under the tokens its sequence had then."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.rows: dict[tuple[int, ...], torch.Tensor] = {}
-        sample = llm_engine.sample
-
-        def recording(logits, rows):
-            for i, row in enumerate(rows):
-                self.rows[tuple(row.token_ids)] = logits[i].clone()
-            return sample(logits, rows)
-
-        monkeypatch.setattr(llm_engine, "sample", recording)
 
 
 def _engine(model: Path | None, tp: int, blocks: int | None = 12, **kw: object) -> LLMEngine:
