@@ -6,8 +6,9 @@
 //   weights in panels of 16 outputs (one FMA chain each) or rows; bf16 weights in AMX tiles or rows.
 //   Dequantization for the float GEMMs of prefill without batch invariance.
 // - Attention over the paged KV pool in place, one query per row: no gather of K/V into a workspace.
-// - K/V store, rotary embedding, RMSNorm (with the residual add fused), and a step through every layer.
-// Activations and the KV pool are float32 or bfloat16 (the norms and the layer loop: float32). Without AVX2 the
+// - K/V store, rotary embedding, RMSNorm (with the residual add fused), SiLU-and-multiply, and a decode step
+//   through every layer (the same kernels in the same order as the model's Python layer loop).
+// Activations and the KV pool are float32 or bfloat16. Without AVX2 the
 // same arithmetic runs in portable C. Threads: OpenMP (torch's own runtime once torch has loaded it), the count
 // passed in by the caller. Indices into the KV pool and the rotary table are checked before anything is written
 // (KVD_BAD_INDEX). The ABI is declared in cpu_kernels.h.
@@ -1000,32 +1001,89 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
-// ---- residual add + RMSNorm ----------------------------------------------------------------------------------
+// ---- residual add + RMSNorm, SiLU-and-multiply ----------------------------------------------------------------
 
-// out[0..D) = x / rms(x) * weight, in float32 (out may be x).
-static void norm_row(const float* x, float* out, int64_t D, const float* weight, float eps) {
+// out[0..D) = x / rms(x) * weight (out may be x). float32: one product chain per value; bf16: normalized in
+// float32 and rounded, then scaled and rounded, as transformers computes it (the sum of squares in one order).
+static void norm_row(const void* x, void* out, int64_t D, const void* weight, float eps, int bf16) {
     float ss = 0.f;
-    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    for (int64_t i = 0; i < D; i++) {
+        const float v = load_f(x, i, bf16);
+        ss += v * v;
+    }
     const float inv = 1.f / sqrtf(ss / (float)D + eps);
-    for (int64_t i = 0; i < D; i++) out[i] = x[i] * inv * weight[i];
+    if (!bf16) {
+        const float *xf = x, *wf = weight;
+        float* of = out;
+        for (int64_t i = 0; i < D; i++) of[i] = xf[i] * inv * wf[i];
+        return;
+    }
+    for (int64_t i = 0; i < D; i++)
+        store_f(out, i, load_f(weight, i, 1) * bf16_to_f32(f32_to_bf16(load_f(x, i, 1) * inv)), 1);
 }
 
 // RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
 // may be x): single heads (Qwen3's q/k norms) or, with one head, whole rows.
-void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
-                  int64_t D, const float* weight, float eps) {
+void kvd_rms_norm(const void* x, int64_t stride, void* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const void* weight, float eps, int bf16) {
+    const int elem = bf16 ? 2 : 4;
     for (int64_t t = 0; t < tokens; t++)
-        for (int64_t h = 0; h < heads; h++) norm_row(x + t * stride + h * D, out + t * out_stride + h * D, D, weight, eps);
+        for (int64_t h = 0; h < heads; h++)
+            norm_row((const char*)x + (t * stride + h * D) * elem, (char*)out + (t * out_stride + h * D) * elem, D,
+                     weight, eps, bf16);
 }
 
-// residual [M, H] += x; out = RMSNorm(residual) * weight, in float32.
-void kvd_add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
-                      float eps, int nthreads) {
+void kvd_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t M, int64_t H,
+                      float eps, int bf16, int nthreads) {
+    const int elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 65536)
     for (int64_t r = 0; r < M; r++) {
-        float* res = residual + r * H;
-        for (int64_t i = 0; i < H; i++) res[i] += x[r * H + i];
-        norm_row(res, out + r * H, H, weight, eps);
+        char* res = (char*)residual + r * H * elem;
+        const char* xr = (const char*)x + r * H * elem;
+        for (int64_t i = 0; i < H; i++) store_f(res, i, load_f(res, i, bf16) + load_f(xr, i, bf16), bf16);
+        norm_row(res, (char*)out + r * H * elem, H, weight, eps, bf16);
+    }
+}
+
+// silu(g) = g / (1 + e^-g), with e = e^-|g| <= 1 so the exponential never overflows: g / (1 + e) for g >= 0,
+// g e / (1 + e) below.
+static inline float silu(float g) {
+    const float e = expf(-fabsf(g));
+    return (g >= 0.f ? g : g * e) / (1.f + e);
+}
+
+#if KVD_AVX2
+static inline __m256 silu8(__m256 g) {
+    const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
+    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), negative);
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+}
+#endif
+
+void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                  int nthreads) {
+    const int elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const char* g = (const char*)gate + t * stride * elem;
+        const char* u = (const char*)up + t * stride * elem;
+        char* o = (char*)out + t * I * elem;
+        int64_t i = 0;
+#if KVD_AVX2
+        for (; i + 8 <= I; i += 8) {
+            float s[8];
+            _mm256_storeu_ps(s, silu8(load8(g + i * elem, bf16)));
+            for (int j = 0; j < 8; j++) {
+                const float sj = bf16 ? bf16_to_f32(f32_to_bf16(s[j])) : s[j];
+                store_f(o, i + j, sj * load_f(u, i + j, bf16), bf16);
+            }
+        }
+#endif
+        for (; i < I; i++) {
+            const float sj = silu(load_f(g, i, bf16));
+            store_f(o, i, (bf16 ? bf16_to_f32(f32_to_bf16(sj)) : sj) * load_f(u, i, bf16), bf16);
+        }
     }
 }
 
@@ -1081,51 +1139,50 @@ int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int6
 // ---- a decode step through every decoder layer ----------------------------------------------------------------
 
 // The indices are checked once, before layer 0 writes anything; after that only memory can run out.
-int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, float* hidden,
-                      float* residual, int64_t S, const float* cos_sin, const int64_t* positions,
+int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
+                      void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
                       const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
                       int nthreads) {
     const int64_t num_slots = m->num_blocks * m->block_size;
     if (checked_max_context(tables, table_width, lens, S, m->num_blocks, m->block_size) < 0 ||
         !indices_in_range(slots, S, -1, num_slots) || !indices_in_range(positions, S, 0, m->num_positions))
         return KVD_BAD_INDEX;
+    const int bf16 = m->bf16;
+    const size_t elem = bf16 ? 2 : 4;
     const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
     const int64_t qkv_size = q_size + 2 * kv_size, I = m->intermediate;
-    float* x = malloc(sizeof(float) * (size_t)(S * m->hidden));
-    float* qkv = malloc(sizeof(float) * (size_t)(S * qkv_size));
-    float* att = malloc(sizeof(float) * (size_t)(S * q_size));
-    float* gate_up = malloc(sizeof(float) * (size_t)(S * 2 * I));
-    int failed = !x || !qkv || !att || !gate_up;
+    char* x = malloc(elem * (size_t)(S * m->hidden));
+    char* qkv = malloc(elem * (size_t)(S * qkv_size));
+    char* att = malloc(elem * (size_t)(S * q_size));
+    char* gate_up = malloc(elem * (size_t)(S * 2 * I));
+    char* act = malloc(elem * (size_t)(S * I));
+    int failed = !x || !qkv || !att || !gate_up || !act;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;
-        kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, nthreads);
-        failed |= kvd_linear(&L->qkv, x, 0, S, qkv, 0, nthreads) != KVD_OK;
-        float *q = qkv, *k = qkv + q_size, *v = k + kv_size;
+        kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, bf16, nthreads);
+        failed |= kvd_linear(&L->qkv, x, bf16, S, qkv, bf16, nthreads) != KVD_OK;
+        char *q = qkv, *k = qkv + q_size * elem, *v = k + kv_size * elem;
         if (L->q_norm) {
-            kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps);
-            kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps);
+            kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps, bf16);
+            kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
         }
-        kvd_rotary(q, qkv_size, 0, S, m->heads, D, cos_sin, m->num_positions, positions);
-        kvd_rotary(k, qkv_size, 0, S, m->kv_heads, D, cos_sin, m->num_positions, positions);
-        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, 0, num_slots, kv_size, slots, S);
-        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, 0, m->num_blocks, m->block_size,
-                                             m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
-                                             nthreads) != KVD_OK;
-        failed |= kvd_linear(&L->o, att, 0, S, hidden, 0, nthreads) != KVD_OK;
-        kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, nthreads);
-        failed |= kvd_linear(&L->gate_up, x, 0, S, gate_up, 0, nthreads) != KVD_OK;
-        for (int64_t s = 0; s < S; s++) {  // SiLU(gate) x up, into the gate half
-            float* g = gate_up + s * 2 * I;
-            for (int64_t i = 0; i < I; i++) g[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
-        }
-        // The down projection reads rows I apart within rows 2I apart: pack them first.
-        for (int64_t s = 1; s < S; s++) memmove(gate_up + s * I, gate_up + s * 2 * I, sizeof(float) * (size_t)I);
-        failed |= kvd_linear(&L->down, gate_up, 0, S, hidden, 0, nthreads) != KVD_OK;
+        kvd_rotary(q, qkv_size, bf16, S, m->heads, D, cos_sin, m->num_positions, positions);
+        kvd_rotary(k, qkv_size, bf16, S, m->kv_heads, D, cos_sin, m->num_positions, positions);
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, num_slots, kv_size, slots, S);
+        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->num_blocks, m->block_size,
+                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
+                                      nthreads) != KVD_OK;
+        failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
+        failed |= kvd_linear(&L->gate_up, x, bf16, S, gate_up, bf16, nthreads) != KVD_OK;
+        kvd_silu_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, nthreads);
+        failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
     }
     free(x);
     free(qkv);
     free(att);
     free(gate_up);
+    free(act);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 

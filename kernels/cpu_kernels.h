@@ -27,19 +27,22 @@ typedef struct {
     int32_t bits, tiles;
 } kvd_weight;
 
-// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim] (float32).
+// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights
+// and the pool in the model's dtype (kvd_shape.bf16).
 typedef struct {
-    const float* input_norm;
-    const float* post_attention_norm;
-    const float* q_norm;  // NULL without per-head q/k norms
-    const float* k_norm;
+    const void* input_norm;
+    const void* post_attention_norm;
+    const void* q_norm;  // NULL without per-head q/k norms
+    const void* k_norm;
     kvd_weight qkv, o, gate_up, down;
-    float* kv_cache;
+    void* kv_cache;
 } kvd_layer;
 
+// bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32.
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_positions;
     float eps, scale;
+    int32_t bf16;
 } kvd_shape;
 
 // The instruction sets this build's SIMD paths use: "avx2+fma", with "+vnni", "+amx-int8" and "+amx-bf16" where
@@ -77,20 +80,27 @@ int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
                int64_t num_positions, const int64_t* positions);
 
-// RMSNorm over each head's D values of x [tokens, heads, D] in float32 (token t at t x stride, out at
-// t x out_stride; out may be x).
-void kvd_rms_norm(const float* x, int64_t stride, float* out, int64_t out_stride, int64_t tokens, int64_t heads,
-                  int64_t D, const float* weight, float eps);
+// RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
+// may be x). x, out and weight share one dtype: float32, or bf16 (normalized in float32 and rounded, then
+// scaled by the weight and rounded again, as transformers computes it).
+void kvd_rms_norm(const void* x, int64_t stride, void* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const void* weight, float eps, int bf16);
 
-// residual [M, H] += x; out = RMSNorm(residual) * weight, in float32.
-void kvd_add_rms_norm(const float* x, float* residual, const float* weight, float* out, int64_t M, int64_t H,
-                      float eps, int nthreads);
+// residual [M, H] += x (rounded to the dtype); out = RMSNorm(residual) * weight, as kvd_rms_norm.
+void kvd_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t M, int64_t H,
+                      float eps, int bf16, int nthreads);
 
-// Every decoder layer for S sequences of one new token each, in float32: hidden [S, hidden] (the embeddings in,
-// the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that output out).
+// out [T, I] = silu(gate) x up, gate and up [T, I] with rows `stride` apart (float32, or bf16: silu rounded,
+// then the product rounded, as torch computes it).
+void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                  int nthreads);
+
+// Every decoder layer for S sequences of one new token each, in the model's dtype: hidden [S, hidden] (the
+// embeddings in, the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that
+// output out); the rotary table cos_sin [num_positions, 2 x head_dim] in that dtype too.
 // positions, slots [S]; block tables [S, table_width] and context lengths [S] as for the attention above.
-int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, float* hidden,
-                      float* residual, int64_t S, const float* cos_sin, const int64_t* positions,
+int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
+                      void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
                       const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
                       int nthreads);
 

@@ -292,15 +292,21 @@ def rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> t
     return x
 
 
+def _same_dtype(what: str, *tensors: torch.Tensor) -> int:
+    """_is_bf16 of tensors that must share one dtype (float32 or bfloat16)."""
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        raise NativeKernelError(f"{what}: mixed dtypes {[str(t.dtype) for t in tensors]}")
+    return _is_bf16(tensors[0])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """norm(x) * weight over x's last dimension, float32; x [T, heads, D] with packed heads, or [T, D]."""
-    if not x.dtype == weight.dtype == torch.float32:
-        raise NativeKernelError(f"rms_norm runs in float32, not {x.dtype}")
+    """norm(x) * weight over x's last dimension; x [T, heads, D] with packed heads, or [T, D]."""
+    bf16 = _same_dtype("rms_norm", x, weight)
     rows = x if x.dim() == 3 else x.contiguous().view(-1, 1, x.shape[-1])
-    out = torch.empty(rows.shape, dtype=torch.float32)
+    out = torch.empty(rows.shape, dtype=x.dtype)
     library().kvd_rms_norm(
         _ptr(rows), _token_stride(rows), _ptr(out), out.stride(0), rows.shape[0], rows.shape[1], rows.shape[2],
-        _ptr(weight), eps,
+        _ptr(weight), eps, bf16,
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -308,16 +314,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(residual + x) * weight, residual + x) in float32; the sum is written into `residual` (contiguous)."""
-    if not x.dtype == residual.dtype == weight.dtype == torch.float32:
-        raise NativeKernelError(f"add_rms_norm runs in float32, not {x.dtype}")
+    """(norm(residual + x) * weight, residual + x); the sum is written into `residual` (contiguous)."""
+    bf16 = _same_dtype("add_rms_norm", x, residual, weight)
     x = x.contiguous()
     out = torch.empty_like(x)
     hidden = x.shape[-1]
     library().kvd_add_rms_norm(
-        _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), x.numel() // hidden, hidden, eps, _threads()
+        _ptr(x), _ptr(residual), _ptr(weight), _ptr(out), x.numel() // hidden, hidden, eps, bf16, _threads()
     )
     return out, residual
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate and up [T, I] whose rows lie equally far apart (views of one [T, 2I] output)."""
+    bf16 = _same_dtype("silu_mul", gate, up)
+    if gate.dim() != 2 or gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(1) != 1:
+        raise NativeKernelError(
+            f"silu_mul: gate and up must be [T, I] rows of one stride, got {tuple(gate.shape)} "
+            f"{gate.stride()} and {tuple(up.shape)} {up.stride()}"
+        )
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    library().kvd_silu_mul(
+        _ptr(gate), _ptr(up), gate.stride(0), _ptr(out), gate.shape[0], gate.shape[1], bf16, _threads()
+    )
+    return out
 
 
 def decode_layers(
@@ -331,11 +351,13 @@ def decode_layers(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> None:
-    """Every decoder layer of a float32 decode step, in place on hidden and residual [S, hidden_size]."""
+    """Every decoder layer of a decode step, in place on hidden and residual [S, hidden_size] (the model's
+    dtype: shape.bf16)."""
     seqs = hidden.shape[0]
+    dtype = torch.bfloat16 if shape.bf16 else torch.float32
     for name, t in (("hidden", hidden), ("residual", residual)):
-        _check_tensor(t, name, torch.float32, (seqs, shape.hidden))
-    _check_tensor(cos_sin, "cos_sin", torch.float32, (shape.num_positions, 2 * shape.head_dim))
+        _check_tensor(t, name, dtype, (seqs, shape.hidden))
+    _check_tensor(cos_sin, "cos_sin", dtype, (shape.num_positions, 2 * shape.head_dim))
     _check_tensor(positions, "positions", torch.int64, (seqs,))
     _check_tensor(slots, "slots", torch.int64, (seqs,))
     _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))

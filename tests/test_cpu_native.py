@@ -97,8 +97,51 @@ def test_add_rms_norm_matches_torch_in_float32():
     got, got_residual = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
     assert got_residual is residual and torch.equal(residual, want_residual)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    with pytest.raises(cpu_native.NativeKernelError, match="float32"):
-        cpu_native.add_rms_norm(x.bfloat16(), residual.bfloat16(), weight.bfloat16(), 1e-5)
+    with pytest.raises(cpu_native.NativeKernelError, match="mixed dtypes"):
+        cpu_native.add_rms_norm(x.bfloat16(), residual.bfloat16(), weight, 1e-5)
+
+
+def _hf_bf16_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm in bfloat16: normalize in float32, round, then scale by the bf16 weight."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+
+def test_bf16_norms_round_as_transformers_does():
+    """The float32 sum of squares runs in another order than torch's: allow one bf16 step, on few values."""
+    torch.manual_seed(0)
+    x, residual = torch.randn(33, 576).bfloat16(), torch.randn(33, 576).bfloat16()
+    weight = (torch.rand(576) + 0.5).bfloat16()
+    want_residual = residual + x  # torch rounds the bf16 sum to nearest even, as the kernel does
+    want = _hf_bf16_rms_norm(want_residual, weight, 1e-5)
+    got, got_residual = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and torch.equal(got_residual, want_residual)
+    differ = (got != want).float().mean().item()
+    assert differ < 0.01, f"{differ:.2%} of values differ"
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    q = _qkv_views(7, 4, 2, 32, torch.bfloat16)[0]
+    head_weight = (torch.rand(32) + 0.5).bfloat16()
+    torch.testing.assert_close(
+        cpu_native.rms_norm(q, head_weight, 1e-6),
+        _hf_bf16_rms_norm(q, head_weight, 1e-6),
+        rtol=1e-2,
+        atol=1e-2,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch_on_views_of_one_projection(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(9, 2 * 100) * 6).to(dtype)  # 100: SIMD lanes and a scalar tail; large |g| too
+    gate, up = gate_up.split(100, dim=-1)
+    before = gate_up.clone()
+    want = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+    got = cpu_native.silu_mul(gate, up)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(gate_up, before)  # out of place: the projection output is left as it was
+    with pytest.raises(cpu_native.NativeKernelError, match="one stride"):
+        cpu_native.silu_mul(gate.contiguous(), up)
 
 
 def test_rms_norm_of_heads_and_of_rows_matches_torch():
@@ -212,7 +255,7 @@ def test_dequantize_refuses_rows_past_the_weight():
 
 def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
-    shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35)
+    shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35, 0)
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32, 0)
     layer = cpu_native.LayerWeights(0, 0, 0, 0, empty, empty, empty, empty, 0)
     hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)

@@ -1,10 +1,11 @@
-"""Decode steps through all decoder layers in one native call (CPU, float32).
+"""Decode steps through all decoder layers in one native call (CPU, float32 or bfloat16).
 
 Between kernels, a Python layer loop costs more than the kernels of a small model at batch 1: each layer makes
 a dozen calls, and the weights streamed through the caches evict the interpreter's own data between them. When
 every piece of the model has a native kernel, a step whose tokens all decode (one new token per sequence) runs
 the layer loop in C instead: the same kernels in the same order as the Python loop, so the results are equal.
-Quantized linears take any batch; float32 ones up to linear.NATIVE_MAX_ROWS (beyond, torch's matmul is faster).
+Quantized linears take any batch; float32 ones up to linear.NATIVE_MAX_ROWS (beyond, torch's matmul is faster)
+unless batch invariance keeps them native; bfloat16 ones only with batch invariance (else torch multiplies them).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
     ]
 
 
+def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the layer loop computes this linear as the Python loop does: quantized (the kernel adds a float32
+    bias), float32, or bfloat16 with batch invariance and no bias (torch adds a bf16 bias after rounding)."""
+    if isinstance(module, NativeQuantizedLinear):
+        return True
+    if not isinstance(module, Linear) or module.weight.dtype != dtype:
+        return False
+    return dtype == torch.float32 or (module.batch_invariant and module.bias is None)
+
+
 def _norm(module: torch.nn.Module | None) -> int:
     return 0 if module is None else module.weight.data_ptr()
 
@@ -52,6 +63,7 @@ class NativeDecoder:
             num_positions=model.rotary.cos_sin_cache.shape[0],
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
+            bf16=int(cache.dtype == torch.bfloat16),
         )
         self.layers = tuple(
             cpu_native.LayerWeights(
@@ -82,19 +94,27 @@ class NativeDecoder:
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
-        """Whether every piece of the model's decode step has a native kernel here."""
+        """Whether every piece of the model's decode step has a native kernel here, in one dtype."""
         layers = model.model.layers
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
             return False
-        if layers[0].self_attn.kv_cache is None or model.rotary.cos_sin_cache.dtype != torch.float32:
+        cache = layers[0].self_attn.kv_cache
+        if cache is None or cache.dtype not in (torch.float32, torch.bfloat16):
             return False
+        dtype = cache.dtype
         caches = [layer.self_attn.kv_cache for layer in layers]
-        natives = all(
-            isinstance(m, NativeQuantizedLinear)
-            or (isinstance(m, Linear) and m.weight.dtype == torch.float32)
-            for m in _linears(layers)
+        norms = [
+            n
+            for layer in layers
+            for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm)
+            if n is not None
+        ]
+        return (
+            model.rotary.cos_sin_cache.dtype == dtype
+            and all(_native_linear(m, dtype) for m in _linears(layers))
+            and all(n.weight.dtype == dtype for n in norms)
+            and all(c.dtype == dtype and c.is_contiguous() for c in caches)
         )
-        return natives and all(c.dtype == torch.float32 and c.is_contiguous() for c in caches)
 
     def valid_for(self, model: torch.nn.Module) -> bool:
         return self.key == self._key(model)
@@ -105,14 +125,9 @@ class NativeDecoder:
 
     @staticmethod
     def decodes(hidden: torch.Tensor, attn: AttentionMetadata) -> bool:
-        """A float32 step in which every sequence decodes one token, in batch order."""
+        """A step in which every sequence decodes one token, in batch order."""
         decode = getattr(attn, "decode", None)
-        return (
-            isinstance(decode, NativeDecodePlan)
-            and attn.prefill is None
-            and decode.rows is None
-            and hidden.dtype == torch.float32
-        )
+        return isinstance(decode, NativeDecodePlan) and attn.prefill is None and decode.rows is None
 
     def forward(
         self,
@@ -122,7 +137,7 @@ class NativeDecoder:
         positions: torch.Tensor,
         attn: AttentionMetadata,
     ) -> None:
-        """Run every layer in place on hidden and residual [S, hidden_size] (contiguous float32)."""
+        """Run every layer in place on hidden and residual [S, hidden_size] (contiguous, the model's dtype)."""
         plan: NativeDecodePlan = attn.decode
         cpu_native.decode_layers(
             self.shape, self.layers, hidden, residual, cos_sin, positions.contiguous(), attn.slot_mapping,
