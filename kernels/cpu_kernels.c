@@ -32,6 +32,17 @@
 #if KVD_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
+// AVX-512 paths of attention: 16-lane value sums (float32 and bf16) and bf16 dot products for the scores.
+#if KVD_AVX2 && defined(__AVX512F__)
+#define KVD_AVX512 1
+#else
+#define KVD_AVX512 0
+#endif
+#if KVD_AVX512 && defined(__AVX512BF16__)
+#define KVD_AVX512_BF16 1
+#else
+#define KVD_AVX512_BF16 0
+#endif
 
 #define QBLOCK 32
 
@@ -50,7 +61,14 @@
 #else
 #define KVD_ISA_AMX_BF16 ""
 #endif
-#define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_VNNI KVD_ISA_AMX KVD_ISA_AMX_BF16 : "portable")
+#if KVD_AVX512_BF16
+#define KVD_ISA_AVX512 "+avx512-bf16"
+#elif KVD_AVX512
+#define KVD_ISA_AVX512 "+avx512"
+#else
+#define KVD_ISA_AVX512 ""
+#endif
+#define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_AVX512 KVD_ISA_VNNI KVD_ISA_AMX KVD_ISA_AMX_BF16 : "portable")
 
 const char* kvd_isa(void) { return KVD_ISA; }
 
@@ -410,23 +428,49 @@ static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quan
 
 #define AMX_MIN_ROWS 16
 
-// Tiles: 0 = C (16 weight rows x 16 int32 sums), 1 = A (16 weight rows x one block of 32 bytes), 2 = B (the block
-// of 16 activation rows as 8 rows of 4-byte groups x 16).
+#define AMX_TILES 4  // activation tiles in flight per weight block
+
+// Tiles: 0-3 = C (16 weight rows x 16 int32 sums, for AMX_TILES activation tiles at once), 4 = A (16 weight rows
+// x one block of 32 bytes), 5-7 = B (a block of 16 activation rows as 8 rows of 4-byte groups x 16).
 static void amx_configure(void) {
     tile_config cfg = {0};
     cfg.palette = 1;
-    cfg.rows[0] = 16, cfg.colsb[0] = 64;
-    cfg.rows[1] = 16, cfg.colsb[1] = QBLOCK;
-    cfg.rows[2] = QBLOCK / 4, cfg.colsb[2] = 64;
+    for (int t = 0; t < AMX_TILES; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    cfg.rows[4] = 16, cfg.colsb[4] = QBLOCK;
+    for (int t = 5; t < 8; t++) cfg.rows[t] = QBLOCK / 4, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
+// The float steps of block b for `count` stored C tiles from activation tile mt on: acc[j][m] = fma(isum,
+// d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
+static inline void amx_scale(const kvd_weight* w, const int32_t* c_tiles, int count, int64_t mt, int64_t b,
+                             const float* wd, const float* wm, const float* dxT, const float* sxT,
+                             const int32_t* qsumT, int64_t Mp, int64_t nb, float* acc) {
+    for (int i = 0; i < count; i++) {
+        const int32_t* c_tile = c_tiles + i * AMX_ROWS * AMX_ROWS;
+        const int64_t col = b * Mp + (mt + i) * AMX_ROWS;
+        const __m512 dxv = _mm512_loadu_ps(dxT + col), sxv = _mm512_loadu_ps(sxT + col);
+        const __m512i bias128 = _mm512_slli_epi32(_mm512_loadu_si512(qsumT + col), 7);
+        for (int j = 0; j < AMX_ROWS; j++) {
+            __m512i c = _mm512_loadu_si512(c_tile + j * AMX_ROWS);
+            if (w->bits == 8) c = _mm512_sub_epi32(c, bias128);
+            float* a = acc + j * Mp + (mt + i) * AMX_ROWS;
+            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(wd[j * nb + b]), dxv);
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, _mm512_loadu_ps(a));
+            if (w->bits == 4) v = _mm512_fmadd_ps(_mm512_set1_ps(wm[j * nb + b]), sxv, v);
+            _mm512_storeu_ps(a, v);
+        }
+    }
+}
+
 // Outputs [0, groups x 16) for Mp / 16 tiles of activation rows: bpack [Mp/16][nb][8][16][4] (codes, zero past
-// M), dxT, sxT, qsumT [nb][Mp]. Returns 1 when out of memory.
+// M), dxT, sxT, qsumT [nb][Mp]. AMX_TILES products run while the previous ones are scaled (their results
+// stored in the other half of c_tiles), so the tile unit is not left waiting. Returns 1 when out of memory.
 static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x, const int8_t* bpack,
                     const float* dxT, const float* sxT, const int32_t* qsumT, int64_t Mp, void* y, int y_bf16,
                     int nthreads) {
-    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K, tiles = Mp / AMX_ROWS;
+    const int64_t tile_bytes = AMX_ROWS * QBLOCK;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
@@ -445,7 +489,7 @@ static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x
                 }
             memset(acc, 0, sizeof(float) * (size_t)(AMX_ROWS * Mp));
             for (int64_t b = 0; b < nb; b++) {
-                // A: the block of each weight row as 32 unsigned bytes (8-bit codes + 128, corrected below).
+                // A: the block of each weight row as 32 unsigned bytes (8-bit codes + 128, corrected in amx_scale).
                 uint8_t a_tile[AMX_ROWS * QBLOCK];
                 for (int j = 0; j < AMX_ROWS; j++) {
                     const uint8_t* src = (const uint8_t*)w->qs + (n0 + j) * row_bytes;
@@ -455,26 +499,43 @@ static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x
                                                                  _mm256_set1_epi8((char)0x80));
                     _mm256_storeu_si256((__m256i*)(a_tile + j * QBLOCK), codes);
                 }
-                _tile_loadd(1, a_tile, QBLOCK);
-                for (int64_t mt = 0; mt < Mp / AMX_ROWS; mt++) {
-                    int32_t c_tile[AMX_ROWS * AMX_ROWS];
+                _tile_loadd(4, a_tile, QBLOCK);
+                int32_t c_tiles[2][AMX_TILES * AMX_ROWS * AMX_ROWS];
+                int64_t previous = -1;
+                int previous_count = 0, half = 0;
+                for (int64_t mt = 0; mt < tiles; mt += AMX_TILES) {
+                    const int count = tiles - mt < AMX_TILES ? (int)(tiles - mt) : AMX_TILES;
+                    const int8_t* bt = bpack + (mt * nb + b) * tile_bytes;
+                    const int64_t next = nb * tile_bytes;  // the same block of the next activation tile
                     _tile_zero(0);
-                    _tile_loadd(2, bpack + (mt * nb + b) * (AMX_ROWS * QBLOCK), 64);
-                    _tile_dpbusd(0, 1, 2);
-                    _tile_stored(0, c_tile, 64);
-                    const int64_t col = b * Mp + mt * AMX_ROWS;
-                    const __m512 dxv = _mm512_loadu_ps(dxT + col), sxv = _mm512_loadu_ps(sxT + col);
-                    const __m512i bias128 = _mm512_slli_epi32(_mm512_loadu_si512(qsumT + col), 7);
-                    for (int j = 0; j < AMX_ROWS; j++) {
-                        __m512i c = _mm512_loadu_si512(c_tile + j * AMX_ROWS);
-                        if (w->bits == 8) c = _mm512_sub_epi32(c, bias128);
-                        float* a = acc + j * Mp + mt * AMX_ROWS;
-                        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(wd[j * nb + b]), dxv);
-                        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, _mm512_loadu_ps(a));
-                        if (w->bits == 4) v = _mm512_fmadd_ps(_mm512_set1_ps(wm[j * nb + b]), sxv, v);
-                        _mm512_storeu_ps(a, v);
+                    _tile_loadd(5, bt, 64);
+                    _tile_dpbusd(0, 4, 5);
+                    if (count > 1) {
+                        _tile_zero(1);
+                        _tile_loadd(6, bt + next, 64);
+                        _tile_dpbusd(1, 4, 6);
                     }
+                    if (count > 2) {
+                        _tile_zero(2);
+                        _tile_loadd(7, bt + 2 * next, 64);
+                        _tile_dpbusd(2, 4, 7);
+                    }
+                    if (count > 3) {
+                        _tile_zero(3);
+                        _tile_loadd(5, bt + 3 * next, 64);
+                        _tile_dpbusd(3, 4, 5);
+                    }
+                    if (previous >= 0)
+                        amx_scale(w, c_tiles[half ^ 1], previous_count, previous, b, wd, wm, dxT, sxT, qsumT, Mp,
+                                  nb, acc);
+                    int32_t* c = c_tiles[half];
+                    _tile_stored(0, c, 64);
+                    if (count > 1) _tile_stored(1, c + 256, 64);
+                    if (count > 2) _tile_stored(2, c + 512, 64);
+                    if (count > 3) _tile_stored(3, c + 768, 64);
+                    previous = mt, previous_count = count, half ^= 1;
                 }
+                amx_scale(w, c_tiles[half ^ 1], previous_count, previous, b, wd, wm, dxT, sxT, qsumT, Mp, nb, acc);
             }
             for (int64_t m = 0; m < x->M; m++)  // a row's 16 outputs are neighbours in y
                 for (int j = 0; j < AMX_ROWS; j++) store_output(w, n0 + j, m, acc[j * Mp + m], y, y_bf16);
@@ -878,12 +939,109 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
 }
 #endif
 
+#if KVD_AVX512
+static inline __m512 load16(const char* p, int bf16) {
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    return _mm512_loadu_ps((const float*)p);
+}
+
+// values_tile with 64 columns in four 16-lane sums: the same fma chain per element, so the same results.
+static inline __attribute__((always_inline)) void values_tile64(float* a, const float* p, const char* values,
+                                                                const int32_t* table, int64_t ctx, int64_t block_size,
+                                                                int64_t slot_bytes, int64_t head, int bf16, int64_t D,
+                                                                int64_t i0, const int GN) {
+    const int elem = bf16 ? 2 : 4;
+    __m512 acc[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const char* row = v + t * slot_bytes;
+            const __m512 v0 = load16(row, bf16), v1 = load16(row + 16 * elem, bf16);
+            const __m512 v2 = load16(row + 32 * elem, bf16), v3 = load16(row + 48 * elem, bf16);
+            for (int g = 0; g < GN; g++) {
+                const __m512 pv = _mm512_set1_ps(p[g * ctx + t0 + t]);
+                acc[g][0] = _mm512_fmadd_ps(pv, v0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(pv, v1, acc[g][1]);
+                acc[g][2] = _mm512_fmadd_ps(pv, v2, acc[g][2]);
+                acc[g][3] = _mm512_fmadd_ps(pv, v3, acc[g][3]);
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
+}
+#endif
+
+#if KVD_AVX512_BF16
+// Lane j = the sum of v[j]'s sixteen lanes, in one fixed tree: pairs within 128-bit lanes, then 64-bit halves,
+// then the 128-bit lanes.
+static inline __m512 hsum16x16(const __m512* v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xdd));
+}
+
+static inline __m512bh load_bh(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// sc[t] = scale x (q . key t) for the n keys of one block (bf16 q row and pool rows, D a multiple of 32 up to
+// 128): bf16 pair products summed in float32 lanes (vdpbf16ps), sixteen keys per hsum16x16; a key past the
+// last whole sixteen of its block takes one reduction of its own. Either way a key's score depends only on
+// the query, the key and where the context ends, whatever else the call holds.
+static inline __attribute__((always_inline)) void bf16_scores(const uint16_t* q, const char* k, int64_t slot_bytes,
+                                                              int64_t n, const int64_t D, float scale, float* sc) {
+    __m512bh qv[4];
+    for (int64_t i = 0; i < D / 32; i++) qv[i] = load_bh(q + i * 32);
+    const __m512 sv = _mm512_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) {
+            acc[j] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < D / 32; i++)
+                acc[j] = _mm512_dpbf16_ps(acc[j], qv[i], load_bh(k + (t + j) * slot_bytes + i * 64));
+        }
+        _mm512_storeu_ps(sc + t, _mm512_mul_ps(hsum16x16(acc), sv));
+    }
+    for (; t < n; t++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D / 32; i++) acc = _mm512_dpbf16_ps(acc, qv[i], load_bh(k + t * slot_bytes + i * 64));
+        sc[t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+}
+#endif
+
 // a[g] = the weighted value sum of head g, for the group's heads: three heads per pass over the values where
 // SIMD runs and D is a multiple of 32 (the same arithmetic as weighted_values, head by head, otherwise).
 static inline __attribute__((always_inline)) void group_values(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx,
                                                                 int64_t block_size, int64_t slot_bytes, int64_t head,
                                                                 int bf16, int64_t group, const int64_t D) {
+#if KVD_AVX512
+    if (D % 64 == 0) {
+        for (int64_t g = 0; g < group; g += 3)
+            for (int64_t i0 = 0; i0 < D; i0 += 64) {
+                float* ag = a + g * D;
+                const float* pg = p + g * ctx;
+                if (group - g >= 3)
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3);
+                else if (group - g == 2)
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2);
+                else
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1);
+            }
+        return;
+    }
+#endif
 #if KVD_AVX2
     if (D % 32 == 0) {
         for (int64_t g = 0; g < group; g += 3)
@@ -921,7 +1079,18 @@ static inline __attribute__((always_inline)) void attend_group(
             qf[g * D + i] = load_f(q, s * q_stride + (kvh * group + g) * D + i, bf16) * scale;
     // Block by block (the slots of a block are consecutive rows of the pool), every head of the group against
     // a block while its keys are in L1.
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+#if KVD_AVX512_BF16
+    const int bf16_dots = bf16 && D % 32 == 0 && D <= 128;
+    for (int64_t t0 = 0; t0 < ctx && bf16_dots; t0 += block_size) {
+        const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        const uint16_t* qh = (const uint16_t*)q + s * q_stride + kvh * group * D;
+        for (int64_t g = 0; g < group; g++) bf16_scores(qh + g * D, k, slot_bytes, n, D, scale, scores + g * ctx + t0);
+    }
+#else
+    const int bf16_dots = 0;
+#endif
+    for (int64_t t0 = 0; t0 < ctx && !bf16_dots; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         for (int64_t g = 0; g < group; g++) {

@@ -39,10 +39,10 @@ def _attention_reference(q, pool, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 8), (6, 1, 12)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 8), (6, 1, 12)])
 def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim):
     """Contexts of 1 token, exactly one block, across blocks, scattered block ids; q strided as in the model;
-    head_dim 12 runs the kernel's non-SIMD tail."""
+    head sizes 64 and 128 run the SIMD paths (16 keys per sum and the keys past them), 12 the non-SIMD tail."""
     torch.manual_seed(head_dim)
     num_blocks, block_size = 40, 16
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)

@@ -16,6 +16,7 @@ from kvd.kernels import native_build
 ROOT = Path(__file__).resolve().parent.parent
 # The portable C paths: no AVX-512, AVX2, AVX, F16C or FMA, whatever this CPU has.
 PORTABLE = "-mno-avx512f -mno-avx2 -mno-avx -mno-f16c -mno-fma"
+AVX2 = "-mno-avx512f -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -mno-avxvnni"  # an AVX2 EPYC's build, here
 PLANTED_C = """
 #include <stdio.h>
 #include <stdlib.h>
@@ -152,12 +153,17 @@ def test_the_kernels_compile_without_warnings_or_variable_length_arrays(tmp_path
     assert result.returncode == 0, result.stderr
 
 
-def test_the_portable_build_passes_the_kernel_tests(tmp_path):
-    """The plain-C paths (CPUs without AVX2/FMA) against the same torch references as the SIMD ones."""
-    env = os.environ | {"KVD_NATIVE_CFLAGS": PORTABLE, "KVD_CACHE_DIR": str(tmp_path)}
-    assert _probe({"KVD_NATIVE_CFLAGS": PORTABLE, "KVD_CACHE_DIR": str(tmp_path)}).stdout.splitlines()[2] == (
-        "portable"
-    )
+@pytest.mark.parametrize("build", ["portable", "avx2"])
+def test_the_narrower_builds_pass_the_kernel_tests(tmp_path, build):
+    """The plain-C paths (CPUs without AVX2/FMA) and the AVX2 ones (an AVX-512 host runs its own build
+    otherwise) against the same torch references as the host's."""
+    flags = PORTABLE if build == "portable" else AVX2
+    env = os.environ | {"KVD_NATIVE_CFLAGS": flags, "KVD_CACHE_DIR": str(tmp_path)}
+    isa = _probe({"KVD_NATIVE_CFLAGS": flags, "KVD_CACHE_DIR": str(tmp_path)}).stdout.splitlines()[2]
+    if build == "portable":
+        assert isa == "portable"
+    else:
+        assert "avx512" not in isa and "amx" not in isa
     tests = ["tests/test_cpu_native.py", "tests/test_quantized_linear.py", "tests/test_native_decode.py"]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "not smollm2"],
@@ -192,7 +198,7 @@ torch.save(out, sys.argv[1])
 def test_every_instruction_set_computes_the_same_quantized_linears(tmp_path):
     """The host's build (AMX tiles, VNNI where the CPU has them), the AVX2 one and the portable C one give the
     same quantized and float32-panel outputs bit for bit: those do not depend on the CPU's features either."""
-    builds = {"host": "", "avx2": "-mno-avx512f -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 -mno-avxvnni"}
+    builds = {"host": "", "avx2": AVX2}
     builds["portable"] = PORTABLE
     results = {}
     for name, flags in builds.items():
