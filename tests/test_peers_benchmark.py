@@ -3,29 +3,16 @@ llama-server alternating when a build is given."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import quick_benchmark
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["single stream", "4 concurrent", "shared prefix"]
 
 
-def run_quick(env: dict[str, str]) -> tuple[str, dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.peers", "--quick", "--json", "--threads", "1"],
-        cwd=ROOT,
-        env=env | {"HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+def run_quick(env: dict[str, str], *extra: str) -> tuple[str, dict]:
+    return quick_benchmark.run_quick("benchmarks.peers", env, *extra)
 
 
 def test_without_a_peer_says_so_and_measures_kvd():

@@ -3,29 +3,16 @@ CPU backend taking turns when its venv is given."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+import quick_benchmark
 
-ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ["single stream", "4 concurrent"]
 
 
 def run_quick(env: dict[str, str], *extra: str) -> tuple[str, dict]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.vllm_peer", "--quick", "--json", "--threads", "1", *extra],
-        cwd=ROOT,
-        env=env | {"HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+    return quick_benchmark.run_quick("benchmarks.vllm_peer", env, *extra)
 
 
 def test_without_the_peer_says_so_and_measures_kvd():
