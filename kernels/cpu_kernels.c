@@ -1074,21 +1074,23 @@ static inline __attribute__((always_inline)) void attend_group(
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
     const int elem = bf16 ? 2 : 4;
     const int64_t head = kvh * D * elem;
-    for (int64_t g = 0; g < group; g++)
+#if KVD_AVX512_BF16
+    const int bf16_dots = bf16 && D % 32 == 0 && D <= 128;  // scores from the bf16 q itself (bf16_scores)
+#else
+    const int bf16_dots = 0;
+#endif
+    for (int64_t g = 0; g < group && !bf16_dots; g++)
         for (int64_t i = 0; i < D; i++)
             qf[g * D + i] = load_f(q, s * q_stride + (kvh * group + g) * D + i, bf16) * scale;
     // Block by block (the slots of a block are consecutive rows of the pool), every head of the group against
     // a block while its keys are in L1.
 #if KVD_AVX512_BF16
-    const int bf16_dots = bf16 && D % 32 == 0 && D <= 128;
     for (int64_t t0 = 0; t0 < ctx && bf16_dots; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         const uint16_t* qh = (const uint16_t*)q + s * q_stride + kvh * group * D;
         for (int64_t g = 0; g < group; g++) bf16_scores(qh + g * D, k, slot_bytes, n, D, scale, scores + g * ctx + t0);
     }
-#else
-    const int bf16_dots = 0;
 #endif
     for (int64_t t0 = 0; t0 < ctx && !bf16_dots; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
