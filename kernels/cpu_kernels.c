@@ -100,10 +100,9 @@ static inline void store_f(void* base, int64_t i, float v, int bf16) {
 
 // ---- activation quantization ------------------------------------------------------------------------------
 
-// x [M, K] -> q int8 [M, K], dx [M, K/32] (the block's scale), qsum [M, K/32] (the sum of its codes) and sx
-// [M, K/32] (scale x that sum).
-static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, int32_t* qsum,
-                          float* sx, int nthreads) {
+// x [M, K] -> q int8 [M, K], dx [M, K/32] (the block's scale) and sx [M, K/32] (scale x the sum of its codes).
+static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, float* sx,
+                          int nthreads) {
     const int64_t nb = K / QBLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
@@ -125,7 +124,6 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
                 sum += c;
             }
             dx[r * nb + b] = d;
-            qsum[r * nb + b] = sum;
             sx[r * nb + b] = d * (float)sum;
         }
     }
@@ -309,10 +307,9 @@ typedef struct {
 // on a CPU with AMX, tiles of 16 weight rows x 16 activation rows.
 
 typedef struct {
-    const int8_t* q;      // [M, K] int8 codes
-    const float* dx;      // [M, nb] block scales
-    const int32_t* qsum;  // [M, nb] sums of the codes
-    const float* sx;      // [M, nb] dx x qsum
+    const int8_t* q;  // [M, K] int8 codes (then zero rows up to a whole AMX tile)
+    const float* dx;  // [M, nb] block scales
+    const float* sx;  // [M, nb] dx x the block's sum of codes
     int64_t M;
 } quantized_rows;
 
@@ -427,151 +424,186 @@ static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quan
 #define KVD_AMX 1
 
 #define AMX_MIN_ROWS 16
+#define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
 
-#define AMX_TILES 4  // activation tiles in flight per weight block
-
-// Tiles: 0-3 = C (16 weight rows x 16 int32 sums, for AMX_TILES activation tiles at once), 4 = A (16 weight rows
-// x one block of 32 bytes), 5-7 = B (a block of 16 activation rows as 8 rows of 4-byte groups x 16).
+// Tiles: 0-3 = C (16 activation rows x 16 outputs of int32 block sums; activation tile i and weight group j of
+// the pass at 2 i + j), 4-5 = A (16 activation rows x one block of 32 int8 codes, read in place), 6-7 = B (one
+// block of 16 weight rows: 8 rows of 4 codes x 16 outputs).
 static void amx_configure(void) {
     tile_config cfg = {0};
     cfg.palette = 1;
-    for (int t = 0; t < AMX_TILES; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    cfg.rows[4] = 16, cfg.colsb[4] = QBLOCK;
-    for (int t = 5; t < 8; t++) cfg.rows[t] = QBLOCK / 4, cfg.colsb[t] = 64;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = QBLOCK;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = QBLOCK / 4, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
 
-// The float steps of block b for `count` stored C tiles from activation tile mt on: acc[j][m] = fma(isum,
-// d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
-static inline void amx_scale(const kvd_weight* w, const int32_t* c_tiles, int count, int64_t mt, int64_t b,
-                             const float* wd, const float* wm, const float* dxT, const float* sxT,
-                             const int32_t* qsumT, int64_t Mp, int64_t nb, float* acc) {
-    for (int i = 0; i < count; i++) {
-        const int32_t* c_tile = c_tiles + i * AMX_ROWS * AMX_ROWS;
-        const int64_t col = b * Mp + (mt + i) * AMX_ROWS;
-        const __m512 dxv = _mm512_loadu_ps(dxT + col), sxv = _mm512_loadu_ps(sxT + col);
-        const __m512i bias128 = _mm512_slli_epi32(_mm512_loadu_si512(qsumT + col), 7);
+// Weight rows n0 .. n0 + 15 as B tiles out [nb][8][16][4] (code k of output j at (k / 4) x 64 + 4 j + k % 4):
+// unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
+// signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
+static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
+    const int64_t nb = w->k / QBLOCK, row_bytes = w->bits == 4 ? w->k / 2 : w->k;
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)row_bytes));
+    const uint8_t* base = (const uint8_t*)w->qs + n0 * row_bytes;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i* dst = (__m512i*)(out + b * AMX_ROWS * QBLOCK);
+        if (w->bits == 4) {
+            for (int r = 0; r < 4; r++) {
+                const __m512i v = _mm512_i32gather_epi32(rows, base + b * (QBLOCK / 2) + 4 * r, 1);
+                _mm512_storeu_si512(dst + r, _mm512_and_si512(v, low));
+                _mm512_storeu_si512(dst + r + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        } else {
+            for (int r = 0; r < 8; r++)
+                _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + b * QBLOCK + 4 * r, 1));
+        }
         for (int j = 0; j < AMX_ROWS; j++) {
-            __m512i c = _mm512_loadu_si512(c_tile + j * AMX_ROWS);
-            if (w->bits == 8) c = _mm512_sub_epi32(c, bias128);
-            float* a = acc + j * Mp + (mt + i) * AMX_ROWS;
-            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(wd[j * nb + b]), dxv);
-            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), scale, _mm512_loadu_ps(a));
-            if (w->bits == 4) v = _mm512_fmadd_ps(_mm512_set1_ps(wm[j * nb + b]), sxv, v);
-            _mm512_storeu_ps(a, v);
+            wd[b * stride + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
+            wm[b * stride + j] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
         }
     }
 }
 
-// Outputs [0, groups x 16) for Mp / 16 tiles of activation rows: bpack [Mp/16][nb][8][16][4] (codes, zero past
-// M), dxT, sxT, qsumT [nb][Mp]. AMX_TILES products run while the previous ones are scaled (their results
-// stored in the other half of c_tiles), so the tile unit is not left waiting. Returns 1 when out of memory.
-static int amx_rows(const kvd_weight* w, int64_t groups, const quantized_rows* x, const int8_t* bpack,
-                    const float* dxT, const float* sxT, const int32_t* qsumT, int64_t Mp, void* y, int y_bf16,
-                    int nthreads) {
-    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K, tiles = Mp / AMX_ROWS;
-    const int64_t tile_bytes = AMX_ROWS * QBLOCK;
+// The float steps of block b for the C tiles of one pass (mc activation tiles from row m0, ng weight groups):
+// acc [rows][32] = fma(isum, d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
+static inline void amx_scale(int bits, const int32_t* c, int mc, int ng, int64_t m0, int64_t M, int64_t b,
+                             const float* wd, const float* wm, const quantized_rows* x, int64_t nb, float* acc) {
+    for (int i = 0; i < mc; i++)
+        for (int r = 0; r < AMX_ROWS; r++) {
+            const int64_t m = m0 + i * AMX_ROWS + r;
+            if (m >= M) return;
+            const __m512 dx = _mm512_set1_ps(x->dx[m * nb + b]), sx = _mm512_set1_ps(x->sx[m * nb + b]);
+            for (int j = 0; j < ng; j++) {
+                const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + (2 * i + j) * 256 + r * AMX_ROWS));
+                float* a = acc + (i * AMX_ROWS + r) * 2 * AMX_ROWS + j * AMX_ROWS;
+                const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(wd + b * 2 * AMX_ROWS + j * AMX_ROWS), dx);
+                __m512 v = _mm512_fmadd_ps(isum, scale, _mm512_loadu_ps(a));
+                if (bits == 4) v = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * 2 * AMX_ROWS + j * AMX_ROWS), sx, v);
+                _mm512_storeu_ps(a, v);
+            }
+        }
+}
+
+// Sixteen float32 values rounded to bf16 as f32_to_bf16 rounds each.
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
+}
+
+#define AMX_DOT(bits, c, a, b)               \
+    do {                                     \
+        if ((bits) == 4) _tile_dpbsud(c, a, b); \
+        else _tile_dpbssd(c, a, b);          \
+    } while (0)
+
+// One work item: activation tiles [t0, t0 + mtiles) x weight groups n0 .. n0 + ng x 16, every block in order. The
+// products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles),
+// so the tile unit is not left waiting.
+static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_weight* w, const quantized_rows* x,
+                                                          int64_t t0, int64_t mtiles, int64_t n0, int ng,
+                                                          const int8_t* wtiles, const float* wd, const float* wm,
+                                                          float* acc, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / QBLOCK, M = x->M, tile_bytes = AMX_ROWS * QBLOCK;
+    memset(acc, 0, sizeof(float) * (size_t)(mtiles * AMX_ROWS * 2 * AMX_ROWS));
+    int32_t c_tiles[2][4 * AMX_ROWS * AMX_ROWS];
+    int64_t prev_m = -1, prev_b = 0;
+    int prev_mc = 0, half = 0;
+    for (int64_t mt = 0; mt < mtiles; mt += 2) {
+        const int mc = mtiles - mt < 2 ? 1 : 2;
+        const int8_t* a = x->q + (t0 + mt) * AMX_ROWS * K;
+        for (int64_t b = 0; b < nb; b++) {
+            _tile_loadd(4, a + b * QBLOCK, K);
+            _tile_loadd(6, wtiles + b * tile_bytes, 64);
+            _tile_zero(0);
+            AMX_DOT(bits, 0, 4, 6);
+            if (ng > 1) {
+                _tile_loadd(7, wtiles + (nb + b) * tile_bytes, 64);
+                _tile_zero(1);
+                AMX_DOT(bits, 1, 4, 7);
+            }
+            if (mc > 1) {
+                _tile_loadd(5, a + AMX_ROWS * K + b * QBLOCK, K);
+                _tile_zero(2);
+                AMX_DOT(bits, 2, 5, 6);
+                if (ng > 1) {
+                    _tile_zero(3);
+                    AMX_DOT(bits, 3, 5, 7);
+                }
+            }
+            if (prev_m >= 0)
+                amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
+                          acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
+            int32_t* c = c_tiles[half];
+            _tile_stored(0, c, 64);
+            if (ng > 1) _tile_stored(1, c + 256, 64);
+            if (mc > 1) _tile_stored(2, c + 512, 64);
+            if (mc > 1 && ng > 1) _tile_stored(3, c + 768, 64);
+            prev_m = mt, prev_b = b, prev_mc = mc, half ^= 1;
+        }
+    }
+    amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
+              acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
+    const int64_t rows = M - t0 * AMX_ROWS < mtiles * AMX_ROWS ? M - t0 * AMX_ROWS : mtiles * AMX_ROWS;
+    for (int64_t r = 0; r < rows; r++)
+        for (int j = 0; j < ng; j++) {
+            const int64_t m = t0 * AMX_ROWS + r, n = n0 + j * AMX_ROWS;
+            // + 0 without a bias, as store_output adds it (-0 becomes +0 in every path).
+            const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + n) : _mm512_setzero_ps();
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 2 * AMX_ROWS + j * AMX_ROWS), bias);
+            if (y_bf16)
+                _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * w->n + n), bf16x16(v));
+            else
+                _mm512_storeu_ps((float*)y + m * w->n + n, v);
+        }
+}
+
+// Outputs [0, groups x 16) for activation rows x (q padded with zero rows to whole tiles): work items of up to
+// AMX_CHUNK activation tiles x two weight groups, each item's weights unpacked once into B tiles. Returns 1
+// when out of memory.
+static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
+    const int64_t nb = w->k / QBLOCK, tiles = (x->M + AMX_ROWS - 1) / AMX_ROWS, groups = w->n / AMX_ROWS;
+    const int64_t chunks = (tiles + AMX_CHUNK - 1) / AMX_CHUNK, pairs = (groups + 1) / 2;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        float* acc = malloc(sizeof(float) * (size_t)(AMX_ROWS * Mp + 2 * AMX_ROWS * nb));
-        failed |= !acc;
-        if (acc) amx_configure();
+        const size_t tile_bytes = (size_t)(nb * 2 * AMX_ROWS * QBLOCK);
+        int8_t* wtiles = malloc(tile_bytes);
+        float* wd = malloc(sizeof(float) * (size_t)(4 * nb * AMX_ROWS + AMX_CHUNK * AMX_ROWS * 2 * AMX_ROWS));
+        failed |= !wtiles || !wd;
+        if (!failed) amx_configure();
+        int64_t unpacked = -1;  // the pair whose weights wtiles holds
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (!acc) continue;
-            float *wd = acc + AMX_ROWS * Mp, *wm = wd + AMX_ROWS * nb;
-            const int64_t n0 = g * AMX_ROWS;
-            for (int j = 0; j < AMX_ROWS; j++)
-                for (int64_t b = 0; b < nb; b++) {
-                    wd[j * nb + b] = f16_to_f32(w->d[(n0 + j) * nb + b]);
-                    wm[j * nb + b] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
-                }
-            memset(acc, 0, sizeof(float) * (size_t)(AMX_ROWS * Mp));
-            for (int64_t b = 0; b < nb; b++) {
-                // A: the block of each weight row as 32 unsigned bytes (8-bit codes + 128, corrected in amx_scale).
-                uint8_t a_tile[AMX_ROWS * QBLOCK];
-                for (int j = 0; j < AMX_ROWS; j++) {
-                    const uint8_t* src = (const uint8_t*)w->qs + (n0 + j) * row_bytes;
-                    const __m256i codes = w->bits == 4
-                                              ? unpack_q4(src + b * (QBLOCK / 2))
-                                              : _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(src + b * QBLOCK)),
-                                                                 _mm256_set1_epi8((char)0x80));
-                    _mm256_storeu_si256((__m256i*)(a_tile + j * QBLOCK), codes);
-                }
-                _tile_loadd(4, a_tile, QBLOCK);
-                int32_t c_tiles[2][AMX_TILES * AMX_ROWS * AMX_ROWS];
-                int64_t previous = -1;
-                int previous_count = 0, half = 0;
-                for (int64_t mt = 0; mt < tiles; mt += AMX_TILES) {
-                    const int count = tiles - mt < AMX_TILES ? (int)(tiles - mt) : AMX_TILES;
-                    const int8_t* bt = bpack + (mt * nb + b) * tile_bytes;
-                    const int64_t next = nb * tile_bytes;  // the same block of the next activation tile
-                    _tile_zero(0);
-                    _tile_loadd(5, bt, 64);
-                    _tile_dpbusd(0, 4, 5);
-                    if (count > 1) {
-                        _tile_zero(1);
-                        _tile_loadd(6, bt + next, 64);
-                        _tile_dpbusd(1, 4, 6);
-                    }
-                    if (count > 2) {
-                        _tile_zero(2);
-                        _tile_loadd(7, bt + 2 * next, 64);
-                        _tile_dpbusd(2, 4, 7);
-                    }
-                    if (count > 3) {
-                        _tile_zero(3);
-                        _tile_loadd(5, bt + 3 * next, 64);
-                        _tile_dpbusd(3, 4, 5);
-                    }
-                    if (previous >= 0)
-                        amx_scale(w, c_tiles[half ^ 1], previous_count, previous, b, wd, wm, dxT, sxT, qsumT, Mp,
-                                  nb, acc);
-                    int32_t* c = c_tiles[half];
-                    _tile_stored(0, c, 64);
-                    if (count > 1) _tile_stored(1, c + 256, 64);
-                    if (count > 2) _tile_stored(2, c + 512, 64);
-                    if (count > 3) _tile_stored(3, c + 768, 64);
-                    previous = mt, previous_count = count, half ^= 1;
-                }
-                amx_scale(w, c_tiles[half ^ 1], previous_count, previous, b, wd, wm, dxT, sxT, qsumT, Mp, nb, acc);
+        for (int64_t item = 0; item < chunks * pairs; item++) {
+            if (!wtiles || !wd) continue;
+            // Pair-major: a thread's items share one pair's unpacked weights while they last.
+            const int64_t pair = item / chunks, chunk = item % chunks;
+            const int64_t n0 = pair * 2 * AMX_ROWS, t0 = chunk * AMX_CHUNK;
+            const int ng = groups - pair * 2 > 1 ? 2 : 1;
+            float *wm = wd + 2 * nb * AMX_ROWS, *acc = wm + 2 * nb * AMX_ROWS;
+            if (unpacked != pair) {
+                for (int j = 0; j < ng; j++)
+                    amx_unpack(w, n0 + j * AMX_ROWS, wtiles + j * nb * AMX_ROWS * QBLOCK, wd + j * AMX_ROWS,
+                               wm + j * AMX_ROWS, 2 * AMX_ROWS);
+                unpacked = pair;
             }
-            for (int64_t m = 0; m < x->M; m++)  // a row's 16 outputs are neighbours in y
-                for (int j = 0; j < AMX_ROWS; j++) store_output(w, n0 + j, m, acc[j * Mp + m], y, y_bf16);
+            const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
+            if (w->bits == 4)
+                amx_item(4, w, x, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
+            else
+                amx_item(8, w, x, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
         }
-        if (acc) _tile_release();
-        free(acc);
+        if (wtiles && wd) _tile_release();
+        free(wtiles);
+        free(wd);
     }
-    return failed;
-}
-
-// The activation rows in the layouts the tiles read (see amx_rows); then the tiles, then the remainder rows.
-static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
-    const int64_t K = w->k, nb = K / QBLOCK, M = x->M, Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    int8_t* bpack = calloc((size_t)(Mp * K), 1);
-    float* dxT = calloc((size_t)(2 * nb * Mp), sizeof(float));
-    int32_t* qsumT = calloc((size_t)(nb * Mp), sizeof(int32_t));
-    int failed = !bpack || !dxT || !qsumT;
-    if (!failed) {
-        float* sxT = dxT + nb * Mp;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t b = 0; b < nb; b++) {
-                dxT[b * Mp + m] = x->dx[m * nb + b];
-                sxT[b * Mp + m] = x->sx[m * nb + b];
-                qsumT[b * Mp + m] = x->qsum[m * nb + b];
-                int8_t* dst = bpack + ((m / AMX_ROWS) * nb + b) * (AMX_ROWS * QBLOCK);
-                for (int i = 0; i < QBLOCK; i++) dst[(i / 4) * 64 + (m % AMX_ROWS) * 4 + i % 4] = x->q[m * K + b * QBLOCK + i];
-            }
-        const int64_t groups = w->n / AMX_ROWS;
-        failed = amx_rows(w, groups, x, bpack, dxT, sxT, qsumT, Mp, y, y_bf16, nthreads);
-        failed |= simd_rows(w, groups * AMX_ROWS, w->n, x, y, y_bf16, nthreads);
-    }
-    free(bpack);
-    free(dxT);
-    free(qsumT);
-    return failed;
+    return failed | simd_rows(w, groups * AMX_ROWS, w->n, x, y, y_bf16, nthreads);
 }
 #else
 #define KVD_AMX 0
@@ -743,21 +775,18 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
     }
     if (w->bits == 32 || w->bits == 16)
         return float_linear(w, x, x_bf16, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
-    const int64_t K = w->k, nb = K / QBLOCK;
-    int8_t* q = malloc((size_t)(M * K));
-    float* dx = malloc(sizeof(float) * (size_t)(M * nb));
-    int32_t* qsum = malloc(sizeof(int32_t) * (size_t)(M * nb));
-    float* sx = malloc(sizeof(float) * (size_t)(M * nb));
-    int failed = !q || !dx || !qsum || !sx;
+    const int64_t K = w->k, nb = K / QBLOCK, padded = (M + 15) / 16 * 16;
+    int8_t* q = malloc((size_t)(padded * K));
+    float* dx = malloc(sizeof(float) * (size_t)(2 * M * nb));
+    int failed = !q || !dx;
     if (!failed) {
-        quantize_rows(x, x_bf16, M, K, q, dx, qsum, sx, nthreads);
-        const quantized_rows rows = {q, dx, qsum, sx, M};
+        memset(q + M * K, 0, (size_t)((padded - M) * K));  // AMX reads whole tiles of rows
+        quantize_rows(x, x_bf16, M, K, q, dx, dx + M * nb, nthreads);
+        const quantized_rows rows = {q, dx, dx + M * nb, M};
         failed = quantized_linear(w, &rows, y, y_bf16, nthreads);
     }
     free(q);
     free(dx);
-    free(qsum);
-    free(sx);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 

@@ -68,14 +68,15 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
-@pytest.mark.parametrize("batch", [1, 3, 4, 7, 70])
+@pytest.mark.parametrize("batch", [1, 3, 4, 7, 70, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
     """Integer block dot products: equal to float64 on the int8 activations and the stored weights; every
-    activation-row tiling (1, 4, ragged, several tiles of 64) and a zero block (scale 0) included."""
+    activation-row tiling (1, 4, ragged, several tiles of 16 and work items of 256 rows on AMX), outputs past
+    the last tile of 16, and a zero block (scale 0) included."""
     torch.manual_seed(batch)
-    weight = torch.randn(80, 96) * 0.05
-    layer = cls(weight, torch.randn(80), [48, 32])
+    weight = torch.randn(88, 96) * 0.05
+    layer = cls(weight, torch.randn(88), [48, 40])
     x = torch.randn(batch, 96) * 3
     x[0, :32] = 0
     x = x.to(dtype)
@@ -83,7 +84,7 @@ def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
         _quantized_activations(x.float()), layer.dequantized_weight().double(), layer.bias.double()
     )
     got = cpu_native.linear(x, layer.native_weight())  # the kernel itself, at every batch
-    assert got.dtype == dtype and got.shape == (batch, 80)
+    assert got.dtype == dtype and got.shape == (batch, 88)
     tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
     # The layer runs the kernel for every batch with batch invariance, for decode-sized ones without it.
