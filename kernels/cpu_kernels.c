@@ -504,8 +504,7 @@ static inline __m256i bf16x16(__m512 v) {
     } while (0)
 
 // One work item: activation tiles [t0, t0 + mtiles) x weight groups n0 .. n0 + ng x 16, every block in order. The
-// products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles),
-// so the tile unit is not left waiting.
+// products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles).
 static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_weight* w, const quantized_rows* x,
                                                           int64_t t0, int64_t mtiles, int64_t n0, int ng,
                                                           const int8_t* wtiles, const float* wd, const float* wm,
@@ -537,14 +536,16 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
                     AMX_DOT(bits, 3, 5, 7);
                 }
             }
-            if (prev_m >= 0)
-                amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
-                          acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
             int32_t* c = c_tiles[half];
             _tile_stored(0, c, 64);
             if (ng > 1) _tile_stored(1, c + 256, 64);
             if (mc > 1) _tile_stored(2, c + 512, 64);
             if (mc > 1 && ng > 1) _tile_stored(3, c + 768, 64);
+            // The stores wait for the products; the float steps of the previous pass need neither, and leave the
+            // stores time to finish before the next pass zeroes the same tiles.
+            if (prev_m >= 0)
+                amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
+                          acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
             prev_m = mt, prev_b = b, prev_mc = mc, half ^= 1;
         }
     }
