@@ -180,6 +180,17 @@ def unpack(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(n // 16, k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
 
 
+def unpack_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a weight `pack` laid out, in row order: [*ids.shape, K] (an embedding lookup)."""
+    n, k = weight.shape
+    tile, row = ids // 16, ids % 16
+    if weight.dtype == torch.float32:
+        rows = weight.view(n // 16, k, 16)[tile, :, row]
+    else:
+        rows = weight.view(n // 16, k // 32, 16, 16, 2)[tile, :, :, row, :]
+    return rows.reshape(*ids.shape, k)
+
+
 def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias), in x's dtype (float32 only for a float32 weight)."""
     bf16 = _is_bf16(x)

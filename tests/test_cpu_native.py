@@ -312,6 +312,8 @@ def test_bf16_weights_in_tile_order_match_torch_at_every_row_count():
     with pytest.raises(cpu_native.NativeKernelError, match="not whole"):
         cpu_native.pack(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 rows: not whole tiles
     assert torch.equal(cpu_native.unpack(tiles), weight)
+    ids = torch.tensor([0, 79, 17, 17, 40])
+    assert torch.equal(cpu_native.unpack_rows(tiles, ids), weight[ids])  # an embedding lookup
 
 
 def test_float32_weights_in_panel_order_match_torch_at_every_row_count():
@@ -320,6 +322,8 @@ def test_float32_weights_in_panel_order_match_torch_at_every_row_count():
     weight, bias, x = torch.randn(96, 40), torch.randn(96), torch.randn(37, 40)
     panels = cpu_native.pack(weight)  # kept alive: the view below holds only its address
     assert torch.equal(cpu_native.unpack(panels), weight)
+    ids = torch.tensor([[95, 0], [16, 31]])
+    assert torch.equal(cpu_native.unpack_rows(panels, ids), weight[ids])
     packed = cpu_native.linear_weight(32, panels, bias=bias, tiles=True)
     got = cpu_native.linear(x, packed)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)

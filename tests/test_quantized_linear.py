@@ -174,7 +174,7 @@ def test_quantized_smollm2_against_its_dequantized_model(smollm2, mode):
     """Logits of the quantized model vs the float32 model holding the very weights the kernels use."""
     quantized = copy.deepcopy(smollm2.model)
     assert quantize_linears(quantized.model.layers, mode) == 4 * smollm2.config.num_hidden_layers
-    quantized.output_proj = quantize_output(quantized.model.embed_tokens.weight, mode)
+    quantized.output_proj = quantize_output(quantized.model.embed_tokens.row_weight(), mode)
     reference = copy.deepcopy(smollm2.model)
     reference.output_proj = _linear(quantized.output_proj.dequantized_weight(), [smollm2.config.vocab_size])
     for ours, ref in zip(quantized.model.layers.modules(), reference.model.layers.modules(), strict=True):

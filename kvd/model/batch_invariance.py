@@ -7,20 +7,21 @@ from __future__ import annotations
 from torch import nn
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.linear import Linear
+from kvd.model.layers.linear import KernelOrder
 
 
 def set_batch_invariant(model: nn.Module, on: bool) -> None:
     """On (the default): every kernel computes a row in one order whatever the batch; off: the faster paths.
 
-    Called once, after loading: turning it on lays the float linears' weights out in the order of kvd's own
-    kernels (float32 in panels, bf16 in AMX tiles where the CPU has them), which only those kernels read: every
-    output is then one fixed chain of sums whatever the batch, at GEMM speed for prefill.
+    Called once, after loading: turning it on lays the float linears' weights (and the embedding table, the
+    output projection of a tied model) out in the order of kvd's own kernels (float32 in panels, bf16 in AMX
+    tiles where the CPU has them), which only those kernels read: every output is then one fixed chain of sums
+    whatever the batch, at GEMM speed for prefill.
     """
     for module in model.modules():
         if hasattr(type(module), "batch_invariant"):
             module.batch_invariant = on
-        if on and isinstance(module, Linear) and cpu_native.packable(module.weight):
+        if on and isinstance(module, KernelOrder) and cpu_native.packable(module.weight):
             module.weight.data = cpu_native.pack(module.weight.data)
             module.tiles = True
     backend = getattr(model, "attention_backend", None)

@@ -40,7 +40,18 @@ def _bias_after(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return y if bias is None or bias.dtype == torch.float32 else y.add_(bias)
 
 
-class Linear(nn.Module):
+class KernelOrder:
+    """A weight that batch invariance may lay out in the order of kvd's own kernels (kvd.model.batch_invariance)."""
+
+    tiles = False  # the weight lies in kvd's kernel order; only that kernel (and unpack) reads it
+    weight: nn.Parameter
+
+    def row_weight(self) -> torch.Tensor:
+        """The [out, in] weight in row order, whatever order this layer keeps it in (see `tiles`)."""
+        return cpu_native.unpack(self.weight) if self.tiles else self.weight
+
+
+class Linear(KernelOrder, nn.Module):
     """y = x W^T (+ b). With several out_sizes, W stacks that many checkpoint matrices row-wise, in order.
 
     A stacked weight carries `shard_sizes`, the rows each checkpoint tensor goes to.
@@ -48,7 +59,6 @@ class Linear(nn.Module):
     """
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
-    tiles = False  # the weight lies in kvd's kernel order (batch_invariance); only that kernel reads it
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()
@@ -60,10 +70,6 @@ class Linear(nn.Module):
             for param in (self.weight, self.bias):
                 if param is not None:
                     param.shard_sizes = sizes
-
-    def row_weight(self) -> torch.Tensor:
-        """The [out, in] weight in row order, whatever order this layer keeps it in (see `tiles`)."""
-        return cpu_native.unpack(self.weight) if self.tiles else self.weight
 
     def set_weight(self, weight: torch.Tensor) -> None:
         """Copy a [out, in] weight in row order into this layer, in the order it keeps."""
@@ -92,7 +98,7 @@ class Linear(nn.Module):
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
 
 
-class Embedding(nn.Module):
+class Embedding(KernelOrder, nn.Module):
     """Token embedding table [vocab, hidden]; tied models reuse it as the output projection.
 
     Vocab-parallel under tensor parallelism: this rank holds rows [vocab_start, vocab_start + num_embeddings),
@@ -108,16 +114,19 @@ class Embedding(nn.Module):
         self.shard = shard
         self.vocab_start = vocab_start
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_native.unpack_rows(self.weight, ids) if self.tiles else F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.shard.sharded:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows = self._rows(local.masked_fill(outside, 0))
         return all_reduce(rows.masked_fill_(outside[:, None], 0.0), self.shard)
 
     def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table^T: the output projection of a model with tied embeddings."""
         if native_rows(hidden, self.weight, self.batch_invariant):
-            return cpu_native.linear(hidden, _native_weight(self.weight))
-        return F.linear(hidden, self.weight)
+            return cpu_native.linear(hidden, _native_weight(self.weight, tiles=self.tiles))
+        return F.linear(hidden, self.row_weight())
