@@ -1315,9 +1315,10 @@ int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 // x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as torch computes them. Element
 // i and i + D / 2 read each other, so each pair is rotated together, in place.
 int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
-               int64_t num_positions, const int64_t* positions) {
+               int64_t num_positions, const int64_t* positions, int nthreads) {
     if (!indices_in_range(positions, T, 0, num_positions)) return KVD_BAD_INDEX;
     const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
         const int64_t row = positions[t] * 2 * D;
         for (int64_t h = 0; h < heads; h++) {
@@ -1367,8 +1368,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
             kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps, bf16);
             kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
         }
-        kvd_rotary(q, qkv_size, bf16, S, m->heads, D, cos_sin, m->num_positions, positions);
-        kvd_rotary(k, qkv_size, bf16, S, m->kv_heads, D, cos_sin, m->num_positions, positions);
+        // The k heads follow the q heads in a qkv row: one pass rotates both.
+        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, cos_sin, m->num_positions, positions, nthreads);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, num_slots, kv_size, slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->num_blocks, m->block_size,
                                       m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,

@@ -78,7 +78,7 @@ int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 // Rotate x [T, heads, D] (token t at t x stride) in place by the rows of cos_sin [num_positions, 2 * D] (cos |
 // signed sin) at positions[t].
 int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
-               int64_t num_positions, const int64_t* positions);
+               int64_t num_positions, const int64_t* positions, int nthreads);
 
 // RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
 // may be x). x, out and weight share one dtype: float32, or bf16 (normalized in float32 and rounded, then

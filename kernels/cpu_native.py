@@ -297,7 +297,7 @@ def rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> t
     _check_tensor(positions, "positions", torch.int64, (x.shape[0],))
     status = library().kvd_rotary(
         _ptr(x), _token_stride(x), _is_bf16(x), x.shape[0], x.shape[1], head_dim, _ptr(cos_sin),
-        cos_sin.shape[0], _ptr(positions),
+        cos_sin.shape[0], _ptr(positions), _threads(),
     )  # fmt: skip
     _check(status, "rotary")
     return x
