@@ -381,6 +381,46 @@ static void group_rows(const kvd_weight* w, int64_t n0, const float* wd, const f
 }
 #endif
 
+#if KVD_AVX2 && defined(__F16C__)
+// dst [8][8] = the float32 of src's 8 x 8 fp16 values (rows `stride` apart), transposed.
+static inline void transpose8_f16(const uint16_t* src, int64_t stride, float* dst) {
+    __m256 r[8], t[8];
+    for (int j = 0; j < 8; j++) r[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j * stride)));
+    for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+    for (int j = 0; j < 8; j += 4)
+        for (int i = 0; i < 2; i++) {
+            r[j + i] = _mm256_shuffle_ps(t[j + i], t[j + i + 2], 0x44);
+            r[j + i + 2] = _mm256_shuffle_ps(t[j + i], t[j + i + 2], 0xee);
+        }
+    // r[0..3]: columns 0, 2, 1, 3 of rows 0-3 in each 128-bit half (likewise r[4..7] for rows 4-7).
+    static const int order[4] = {0, 2, 1, 3};
+    for (int c = 0; c < 4; c++) {
+        _mm256_storeu_ps(dst + order[c] * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+        _mm256_storeu_ps(dst + (order[c] + 4) * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+    }
+}
+#endif
+
+#if KVD_AVX2
+// wd, wm [nb][8]: the float32 scales (and 4-bit minimums) of weight rows n0 .. n0 + 7, block by block: the
+// order group_rows reads them in, converted eight blocks at a time.
+static void group_scales(const kvd_weight* w, int64_t n0, float* wd, float* wm) {
+    const int64_t nb = w->k / QBLOCK;
+    int64_t b = 0;
+#if defined(__F16C__)
+    for (; b + 8 <= nb; b += 8) {
+        transpose8_f16(w->d + n0 * nb + b, nb, wd + b * NR);
+        if (w->bits == 4) transpose8_f16(w->mn + n0 * nb + b, nb, wm + b * NR);
+    }
+#endif
+    for (; b < nb; b++)
+        for (int j = 0; j < NR; j++) {
+            wd[b * NR + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
+            if (w->bits == 4) wm[b * NR + j] = f16_to_f32(w->mn[(n0 + j) * nb + b]);
+        }
+}
+#endif
+
 static inline void store_output(const kvd_weight* w, int64_t n, int64_t m, float acc, void* y, int y_bf16) {
     store_f(y, m * w->n + n, acc + (w->bias ? w->bias[n] : 0.f), y_bf16);
 }
@@ -401,11 +441,7 @@ static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quan
             if (!wd) continue;
             float *wm = wd + nb * NR, *out = wm + nb * NR;
             const int64_t n0 = first + g * NR;
-            for (int j = 0; j < NR; j++)
-                for (int64_t b = 0; b < nb; b++) {
-                    wd[b * NR + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
-                    wm[b * NR + j] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
-                }
+            group_scales(w, n0, wd, wm);
             group_rows(w, n0, wd, wm, x, out);
             for (int64_t m = 0; m < x->M; m++)
                 for (int j = 0; j < NR; j++) store_output(w, n0 + j, m, out[m * NR + j], y, y_bf16);

@@ -73,11 +73,12 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
     """Integer block dot products: equal to float64 on the int8 activations and the stored weights; every
     activation-row tiling (1, 4, ragged, several tiles of 16 and work items of 256 rows on AMX), outputs past
-    the last tile of 16, and a zero block (scale 0) included."""
+    the last tile of 16, ten blocks along K (scales converted eight blocks at a time, then two), and a zero block
+    (scale 0) included."""
     torch.manual_seed(batch)
-    weight = torch.randn(88, 96) * 0.05
+    weight = torch.randn(88, 320) * 0.05
     layer = cls(weight, torch.randn(88), [48, 40])
-    x = torch.randn(batch, 96) * 3
+    x = torch.randn(batch, 320) * 3
     x[0, :32] = 0
     x = x.to(dtype)
     want = F.linear(
