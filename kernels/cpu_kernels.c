@@ -1290,6 +1290,17 @@ static inline float silu(float g) {
 }
 
 #if KVD_AVX2
+// v rounded to bf16 as f32_to_bf16 rounds each lane, left in the high 16 bits (the low 16 zero).
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));  // NaN stays NaN
+    return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32((int)0xffff0000));
+}
+
 static inline __m256 silu8(__m256 g) {
     const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
     const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
@@ -1309,12 +1320,15 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
         int64_t i = 0;
 #if KVD_AVX2
         for (; i + 8 <= I; i += 8) {
-            float s[8];
-            _mm256_storeu_ps(s, silu8(load8(g + i * elem, bf16)));
-            for (int j = 0; j < 8; j++) {
-                const float sj = bf16 ? bf16_to_f32(f32_to_bf16(s[j])) : s[j];
-                store_f(o, i + j, sj * load_f(u, i + j, bf16), bf16);
+            const __m256 s = silu8(load8(g + i * elem, bf16)), up8 = load8(u + i * elem, bf16);
+            if (!bf16) {
+                _mm256_storeu_ps((float*)o + i, _mm256_mul_ps(s, up8));
+                continue;
             }
+            const __m256 rounded = _mm256_castsi256_ps(bf16_bits8(s));
+            const __m256i p = _mm256_srli_epi32(bf16_bits8(_mm256_mul_ps(rounded, up8)), 16);
+            _mm_storeu_si128((__m128i*)(o + i * 2),
+                             _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
         }
 #endif
         for (; i < I; i++) {
