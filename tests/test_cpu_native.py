@@ -140,7 +140,7 @@ def test_silu_mul_matches_torch_on_views_of_one_projection(dtype):
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(gate_up, before)  # out of place: the projection output is left as it was
-    if dtype == torch.bfloat16:  # silu rounded to bf16, then the product rounded: exactly, lanes and tail alike
+    if dtype == torch.bfloat16:  # silu rounded to bf16, then the product: exactly, lanes and tail alike
         silu = cpu_native.silu_mul(gate.float(), torch.ones_like(gate, dtype=torch.float32))
         assert torch.equal(got, (silu.to(dtype).float() * up.float()).to(dtype))
     with pytest.raises(cpu_native.NativeKernelError, match="one stride"):
