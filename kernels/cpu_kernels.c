@@ -87,6 +87,25 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
+#if KVD_AVX2
+// v rounded to bf16 as f32_to_bf16 rounds each lane, left in the high 16 bits (the low 16 zero).
+static inline __m256i bf16_bits8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));  // NaN stays NaN
+    return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32((int)0xffff0000));
+}
+
+// The eight bf16 of v (rounded as above) at dst.
+static inline void store_bf16x8(void* dst, __m256 v) {
+    const __m256i p = _mm256_srli_epi32(bf16_bits8(v), 16);
+    _mm_storeu_si128((__m128i*)dst, _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+}
+#endif
+
 static inline float load_f(const void* base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t*)base)[i]) : ((const float*)base)[i];
 }
@@ -522,17 +541,6 @@ static inline void amx_scale(int bits, const int32_t* c, int mc, int ng, int64_t
         }
 }
 
-// Sixteen float32 values rounded to bf16 as f32_to_bf16 rounds each.
-static inline __m256i bf16x16(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet));
-}
-
 #define AMX_DOT(bits, c, a, b)               \
     do {                                     \
         if ((bits) == 4) _tile_dpbsud(c, a, b); \
@@ -594,9 +602,11 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
             // + 0 without a bias, as store_output adds it (-0 becomes +0 in every path).
             const __m512 bias = w->bias ? _mm512_loadu_ps(w->bias + n) : _mm512_setzero_ps();
             const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 2 * AMX_ROWS + j * AMX_ROWS), bias);
-            if (y_bf16)
-                _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * w->n + n), bf16x16(v));
-            else
+            if (y_bf16) {
+                uint16_t* dst = (uint16_t*)y + m * w->n + n;
+                store_bf16x8(dst, _mm512_castps512_ps256(v));
+                store_bf16x8(dst + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+            } else
                 _mm512_storeu_ps((float*)y + m * w->n + n, v);
         }
 }
@@ -1290,17 +1300,6 @@ static inline float silu(float g) {
 }
 
 #if KVD_AVX2
-// v rounded to bf16 as f32_to_bf16 rounds each lane, left in the high 16 bits (the low 16 zero).
-static inline __m256i bf16_bits8(__m256 v) {
-    const __m256i bits = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
-                                           _mm256_set1_epi32(0x7f800000));
-    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000));  // NaN stays NaN
-    return _mm256_and_si256(_mm256_blendv_epi8(rounded, quiet, nan), _mm256_set1_epi32((int)0xffff0000));
-}
-
 static inline __m256 silu8(__m256 g) {
     const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
     const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
@@ -1325,10 +1324,7 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
                 _mm256_storeu_ps((float*)o + i, _mm256_mul_ps(s, up8));
                 continue;
             }
-            const __m256 rounded = _mm256_castsi256_ps(bf16_bits8(s));
-            const __m256i p = _mm256_srli_epi32(bf16_bits8(_mm256_mul_ps(rounded, up8)), 16);
-            _mm_storeu_si128((__m128i*)(o + i * 2),
-                             _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+            store_bf16x8(o + i * 2, _mm256_mul_ps(_mm256_castsi256_ps(bf16_bits8(s)), up8));
         }
 #endif
         for (; i < I; i++) {
