@@ -839,6 +839,16 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
 
 // ---- paged decode attention --------------------------------------------------------------------------------
 
+// Block t0 / block_size + 1's rows (row_bytes from `rows` in each slot) on their way to the cache while block
+// t0 is read: blocks sit anywhere in the pool, so the hardware prefetcher cannot see where the next one starts.
+static inline void prefetch_next_block(const char* rows, const int32_t* table, int64_t t0, int64_t ctx,
+                                       int64_t block_size, int64_t slot_bytes, int64_t row_bytes) {
+    if (t0 + block_size >= ctx) return;
+    const char* next = rows + (int64_t)table[t0 / block_size + 1] * block_size * slot_bytes;
+    for (int64_t t = 0; t < block_size; t++)
+        for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next + t * slot_bytes + i);
+}
+
 #if KVD_AVX2
 static inline __m256 load8(const char* p, int bf16) {
     if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -997,6 +1007,7 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(values + head + i0 * elem, table, t0, ctx, block_size, slot_bytes, 32 * elem);
         for (int64_t t = 0; t < n; t++) {
             const char* row = v + t * slot_bytes;
             const __m256 v0 = load8(row, bf16), v1 = load8(row + 8 * elem, bf16);
@@ -1033,6 +1044,7 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(values + head + i0 * elem, table, t0, ctx, block_size, slot_bytes, 64 * elem);
         for (int64_t t = 0; t < n; t++) {
             const char* row = v + t * slot_bytes;
             const __m512 v0 = load16(row, bf16), v1 = load16(row + 16 * elem, bf16);
@@ -1165,12 +1177,14 @@ static inline __attribute__((always_inline)) void attend_group(
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         const uint16_t* qh = (const uint16_t*)q + s * q_stride + kvh * group * D;
+        prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D * 2);
         for (int64_t g = 0; g < group; g++) bf16_scores(qh + g * D, k, slot_bytes, n, D, scale, scores + g * ctx + t0);
     }
 #endif
     for (int64_t t0 = 0; t0 < ctx && !bf16_dots; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D * elem);
         for (int64_t g = 0; g < group; g++) {
             float* sc = scores + g * ctx + t0;
             int64_t t = 0;
@@ -1224,10 +1238,14 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
         // One work area per thread, for the longest context: no allocation per (sequence, head).
         float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D + 1)));
         failed |= !work;
-// Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
-#pragma omp for schedule(static, 1) collapse(2)
-        for (int64_t s = 0; s < S; s++) {
-            for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+        // A sequence's kv heads in one item, so one thread reads its blocks (each slot holds every kv head) while
+        // they are in its cache; a head to an item where there are too few sequences to keep every thread busy.
+        // Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
+        const int64_t per_item = S >= 4 * nthreads ? kv_heads : 1;
+#pragma omp for schedule(static, 1)
+        for (int64_t item = 0; item < S * kv_heads / per_item; item++) {
+            for (int64_t j = item * per_item; j < (item + 1) * per_item; j++) {
+                const int64_t s = j / kv_heads, kvh = j % kv_heads;
                 if (!work) continue;
                 const int32_t* table = block_tables + s * table_width;
                 // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
@@ -1358,6 +1376,29 @@ int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
     return KVD_OK;
 }
 
+#if KVD_AVX2
+static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+
+static inline void store8(char* p, __m256 v, int bf16) {
+    if (bf16)
+        store_bf16x8(p, v);
+    else
+        _mm256_storeu_ps((float*)p, v);
+}
+
+// Eight pairs (x[i], x[i + half]) of kvd_rotary's loop at once, with its roundings; cs = the cos row at i.
+static inline void rotate8(char* x, const char* cs, int bf16, int64_t D, int64_t half) {
+    const int elem = bf16 ? 2 : 4;
+    const __m256 lo = load8(x, bf16), hi = load8(x + half * elem, bf16);
+    const __m256 p0 = round8(_mm256_mul_ps(lo, load8(cs, bf16)), bf16);
+    const __m256 p1 = round8(_mm256_mul_ps(hi, load8(cs + D * elem, bf16)), bf16);
+    const __m256 p2 = round8(_mm256_mul_ps(hi, load8(cs + half * elem, bf16)), bf16);
+    const __m256 p3 = round8(_mm256_mul_ps(lo, load8(cs + (D + half) * elem, bf16)), bf16);
+    store8(x, _mm256_add_ps(p0, p1), bf16);
+    store8(x + half * elem, _mm256_add_ps(p2, p3), bf16);
+}
+#endif
+
 // x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as torch computes them. Element
 // i and i + D / 2 read each other, so each pair is rotated together, in place.
 int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
@@ -1369,7 +1410,13 @@ int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int6
         const int64_t row = positions[t] * 2 * D;
         for (int64_t h = 0; h < heads; h++) {
             const int64_t base = t * stride + h * D;
-            for (int64_t i = 0; i < half; i++) {
+            int64_t i = 0;
+#if KVD_AVX2
+            const int elem = bf16 ? 2 : 4;
+            for (; i + 8 <= half; i += 8)
+                rotate8((char*)x + (base + i) * elem, (const char*)cos_sin + (row + i) * elem, bf16, D, half);
+#endif
+            for (; i < half; i++) {
                 const float lo = load_f(x, base + i, bf16), hi = load_f(x, base + i + half, bf16);
                 float prod[4] = {lo * load_f(cos_sin, row + i, bf16), hi * load_f(cos_sin, row + D + i, bf16),
                                  hi * load_f(cos_sin, row + i + half, bf16),

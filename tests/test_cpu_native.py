@@ -75,11 +75,13 @@ def test_store_kv_writes_rows_of_their_own_strides_and_skips_minus_one(dtype):
     assert torch.count_nonzero(flat[:, [s for s in range(24) if s not in slots.tolist()]]) == 0
 
 
+# Head size 40: two eight-pair SIMD steps and four pairs past them, on the scalar loop.
+@pytest.mark.parametrize("head_dim", [64, 40])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_is_bit_identical_to_the_torch_ops(dtype):
-    rotary = RotaryEmbedding(64, 4096, 10000.0, None).to(dtype)
+def test_rotary_is_bit_identical_to_the_torch_ops(dtype, head_dim):
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None).to(dtype)
     positions = torch.tensor([0, 1, 17, 300, 4095])
-    q = _qkv_views(5, 9, 3, 64, dtype)[0]
+    q = _qkv_views(5, 9, 3, head_dim, dtype)[0]
     cos, sin = rotary.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     want = apply_rotary(q.clone(), RotaryRows(cos, sin))
     rows = rotary.lookup(positions)
