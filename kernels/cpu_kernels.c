@@ -478,7 +478,7 @@ static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quan
 #if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define KVD_AMX 1
 
-#define AMX_MIN_ROWS 16
+#define AMX_MIN_ROWS 4  // from 4 rows on, half-empty tiles beat eight weight rows at a time (int4, 2 cores)
 #define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
 
 // Tiles: 0-3 = C (16 activation rows x 16 outputs of int32 block sums; activation tile i and weight group j of
