@@ -854,6 +854,15 @@ static inline __m256 load8(const char* p, int bf16) {
     if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
     return _mm256_loadu_ps((const float*)p);
 }
+
+static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+
+static inline void store8(char* p, __m256 v, int bf16) {
+    if (bf16)
+        store_bf16x8(p, v);
+    else
+        _mm256_storeu_ps((float*)p, v);
+}
 #endif
 
 // a . b for a float32 row and a pool row (float32 or bf16) of D values.
@@ -1270,21 +1279,48 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 
 // out[0..D) = x / rms(x) * weight (out may be x). float32: one product chain per value; bf16: normalized in
 // float32 and rounded, then scaled and rounded, as transformers computes it (the sum of squares in one order).
-static void norm_row(const void* x, void* out, int64_t D, const void* weight, float eps, int bf16) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < D; i++) {
+// x . x over D values: value i in lane i % 8 up to the last whole eight, a fixed tree over the lanes, then the
+// rest in order; plain C takes the same steps, so every build gives the same bits.
+static float sum_squares(const void* x, int64_t D, int bf16) {
+    float lanes[8] = {0.f};
+    int64_t i = 0;
+#if KVD_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+        const __m256 v = load8((const char*)x + i * (bf16 ? 2 : 4), bf16);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#endif
+    for (; i + 8 <= D; i += 8)
+        for (int j = 0; j < 8; j++) {
+            const float v = load_f(x, i + j, bf16);
+            lanes[j] += v * v;
+        }
+    float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    for (; i < D; i++) {
         const float v = load_f(x, i, bf16);
         ss += v * v;
     }
-    const float inv = 1.f / sqrtf(ss / (float)D + eps);
-    if (!bf16) {
-        const float *xf = x, *wf = weight;
-        float* of = out;
-        for (int64_t i = 0; i < D; i++) of[i] = xf[i] * inv * wf[i];
-        return;
+    return ss;
+}
+
+// out[0..D) = x / rms(x) * weight (out may be x). float32: one product chain per value; bf16: normalized in
+// float32 and rounded, then scaled and rounded, as transformers computes it.
+static void norm_row(const void* x, void* out, int64_t D, const void* weight, float eps, int bf16) {
+    const float inv = 1.f / sqrtf(sum_squares(x, D, bf16) / (float)D + eps);
+    int64_t i = 0;
+#if KVD_AVX2
+    const int elem = bf16 ? 2 : 4;
+    for (; i + 8 <= D; i += 8) {
+        const __m256 v = round8(_mm256_mul_ps(load8((const char*)x + i * elem, bf16), _mm256_set1_ps(inv)), bf16);
+        store8((char*)out + i * elem, _mm256_mul_ps(v, load8((const char*)weight + i * elem, bf16)), bf16);
     }
-    for (int64_t i = 0; i < D; i++)
-        store_f(out, i, load_f(weight, i, 1) * bf16_to_f32(f32_to_bf16(load_f(x, i, 1) * inv)), 1);
+#endif
+    for (; i < D; i++) {
+        const float v = load_f(x, i, bf16) * inv;
+        store_f(out, i, (bf16 ? bf16_to_f32(f32_to_bf16(v)) : v) * load_f(weight, i, bf16), bf16);
+    }
 }
 
 // RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
@@ -1377,15 +1413,6 @@ int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_strid
 }
 
 #if KVD_AVX2
-static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
-
-static inline void store8(char* p, __m256 v, int bf16) {
-    if (bf16)
-        store_bf16x8(p, v);
-    else
-        _mm256_storeu_ps((float*)p, v);
-}
-
 // Eight pairs (x[i], x[i + half]) of kvd_rotary's loop at once, with its roundings; cs = the cos row at i.
 static inline void rotate8(char* x, const char* cs, int bf16, int64_t D, int64_t half) {
     const int elem = bf16 ? 2 : 4;

@@ -191,13 +191,16 @@ for cls in (NativeInt4Linear, NativeInt8Linear):
 weight, x = torch.randn(48, 96), torch.randn(9, 96)
 panels = cpu_native.pack(weight)
 out["panels"] = cpu_native.linear(x, cpu_native.linear_weight(32, panels, tiles=True))
+for dtype in (torch.float32, torch.bfloat16):  # 100 values: twelve SIMD steps of eight, then four in order
+    x, residual = (torch.randn(5, 100) * 3).to(dtype), torch.randn(5, 100).to(dtype)
+    out["norm", str(dtype)] = cpu_native.add_rms_norm(x, residual, (torch.rand(100) + 0.5).to(dtype), 1e-5)[0]
 torch.save(out, sys.argv[1])
 """
 
 
-def test_every_instruction_set_computes_the_same_quantized_linears(tmp_path):
+def test_every_instruction_set_computes_the_same_linears_and_norms(tmp_path):
     """The host's build (AMX tiles, VNNI where the CPU has them), the AVX2 one and the portable C one give the
-    same quantized and float32-panel outputs bit for bit: those do not depend on the CPU's features either."""
+    same quantized, float32-panel and RMSNorm outputs bit for bit: those do not depend on the CPU's features."""
     builds = {"host": "", "avx2": AVX2}
     builds["portable"] = PORTABLE
     results = {}
