@@ -525,17 +525,20 @@ static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, 
 // acc [rows][32] = fma(isum, d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
 static inline void amx_scale(int bits, const int32_t* c, int mc, int ng, int64_t m0, int64_t M, int64_t b,
                              const float* wd, const float* wm, const quantized_rows* x, int64_t nb, float* acc) {
+    // Held in registers: the stores to acc could otherwise alias x's fields and the weight scales.
+    const float *dxs = x->dx + b, *sxs = x->sx + b;
+    const __m512 d[2] = {_mm512_loadu_ps(wd + b * 2 * AMX_ROWS), _mm512_loadu_ps(wd + b * 2 * AMX_ROWS + AMX_ROWS)};
+    const __m512 mn[2] = {_mm512_loadu_ps(wm + b * 2 * AMX_ROWS), _mm512_loadu_ps(wm + b * 2 * AMX_ROWS + AMX_ROWS)};
     for (int i = 0; i < mc; i++)
         for (int r = 0; r < AMX_ROWS; r++) {
             const int64_t m = m0 + i * AMX_ROWS + r;
             if (m >= M) return;
-            const __m512 dx = _mm512_set1_ps(x->dx[m * nb + b]), sx = _mm512_set1_ps(x->sx[m * nb + b]);
+            const __m512 dx = _mm512_set1_ps(dxs[m * nb]), sx = _mm512_set1_ps(sxs[m * nb]);
             for (int j = 0; j < ng; j++) {
                 const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + (2 * i + j) * 256 + r * AMX_ROWS));
                 float* a = acc + (i * AMX_ROWS + r) * 2 * AMX_ROWS + j * AMX_ROWS;
-                const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(wd + b * 2 * AMX_ROWS + j * AMX_ROWS), dx);
-                __m512 v = _mm512_fmadd_ps(isum, scale, _mm512_loadu_ps(a));
-                if (bits == 4) v = _mm512_fmadd_ps(_mm512_loadu_ps(wm + b * 2 * AMX_ROWS + j * AMX_ROWS), sx, v);
+                __m512 v = _mm512_fmadd_ps(isum, _mm512_mul_ps(d[j], dx), _mm512_loadu_ps(a));
+                if (bits == 4) v = _mm512_fmadd_ps(mn[j], sx, v);
                 _mm512_storeu_ps(a, v);
             }
         }
