@@ -1280,8 +1280,6 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 
 // ---- residual add + RMSNorm, SiLU-and-multiply ----------------------------------------------------------------
 
-// out[0..D) = x / rms(x) * weight (out may be x). float32: one product chain per value; bf16: normalized in
-// float32 and rounded, then scaled and rounded, as transformers computes it (the sum of squares in one order).
 // x . x over D values: value i in lane i % 8 up to the last whole eight, a fixed tree over the lanes, then the
 // rest in order; plain C takes the same steps, so every build gives the same bits.
 static float sum_squares(const void* x, int64_t D, int bf16) {
@@ -1376,12 +1374,8 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
         int64_t i = 0;
 #if KVD_AVX2
         for (; i + 8 <= I; i += 8) {
-            const __m256 s = silu8(load8(g + i * elem, bf16)), up8 = load8(u + i * elem, bf16);
-            if (!bf16) {
-                _mm256_storeu_ps((float*)o + i, _mm256_mul_ps(s, up8));
-                continue;
-            }
-            store_bf16x8(o + i * 2, _mm256_mul_ps(_mm256_castsi256_ps(bf16_bits8(s)), up8));
+            const __m256 s = round8(silu8(load8(g + i * elem, bf16)), bf16);
+            store8(o + i * elem, _mm256_mul_ps(s, load8(u + i * elem, bf16)), bf16);
         }
 #endif
         for (; i < I; i++) {
