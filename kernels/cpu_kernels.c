@@ -159,15 +159,15 @@ static inline __m256i unpack_q4(const uint8_t* qs) {
     return _mm256_set_m128i(hi, lo);  // element i of the block in byte i
 }
 
-// Eight int32 sums of unsigned w x signed a, lane l = products 4l .. 4l + 3 (w <= 15, or |w| with w's signs moved
-// to a: no saturation, so the sums are exact). VNNI's dot product gives the same integers in one instruction.
-static inline __m256i dot_u8_i8(__m256i w, __m256i a) {
+// acc + eight int32 sums of unsigned w x signed a, lane l = products 4l .. 4l + 3 (w <= 15, or |w| with w's signs
+// moved to a: no saturation, so the sums are exact). VNNI's dot product gives the same integers in one instruction.
+static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, a);
+    return _mm256_dpbusd_avx_epi32(acc, w, a);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a);
+    return _mm256_dpbusd_epi32(acc, w, a);
 #else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -332,147 +332,155 @@ typedef struct {
     int64_t M;
 } quantized_rows;
 
-// The exact sum over block b of one weight row's codes times one activation block (plain C).
-static inline int32_t block_isum(int bits, const uint8_t* qs, int64_t b, const int8_t* a) {
-    int32_t sum = 0;
-    if (bits == 4) {
-        const uint8_t* w = qs + b * (QBLOCK / 2);
-        for (int i = 0; i < QBLOCK / 2; i++) sum += (w[i] & 15) * a[i] + (w[i] >> 4) * a[i + QBLOCK / 2];
-    } else {
-        const int8_t* w = (const int8_t*)qs + b * QBLOCK;
-        for (int i = 0; i < QBLOCK; i++) sum += w[i] * a[i];
-    }
-    return sum;
+#define NR 8  // weight rows per group: of the block layout (kvd_weight) and of the SIMD path
+
+static inline int64_t block_bytes(const kvd_weight* w) { return w->bits == 4 ? QBLOCK / 2 : QBLOCK; }
+
+// Bytes from one row's block b to the next row's in a group: a pair of blocks, or the odd last block alone.
+static inline int64_t row_stride(const kvd_weight* w, int64_t b) {
+    return ((b | 1) < w->k / QBLOCK ? 2 : 1) * block_bytes(w);
 }
 
-// Output n for activation row m, one block at a time (the remainder rows of the SIMD paths, and plain C).
-static float row_dot(const kvd_weight* w, int64_t n, const quantized_rows* x, int64_t m) {
-    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
-    const uint8_t* qs = (const uint8_t*)w->qs + n * row_bytes;
-    const float* dx = x->dx + m * nb;
-    const float* sx = x->sx + m * nb;
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        const float scale = f16_to_f32(w->d[n * nb + b]) * dx[b];
-        acc = fmaf((float)block_isum(w->bits, qs, b, x->q + m * K + b * QBLOCK), scale, acc);
-        if (w->bits == 4) acc = fmaf(f16_to_f32(w->mn[n * nb + b]), sx[b], acc);
-    }
-    return acc;
+// Where block b of weight row n lies in the group layout (see kvd_weight).
+static inline const uint8_t* block_at(const kvd_weight* w, int64_t n, int64_t b) {
+    const int64_t bb = block_bytes(w), nb = w->k / QBLOCK;
+    return (const uint8_t*)w->qs + (n / NR) * NR * nb * bb + (b & ~(int64_t)1) * NR * bb + (n % NR) * row_stride(w, b) +
+           (b & 1) * bb;
 }
 
-#define NR 8  // weight rows per group of the SIMD path
-
-#if KVD_AVX2
-// The eight int32 lane sums of block b of one weight row against the activation block a.
-static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const uint8_t* qs, int64_t b, __m256i a) {
-    if (bits == 4) return dot_u8_i8(unpack_q4(qs + b * (QBLOCK / 2)), a);
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
-    return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+// The index of row n's block b in the scales (and minimums) [groups][nb][8].
+static inline int64_t scale_at(const kvd_weight* w, int64_t n, int64_t b) {
+    return ((n / NR) * (w->k / QBLOCK) + b) * NR + n % NR;
 }
-
-// Lane j = the sum of v[j]'s eight lanes (exact integers: the order does not matter).
-static inline __m256i hsum8x8(const __m256i* v) {
-    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
-}
-
-// Outputs n0 .. n0 + 7 for every activation row; wd, wm: the group's scales and minimums as [nb][8] float32.
-static void group_rows(const kvd_weight* w, int64_t n0, const float* wd, const float* wm, const quantized_rows* x,
-                       float* out /* [M][8] */) {
-    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
-    const uint8_t* qs = (const uint8_t*)w->qs + n0 * row_bytes;
-    for (int64_t m = 0; m < x->M; m++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const __m256i a = _mm256_loadu_si256((const __m256i*)(x->q + m * K + b * QBLOCK));
-            __m256i lanes[NR];
-            for (int j = 0; j < NR; j++)
-                lanes[j] = w->bits == 4 ? block_lanes(4, qs + j * row_bytes, b, a) : block_lanes(8, qs + j * row_bytes, b, a);
-            const __m256 isum = _mm256_cvtepi32_ps(hsum8x8(lanes));
-            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(wd + b * NR), _mm256_set1_ps(x->dx[m * nb + b]));
-            acc = _mm256_fmadd_ps(isum, scale, acc);
-            if (w->bits == 4)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(wm + b * NR), _mm256_set1_ps(x->sx[m * nb + b]), acc);
-        }
-        _mm256_storeu_ps(out + m * NR, acc);
-    }
-}
-#endif
-
-#if KVD_AVX2 && defined(__F16C__)
-// dst [8][8] = the float32 of src's 8 x 8 fp16 values (rows `stride` apart), transposed.
-static inline void transpose8_f16(const uint16_t* src, int64_t stride, float* dst) {
-    __m256 r[8], t[8];
-    for (int j = 0; j < 8; j++) r[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j * stride)));
-    for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
-    for (int j = 0; j < 8; j += 4)
-        for (int i = 0; i < 2; i++) {
-            r[j + i] = _mm256_shuffle_ps(t[j + i], t[j + i + 2], 0x44);
-            r[j + i + 2] = _mm256_shuffle_ps(t[j + i], t[j + i + 2], 0xee);
-        }
-    // r[0..3]: columns 0, 2, 1, 3 of rows 0-3 in each 128-bit half (likewise r[4..7] for rows 4-7).
-    static const int order[4] = {0, 2, 1, 3};
-    for (int c = 0; c < 4; c++) {
-        _mm256_storeu_ps(dst + order[c] * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
-        _mm256_storeu_ps(dst + (order[c] + 4) * 8, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
-    }
-}
-#endif
-
-#if KVD_AVX2
-// wd, wm [nb][8]: the float32 scales (and 4-bit minimums) of weight rows n0 .. n0 + 7, block by block: the
-// order group_rows reads them in, converted eight blocks at a time.
-static void group_scales(const kvd_weight* w, int64_t n0, float* wd, float* wm) {
-    const int64_t nb = w->k / QBLOCK;
-    int64_t b = 0;
-#if defined(__F16C__)
-    for (; b + 8 <= nb; b += 8) {
-        transpose8_f16(w->d + n0 * nb + b, nb, wd + b * NR);
-        if (w->bits == 4) transpose8_f16(w->mn + n0 * nb + b, nb, wm + b * NR);
-    }
-#endif
-    for (; b < nb; b++)
-        for (int j = 0; j < NR; j++) {
-            wd[b * NR + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
-            if (w->bits == 4) wm[b * NR + j] = f16_to_f32(w->mn[(n0 + j) * nb + b]);
-        }
-}
-#endif
 
 static inline void store_output(const kvd_weight* w, int64_t n, int64_t m, float acc, void* y, int y_bf16) {
     store_f(y, m * w->n + n, acc + (w->bias ? w->bias[n] : 0.f), y_bf16);
 }
 
-// Outputs [first, end) for every activation row, in groups of eight where SIMD allows. Returns 1 when out of memory.
-static int simd_rows(const kvd_weight* w, int64_t first, int64_t end, const quantized_rows* x, void* y, int y_bf16,
-                     int nthreads) {
-    int64_t done = first;
-    int failed = 0;
-#if KVD_AVX2
-    const int64_t nb = w->k / QBLOCK, groups = (end - first) / NR;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
-    {
-        float* wd = malloc(sizeof(float) * (size_t)(2 * nb * NR + x->M * NR));
-        failed |= !wd;
-#pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; g++) {
-            if (!wd) continue;
-            float *wm = wd + nb * NR, *out = wm + nb * NR;
-            const int64_t n0 = first + g * NR;
-            group_scales(w, n0, wd, wm);
-            group_rows(w, n0, wd, wm, x, out);
-            for (int64_t m = 0; m < x->M; m++)
-                for (int j = 0; j < NR; j++) store_output(w, n0 + j, m, out[m * NR + j], y, y_bf16);
-        }
-        free(wd);
+#if !KVD_AVX2
+// The exact sum of one weight block's codes (bytes at p) times one activation block (plain C).
+static inline int32_t block_isum(int bits, const uint8_t* p, const int8_t* a) {
+    int32_t sum = 0;
+    if (bits == 4) {
+        for (int i = 0; i < QBLOCK / 2; i++) sum += (p[i] & 15) * a[i] + (p[i] >> 4) * a[i + QBLOCK / 2];
+    } else {
+        for (int i = 0; i < QBLOCK; i++) sum += ((const int8_t*)p)[i] * a[i];
     }
-    done = first + groups * NR;
+    return sum;
+}
+
+// Output n for activation row m, one block at a time (plain C).
+static float row_dot(const kvd_weight* w, int64_t n, const quantized_rows* x, int64_t m) {
+    const int64_t K = w->k, nb = K / QBLOCK;
+    const float* dx = x->dx + m * nb;
+    const float* sx = x->sx + m * nb;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const float scale = f16_to_f32(w->d[scale_at(w, n, b)]) * dx[b];
+        acc = fmaf((float)block_isum(w->bits, block_at(w, n, b), x->q + m * K + b * QBLOCK), scale, acc);
+        if (w->bits == 4) acc = fmaf(f16_to_f32(w->mn[scale_at(w, n, b)]), sx[b], acc);
+    }
+    return acc;
+}
 #endif
+
+#if KVD_AVX2
+// The eight int32 lane sums of one weight block (bytes at p) against the activation block a.
+static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const uint8_t* p, __m256i a) {
+    if (bits == 4) return dot_u8_i8(_mm256_setzero_si256(), unpack_q4(p), a);
+    const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+    return dot_u8_i8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+}
+
+// One row's pair of 4-bit blocks (32 bytes at p) against a_lo (codes 0-15 of both activation blocks) and a_hi
+// (codes 16-31): lanes 0-3 sum the first block, lanes 4-7 the second. No lane crossing, unlike unpack_q4.
+static inline __attribute__((always_inline)) __m256i pair_lanes(const uint8_t* p, __m256i a_lo, __m256i a_hi) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)p), low = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    return dot_u8_i8(dot_u8_i8(_mm256_setzero_si256(), lo, a_lo), hi, a_hi);
+}
+
+// Lane j of *first = the sum of v[j]'s lanes 0-3, of *second = the sum of its lanes 4-7 (exact integers).
+static inline void hsum8x8_halves(const __m256i* v, __m256i* first, __m256i* second) {
+    const __m256i ab = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i cd = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    *first = _mm256_permute2x128_si256(ab, cd, 0x20);
+    *second = _mm256_permute2x128_si256(ab, cd, 0x31);
+}
+
+static inline __m256 load_f16x8(const uint16_t* p) {
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    float v[8];
+    for (int i = 0; i < 8; i++) v[i] = f16_to_f32(p[i]);
+    return _mm256_loadu_ps(v);
+#endif
+}
+
+// The float steps of block b for the group's eight outputs (scales at d, mn) and activation row m.
+static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 acc, __m256i isum, const uint16_t* d,
+                                                              const uint16_t* mn, const quantized_rows* x,
+                                                              int64_t i) {
+    const __m256 scale = _mm256_mul_ps(load_f16x8(d), _mm256_set1_ps(x->dx[i]));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
+    return bits == 4 ? _mm256_fmadd_ps(load_f16x8(mn), _mm256_set1_ps(x->sx[i]), acc) : acc;
+}
+
+// Outputs n0 .. n0 + rows - 1 (one group) for every activation row: the group's blocks read in one stream, a
+// pair of 4-bit blocks per load.
+static inline __attribute__((always_inline)) void group_rows(int bits, const kvd_weight* w, int64_t n0, int64_t rows,
+                                                            const quantized_rows* x, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / QBLOCK, pairs = bits == 4 ? nb / 2 : 0;
+    const uint16_t* d = w->d + scale_at(w, n0, 0);
+    const uint16_t* mn = bits == 4 ? w->mn + scale_at(w, n0, 0) : NULL;
+    for (int64_t m = 0; m < x->M; m++) {
+        const int8_t* a = x->q + m * K;
+        __m256 acc = _mm256_setzero_ps();
+        __m256i lanes[NR], first, second;
+        for (int64_t b = 0; b < 2 * pairs; b += 2) {
+            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + b * QBLOCK));
+            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + b * QBLOCK + QBLOCK));
+            const __m256i a_lo = _mm256_permute2x128_si256(a0, a1, 0x20), a_hi = _mm256_permute2x128_si256(a0, a1, 0x31);
+            const uint8_t* p = block_at(w, n0, b);
+            for (int j = 0; j < NR; j++) lanes[j] = pair_lanes(p + j * QBLOCK, a_lo, a_hi);
+            hsum8x8_halves(lanes, &first, &second);
+            acc = block_step(bits, acc, first, d + b * NR, mn + b * NR, x, m * nb + b);
+            acc = block_step(bits, acc, second, d + (b + 1) * NR, mn + (b + 1) * NR, x, m * nb + b + 1);
+        }
+        for (int64_t b = 2 * pairs; b < nb; b++) {  // 8-bit blocks, and an odd last 4-bit one
+            const __m256i av = _mm256_loadu_si256((const __m256i*)(a + b * QBLOCK));
+            const uint8_t* p = block_at(w, n0, b);
+            const int64_t stride = row_stride(w, b);
+            for (int j = 0; j < NR; j++) lanes[j] = block_lanes(bits, p + j * stride, av);
+            hsum8x8_halves(lanes, &first, &second);
+            acc = block_step(bits, acc, _mm256_add_epi32(first, second), d + b * NR, bits == 4 ? mn + b * NR : NULL,
+                             x, m * nb + b);
+        }
+        float out[NR];
+        _mm256_storeu_ps(out, acc);
+        for (int j = 0; j < rows; j++) store_output(w, n0 + j, m, out[j], y, y_bf16);
+    }
+}
+#endif
+
+// Outputs [first, n) for every activation row (first a multiple of NR), a group of NR weight rows at a time.
+static void simd_rows(const kvd_weight* w, int64_t first, const quantized_rows* x, void* y, int y_bf16,
+                      int nthreads) {
+    const int64_t groups = (w->n - first + NR - 1) / NR;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = done; n < end; n++)
-        for (int64_t m = 0; m < x->M; m++) store_output(w, n, m, row_dot(w, n, x, m), y, y_bf16);
-    return failed;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = first + g * NR, rows = w->n - n0 < NR ? w->n - n0 : NR;
+#if KVD_AVX2
+        if (w->bits == 4)
+            group_rows(4, w, n0, rows, x, y, y_bf16);
+        else
+            group_rows(8, w, n0, rows, x, y, y_bf16);
+#else
+        for (int64_t m = 0; m < x->M; m++)
+            for (int64_t j = 0; j < rows; j++) store_output(w, n0 + j, m, row_dot(w, n0 + j, x, m), y, y_bf16);
+#endif
+    }
 }
 
 #if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
@@ -497,26 +505,26 @@ static void amx_configure(void) {
 // unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
 // signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
 static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
-    const int64_t nb = w->k / QBLOCK, row_bytes = w->bits == 4 ? w->k / 2 : w->k;
-    const __m512i rows = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)row_bytes));
-    const uint8_t* base = (const uint8_t*)w->qs + n0 * row_bytes;
+    const int64_t nb = w->k / QBLOCK, group_bytes = NR * nb * block_bytes(w);
+    const __m512i row = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i group = _mm512_maskz_set1_epi32(0xff00, (int)group_bytes);  // rows 8-15: the next group
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = 0; b < nb; b++) {
         __m512i* dst = (__m512i*)(out + b * AMX_ROWS * QBLOCK);
+        const __m512i rows = _mm512_add_epi32(group, _mm512_mullo_epi32(row, _mm512_set1_epi32((int)row_stride(w, b))));
+        const uint8_t* base = block_at(w, n0, b);
         if (w->bits == 4) {
             for (int r = 0; r < 4; r++) {
-                const __m512i v = _mm512_i32gather_epi32(rows, base + b * (QBLOCK / 2) + 4 * r, 1);
+                const __m512i v = _mm512_i32gather_epi32(rows, base + 4 * r, 1);
                 _mm512_storeu_si512(dst + r, _mm512_and_si512(v, low));
                 _mm512_storeu_si512(dst + r + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
             }
         } else {
-            for (int r = 0; r < 8; r++)
-                _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + b * QBLOCK + 4 * r, 1));
+            for (int r = 0; r < 8; r++) _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + 4 * r, 1));
         }
         for (int j = 0; j < AMX_ROWS; j++) {
-            wd[b * stride + j] = f16_to_f32(w->d[(n0 + j) * nb + b]);
-            wm[b * stride + j] = w->bits == 4 ? f16_to_f32(w->mn[(n0 + j) * nb + b]) : 0.f;
+            wd[b * stride + j] = f16_to_f32(w->d[scale_at(w, n0 + j, b)]);
+            wm[b * stride + j] = w->bits == 4 ? f16_to_f32(w->mn[scale_at(w, n0 + j, b)]) : 0.f;
         }
     }
 }
@@ -653,7 +661,8 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
         free(wtiles);
         free(wd);
     }
-    return failed | simd_rows(w, groups * AMX_ROWS, w->n, x, y, y_bf16, nthreads);
+    if (!failed) simd_rows(w, groups * AMX_ROWS, x, y, y_bf16, nthreads);
+    return failed;
 }
 #else
 #define KVD_AMX 0
@@ -664,7 +673,8 @@ static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* 
 #if KVD_AMX
     if (x->M >= AMX_MIN_ROWS && w->n >= AMX_ROWS && amx_permitted()) return amx_linear(w, x, y, y_bf16, nthreads);
 #endif
-    return simd_rows(w, 0, w->n, x, y, y_bf16, nthreads);
+    simd_rows(w, 0, x, y, y_bf16, nthreads);
+    return 0;
 }
 
 // ---- float32 linears in panel order ---------------------------------------------------------------------------
@@ -1511,17 +1521,17 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
 // products.
 int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
     if (first < 0 || count < 0 || first + count > w->n) return KVD_BAD_INDEX;
-    const int64_t K = w->k, nb = K / QBLOCK, row_bytes = w->bits == 4 ? K / 2 : K;
+    const int64_t K = w->k, nb = K / QBLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = first; n < first + count; n++) {
-        const uint8_t* qs = (const uint8_t*)w->qs + n * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            const float d = f16_to_f32(w->d[n * nb + b]);
-            const float m = w->bits == 4 ? f16_to_f32(w->mn[n * nb + b]) : 0.f;
+            const uint8_t* p = block_at(w, n, b);
+            const float d = f16_to_f32(w->d[scale_at(w, n, b)]);
+            const float m = w->bits == 4 ? f16_to_f32(w->mn[scale_at(w, n, b)]) : 0.f;
 #if KVD_AVX2
             if (!out_bf16) {  // 8 values at a time: bytes widened to int32, converted, scaled
-                const __m256i codes = w->bits == 4 ? unpack_q4(qs + b * QBLOCK / 2)
-                                                   : _mm256_loadu_si256((const __m256i*)(qs + b * QBLOCK));
+                const __m256i codes = w->bits == 4 ? unpack_q4(p)
+                                                   : _mm256_loadu_si256((const __m256i*)p);
                 const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
                 float* dst = (float*)out + (n - first) * K + b * QBLOCK;
                 for (int j = 0; j < 4; j++) {
@@ -1535,11 +1545,11 @@ int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out,
             float v[QBLOCK];
             if (w->bits == 4) {
                 for (int i = 0; i < QBLOCK / 2; i++) {
-                    v[i] = (float)(qs[b * QBLOCK / 2 + i] & 15) * d + m;
-                    v[i + QBLOCK / 2] = (float)(qs[b * QBLOCK / 2 + i] >> 4) * d + m;
+                    v[i] = (float)(p[i] & 15) * d + m;
+                    v[i + QBLOCK / 2] = (float)(p[i] >> 4) * d + m;
                 }
             } else {
-                for (int i = 0; i < QBLOCK; i++) v[i] = (float)((const int8_t*)qs)[b * QBLOCK + i] * d;
+                for (int i = 0; i < QBLOCK; i++) v[i] = (float)((const int8_t*)p)[i] * d;
             }
             for (int i = 0; i < QBLOCK; i++) store_f(out, (n - first) * K + b * QBLOCK + i, v[i], out_bf16);
         }

@@ -13,11 +13,15 @@
 // KVD_UNSUPPORTED: this build or CPU lacks what the call needs (AMX tiles for a weight in tile order).
 enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2, KVD_UNSUPPORTED = -3 };
 
-// A linear's weight [n, k]: 4-bit (bits 4: qs uint8 [n, k/2], d and mn fp16 [n, k/32]) or 8-bit (bits 8: qs
-// int8 [n, k], d fp16 [n, k/32], mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16:
-// qs bf16 [n, k]; d and mn NULL); bias float32 [n] or NULL. tiles: 1 for a float weight in its kernel's packed
-// order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32
-// one in panel order (kvd.kernels.cpu_native.pack says both); 0 for the row order above.
+// A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
+// i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn) or 8-bit (bits 8: 32 int8 codes a block, an
+// fp16 scale d, mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16: qs bf16 [n, k]; d
+// and mn NULL); bias float32 [n] or NULL. The blocks lie in groups of 8 rows, each read as one stream: group g
+// holds blocks 2p and 2p + 1 of its 8 rows (row after row, the two blocks of a row side by side) for p = 0, 1, ...,
+// then an odd last block of its 8 rows; d and mn are [groups][k / 32][8]; rows past n up to a whole group are
+// padding (kvd.kernels.cpu_native.group_blocks lays this out). tiles: 1 for a float weight in its kernel's packed
+// order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32 one in panel
+// order (kvd.kernels.cpu_native.pack says both); 0 for a float weight in rows, and for every quantized one.
 typedef struct {
     const void* qs;
     const uint16_t* d;

@@ -13,10 +13,12 @@ from collections import namedtuple
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 from kvd.kernels.native_build import ffi, library
 
 QBLOCK = 32  # the quantization block along K, as in the C file
+GROUP_ROWS = 8  # weight rows per group of the quantized block layout, as in the C file (NR)
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
 
@@ -125,11 +127,12 @@ def linear_weight(
     mins: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     tiles: bool = False,
+    rows: int | None = None,
 ) -> LinearWeight:
-    """The kernel's view of a weight [N, K]: 4-bit (data uint8 [N, K/2], scales/mins float16 [N, K/32]), 8-bit
-    (data int8 [N, K], scales float16 [N, K/32]) in blocks of 32 along K, or float32 (bits 32: data [N, K]); an
-    optional float32 bias [N]; `tiles`: a float weight in its kernel's packed order (pack). Cheap: callers make one
-    per call rather than keep one."""
+    """The kernel's view of a weight [N, K]: 4-bit (data uint8, scales/mins float16) or 8-bit (data int8, scales
+    float16) in blocks of 32 along K as group_blocks lays them out, `rows` = N of them (data's rows without the
+    padding), or float32 / bf16 (bits 32 / 16: data [N, K]); an optional float32 bias [N]; `tiles`: a float
+    weight in its kernel's packed order (pack). Cheap: callers make one per call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
     k = data.shape[1] * 2 if bits == 4 else data.shape[1]
@@ -138,10 +141,40 @@ def linear_weight(
         d=address(scales),
         mn=address(mins),
         bias=address(bias),
-        n=data.shape[0],
+        n=data.shape[0] if rows is None else rows,
         k=k,
         bits=bits,
         tiles=int(tiles),
+    )
+
+
+def group_blocks(codes: torch.Tensor, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Quantized blocks in row order (codes [N, bytes a row], scales and minimums [N, K / 32]) laid out as the
+    kernels read them (kvd_weight in cpu_kernels.h): rows in groups of GROUP_ROWS, padded with zeros to a whole
+    group; in a group, each pair of blocks of every row, then an odd last block; the scales [groups, K / 32, 8]."""
+    n, width = codes.shape
+    nb = scales[0].shape[1]
+    bb, even, pad = width // nb, nb - nb % 2, -n % GROUP_ROWS
+    blocks = F.pad(codes, (0, 0, 0, pad)).view(-1, GROUP_ROWS, nb, bb)
+    groups = blocks.shape[0]
+    pairs = blocks[:, :, :even].reshape(groups, GROUP_ROWS, nb // 2, 2 * bb).transpose(1, 2)
+    last = blocks[:, :, even:].transpose(1, 2)
+    grouped = torch.cat((pairs.reshape(groups, -1), last.reshape(groups, -1)), dim=1).view(n + pad, width)
+    return grouped, *(
+        F.pad(t, (0, 0, 0, pad)).view(groups, GROUP_ROWS, nb).transpose(1, 2).reshape(-1, nb) for t in scales
+    )
+
+
+def ungroup_blocks(codes: torch.Tensor, *scales: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    """The row order, `rows` of them, of what group_blocks laid out."""
+    width, nb = codes.shape[1], scales[0].shape[1]
+    bb, even, groups = width // nb, nb - nb % 2, codes.shape[0] // GROUP_ROWS
+    split = codes.view(groups, -1).split([GROUP_ROWS * even * bb, GROUP_ROWS * (nb - even) * bb], dim=1)
+    pairs = split[0].reshape(groups, nb // 2, GROUP_ROWS, 2 * bb).transpose(1, 2)
+    last = split[1].reshape(groups, nb - even, GROUP_ROWS, bb).transpose(1, 2)
+    blocks = torch.cat((pairs.reshape(groups, GROUP_ROWS, -1), last.reshape(groups, GROUP_ROWS, -1)), dim=2)
+    return blocks.reshape(-1, width)[:rows], *(
+        t.view(groups, nb, GROUP_ROWS).transpose(1, 2).reshape(-1, nb)[:rows] for t in scales
     )
 
 

@@ -61,31 +61,34 @@ def test_int4_reproduces_a_q4_1_grid():
 
 
 def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the native kernels see it: int8 per block of 32 with the block's largest magnitude at 127."""
-    blocks = x.double().view(*x.shape[:-1], -1, 32)
-    scale = (blocks.abs().amax(dim=-1, keepdim=True).float() / 127).double()
-    return ((blocks / scale).nan_to_num(0.0).round() * scale).view(x.shape)
+    """x as the native kernels see it: int8 per block of 32, the block's largest magnitude at 127, each value
+    times the float32 reciprocal of the scale rounded half to even (as the kernel computes it, ties included)."""
+    blocks = x.float().view(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return ((blocks * inverse).round().double() * scale.double()).view(x.shape)
 
 
 @pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
 @pytest.mark.parametrize("batch", [1, 3, 4, 7, 70, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype):
+@pytest.mark.parametrize(("rows", "cols"), [(88, 320), (83, 352)])
+def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype, rows, cols):
     """Integer block dot products: equal to float64 on the int8 activations and the stored weights; every
     activation-row tiling (1, 4, ragged, several tiles of 16 and work items of 256 rows on AMX), outputs past
-    the last tile of 16, ten blocks along K (scales converted eight blocks at a time, then two), and a zero block
-    (scale 0) included."""
+    the last tile of 16, a last group of rows padded (83), blocks along K in pairs (10) or with an odd one last
+    (11), and a zero block (scale 0) included."""
     torch.manual_seed(batch)
-    weight = torch.randn(88, 320) * 0.05
-    layer = cls(weight, torch.randn(88), [48, 40])
-    x = torch.randn(batch, 320) * 3
+    weight = torch.randn(rows, cols) * 0.05
+    layer = cls(weight, torch.randn(rows), [48, rows - 48])
+    x = torch.randn(batch, cols) * 3
     x[0, :32] = 0
     x = x.to(dtype)
     want = F.linear(
         _quantized_activations(x.float()), layer.dequantized_weight().double(), layer.bias.double()
     )
     got = cpu_native.linear(x, layer.native_weight())  # the kernel itself, at every batch
-    assert got.dtype == dtype and got.shape == (batch, 88)
+    assert got.dtype == dtype and got.shape == (batch, rows)
     tolerance = 2**-8 if dtype == torch.bfloat16 else 1e-5
     assert torch.allclose(got.double(), want, rtol=tolerance, atol=tolerance * want.abs().max().item())
     # The layer runs the kernel for every batch with batch invariance, for decode-sized ones without it.

@@ -41,7 +41,7 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.out_sizes = out_sizes or [weight.shape[0]]
-        self.in_features = weight.shape[1]
+        self.out_features, self.in_features = weight.shape
         self.bias = bias
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,8 @@ def _scratch(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class NativeQuantizedLinear(QuantizedLinear):
-    """Base of the native linears: codes, fp16 scales (and minimums) in GGUF's blocks of 32 along K."""
+    """Base of the native linears: codes, fp16 scales (and minimums) in GGUF's blocks of 32 along K, laid out in
+    the kernel's groups of rows (cpu_native.group_blocks)."""
 
     bits: ClassVar[int]
     batch_invariant = True  # set per model by kvd.model.batch_invariance
@@ -151,14 +152,31 @@ class NativeQuantizedLinear(QuantizedLinear):
 
     def native_weight(self) -> cpu_native.LinearWeight:
         """The kernel's view of the buffers where they lie now (a copy of the module has its own)."""
-        return cpu_native.linear_weight(self.bits, self.codes, self.scales, self.mins, self.bias)
+        return cpu_native.linear_weight(
+            self.bits, self.codes, self.scales, self.mins, self.bias, rows=self.out_features
+        )
+
+    def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> None:
+        """Keep the row-order blocks in the kernel's layout."""
+        grouped = cpu_native.group_blocks(codes, scales, *(() if mins is None else (mins,)))
+        self.register_buffer("codes", grouped[0])
+        self.register_buffer("scales", grouped[1])
+        if mins is None:
+            self.mins = None
+        else:
+            self.register_buffer("mins", grouped[2])
+
+    def _row_blocks(self) -> tuple[torch.Tensor, ...]:
+        """(codes, scales[, mins]) in row order."""
+        extra = () if self.mins is None else (self.mins,)
+        return cpu_native.ungroup_blocks(self.codes, self.scales, *extra, rows=self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant or x.numel() < DEQUANTIZE_MIN_ROWS * self.in_features:
             return cpu_native.linear(x, self.native_weight())
         # Many rows (prefill): torch's GEMM on the weight dequantized for this call, a tile of rows at a time
         # into one reused buffer, so that a float copy of the weight never exists whole.
-        rows, cols = self.codes.shape[0], self.in_features
+        rows, cols = self.out_features, self.in_features
         tile = max(64, DEQUANTIZE_TILE_BYTES // (cols * x.element_size()))
         y = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -184,16 +202,18 @@ class NativeInt4Linear(NativeQuantizedLinear):
         rows, cols = codes.shape
         # Byte j of a block holds codes j (low nibble) and j + 16 (high), as in GGUF files.
         halves = codes.to(torch.uint8).view(rows, cols // cpu_native.QBLOCK, 2, cpu_native.QBLOCK // 2)
-        self.register_buffer("codes", (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, cols // 2))
-        self.register_buffer("scales", scales.half())
-        self.register_buffer("mins", mins.half())
+        self._store(
+            (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, cols // 2), scales.half(), mins.half()
+        )
 
     def dequantized_weight(self) -> torch.Tensor:
-        rows = self.codes.shape[0]
-        halves = self.codes.view(rows, -1, 1, cpu_native.QBLOCK // 2)
-        codes = torch.cat((halves & 15, halves >> 4), dim=2).view(rows, -1, cpu_native.QBLOCK).float()
-        weight = codes * self.scales.float()[..., None] + self.mins.float()[..., None]
-        return weight.view(rows, -1)
+        packed, scales, mins = self._row_blocks()
+        halves = packed.reshape(packed.shape[0], -1, 1, cpu_native.QBLOCK // 2)
+        codes = (
+            torch.cat((halves & 15, halves >> 4), dim=2).view(packed.shape[0], -1, cpu_native.QBLOCK).float()
+        )
+        weight = codes * scales.float()[..., None] + mins.float()[..., None]
+        return weight.view(packed.shape[0], -1)
 
 
 class NativeInt8Linear(NativeQuantizedLinear):
@@ -209,13 +229,12 @@ class NativeInt8Linear(NativeQuantizedLinear):
         # As GGUF's Q8_0 quantizer does: codes from the float32 scale, which is then stored in fp16.
         scales = blocks.abs().amax(dim=-1) / 127
         codes = (blocks / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None]).round_()
-        self.register_buffer("codes", codes.to(torch.int8).view(weight.shape))
-        self.register_buffer("scales", scales.half())
-        self.mins = None
+        self._store(codes.to(torch.int8).view(weight.shape), scales.half(), None)
 
     def dequantized_weight(self) -> torch.Tensor:
-        blocks = self.codes.view(self.codes.shape[0], -1, cpu_native.QBLOCK).float()
-        return (blocks * self.scales.float()[..., None]).view(self.codes.shape)
+        codes, scales = self._row_blocks()
+        blocks = codes.reshape(codes.shape[0], -1, cpu_native.QBLOCK).float()
+        return (blocks * scales.float()[..., None]).view(codes.shape)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
