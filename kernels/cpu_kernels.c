@@ -418,17 +418,19 @@ static inline __m256 load_f16x8(const uint16_t* p) {
 #endif
 }
 
-// The float steps of block b for the group's eight outputs (scales at d, mn) and activation row m.
+// The float steps of block b for the group's eight outputs (the group's scales from d, mn) and the activation
+// row whose block b is block i of x.
 static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 acc, __m256i isum, const uint16_t* d,
-                                                              const uint16_t* mn, const quantized_rows* x,
+                                                              const uint16_t* mn, int64_t b, const quantized_rows* x,
                                                               int64_t i) {
-    const __m256 scale = _mm256_mul_ps(load_f16x8(d), _mm256_set1_ps(x->dx[i]));
+    const __m256 scale = _mm256_mul_ps(load_f16x8(d + b * NR), _mm256_set1_ps(x->dx[i]));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-    return bits == 4 ? _mm256_fmadd_ps(load_f16x8(mn), _mm256_set1_ps(x->sx[i]), acc) : acc;
+    return bits == 4 ? _mm256_fmadd_ps(load_f16x8(mn + b * NR), _mm256_set1_ps(x->sx[i]), acc) : acc;
 }
 
 // Bytes ahead of the 4-bit pass that it prefetches (the next groups; a thread's groups are consecutive): the
-// hardware prefetcher alone left 2 cores at 9-10 of their 14-15 GB/s on a decode step's weights (Xeon).
+// hardware prefetcher alone left 2 cores at 9-10 of their 14-15 GB/s on a decode step's weights (Xeon). The
+// 8-bit pass gained nothing from it (int8 logits, 2.8-2.9 ms either way).
 #define WEIGHT_AHEAD 4096
 
 // Outputs n0 .. n0 + rows - 1 (one group) for every activation row: the group's blocks read in one stream, a
@@ -450,8 +452,8 @@ static inline __attribute__((always_inline)) void group_rows(int bits, const kvd
             for (int i = 0; i < 4; i++) _mm_prefetch((const char*)p + WEIGHT_AHEAD + 64 * i, _MM_HINT_T0);
             for (int j = 0; j < NR; j++) lanes[j] = pair_lanes(p + j * QBLOCK, a_lo, a_hi);
             hsum8x8_halves(lanes, &first, &second);
-            acc = block_step(bits, acc, first, d + b * NR, mn + b * NR, x, m * nb + b);
-            acc = block_step(bits, acc, second, d + (b + 1) * NR, mn + (b + 1) * NR, x, m * nb + b + 1);
+            acc = block_step(bits, acc, first, d, mn, b, x, m * nb + b);
+            acc = block_step(bits, acc, second, d, mn, b + 1, x, m * nb + b + 1);
         }
         for (int64_t b = 2 * pairs; b < nb; b++) {  // 8-bit blocks, and an odd last 4-bit one
             const __m256i av = _mm256_loadu_si256((const __m256i*)(a + b * QBLOCK));
@@ -459,8 +461,7 @@ static inline __attribute__((always_inline)) void group_rows(int bits, const kvd
             const int64_t stride = row_stride(w, b);
             for (int j = 0; j < NR; j++) lanes[j] = block_lanes(bits, p + j * stride, av);
             hsum8x8_halves(lanes, &first, &second);
-            acc = block_step(bits, acc, _mm256_add_epi32(first, second), d + b * NR, bits == 4 ? mn + b * NR : NULL,
-                             x, m * nb + b);
+            acc = block_step(bits, acc, _mm256_add_epi32(first, second), d, mn, b, x, m * nb + b);
         }
         float out[NR];
         _mm256_storeu_ps(out, acc);
