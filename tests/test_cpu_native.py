@@ -302,8 +302,8 @@ def test_the_struct_views_are_read_from_the_header():
     not cpu_native.tiles_available(), reason="this CPU has no AMX tiles (or Linux grants none)"
 )
 def test_bf16_weights_in_tile_order_match_torch_at_every_row_count():
-    """AMX bf16 tiles: as close to float64 as torch's own bf16 matmul, and each row the same in any batch (passes
-    of two activation tiles x two weight groups, an odd group count, work items of 256 rows)."""
+    """AMX bf16 tiles: as close to float64 as torch's own bf16 matmul, and each row the same in any batch (300
+    rows: two chunks of activation tiles, the second ending in a part tile; a bias added in float32)."""
     torch.manual_seed(0)
     weight, x = torch.randn(80, 64).bfloat16(), torch.randn(300, 64).bfloat16()
     tiles = cpu_native.pack(weight)  # kept alive: the view below holds only its address
@@ -314,6 +314,12 @@ def test_bf16_weights_in_tile_order_match_torch_at_every_row_count():
     for rows in (1, 15, 16, 17, 33, 48, 257):
         assert torch.equal(cpu_native.linear(x[:rows].contiguous(), packed), got[:rows])
     assert torch.equal(cpu_native.linear(x[290:].contiguous(), packed), got[290:])
+    bias = torch.randn(80)
+    biased = cpu_native.linear(x, cpu_native.linear_weight(16, tiles, bias=bias, tiles=True))
+    want_biased = want + bias.double()
+    tolerance = (got.double() - want).abs().max() + want_biased.abs().max() * 2**-8  # one bf16 rounding more
+    assert (biased.double() - want_biased).abs().max() <= tolerance
+    assert not torch.equal(biased, got)
     with pytest.raises(cpu_native.NativeKernelError, match="not whole"):
         cpu_native.pack(torch.zeros(24, 64, dtype=torch.bfloat16))  # 24 rows: not whole tiles
     assert torch.equal(cpu_native.unpack(tiles), weight)
