@@ -104,6 +104,12 @@ static inline void store_bf16x8(void* dst, __m256 v) {
     const __m256i p = _mm256_srli_epi32(bf16_bits8(v), 16);
     _mm_storeu_si128((__m128i*)dst, _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
 }
+
+// Eight float32 or bf16 values at p, as float32.
+static inline __m256 load8(const char* p, int bf16) {
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+    return _mm256_loadu_ps((const float*)p);
+}
 #endif
 
 #if KVD_AVX512
@@ -139,6 +145,41 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) {
         for (int64_t b = 0; b < nb; b++) {
+            int8_t* out = q + r * K + b * QBLOCK;
+            float d;
+            int sum = 0;
+#if KVD_AVX2
+            // The same values as the loop below: a maximum is one whatever the order (and max_ps, like the
+            // comparison there, passes over NaN), and the rounding is the same nearest-even.
+            const char* p = (const char*)x + (r * K + b * QBLOCK) * (x_bf16 ? 2 : 4);
+            __m256 v[QBLOCK / 8], amax8 = _mm256_setzero_ps();
+            for (int i = 0; i < QBLOCK / 8; i++) {
+                v[i] = load8(p + i * 8 * (x_bf16 ? 2 : 4), x_bf16);
+                amax8 = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), v[i]), amax8);
+            }
+            amax8 = _mm256_max_ps(amax8, _mm256_permute2f128_ps(amax8, amax8, 1));
+            amax8 = _mm256_max_ps(amax8, _mm256_permute_ps(amax8, 0x4e));
+            amax8 = _mm256_max_ps(amax8, _mm256_permute_ps(amax8, 0xb1));
+            d = _mm256_cvtss_f32(amax8) / 127.f;
+            const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+            __m256i sum8 = _mm256_setzero_si256();
+            for (int i = 0; i < QBLOCK / 8; i++) {
+                const __m256i c = _mm256_cvtps_epi32(
+                    _mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sum8 = _mm256_add_epi32(sum8, c);
+                // Each code's low byte, as the (int8_t) conversion below keeps it.
+                const __m256i bytes = _mm256_shuffle_epi8(c, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                              -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
+                                                                              -1, -1, -1, -1, -1, -1, -1, -1, -1));
+                const int32_t lo = _mm256_extract_epi32(bytes, 0), hi = _mm256_extract_epi32(bytes, 4);
+                memcpy(out + i * 8, &lo, 4);
+                memcpy(out + i * 8 + 4, &hi, 4);
+            }
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            sum = _mm_cvtsi128_si32(s4);
+#else
             float v[QBLOCK];
             float amax = 0.f;
             for (int i = 0; i < QBLOCK; i++) {
@@ -146,15 +187,14 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
                 float a = fabsf(v[i]);
                 amax = a > amax ? a : amax;
             }
-            const float d = amax / 127.f;
+            d = amax / 127.f;
             const float inv = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            int8_t* out = q + r * K + b * QBLOCK;
             for (int i = 0; i < QBLOCK; i++) {
                 int c = (int)nearbyintf(v[i] * inv);
                 out[i] = (int8_t)c;
                 sum += c;
             }
+#endif
             dx[r * nb + b] = d;
             sx[r * nb + b] = d * (float)sum;
         }
@@ -892,11 +932,6 @@ static inline void prefetch_next_block(const char* rows, const int32_t* table, i
 }
 
 #if KVD_AVX2
-static inline __m256 load8(const char* p, int bf16) {
-    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-    return _mm256_loadu_ps((const float*)p);
-}
-
 static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
 
 static inline void store8(char* p, __m256 v, int bf16) {
