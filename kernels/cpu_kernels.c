@@ -590,10 +590,24 @@ static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, 
         } else {
             for (int r = 0; r < 8; r++) _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + 4 * r, 1));
         }
-        for (int j = 0; j < AMX_ROWS; j++) {
-            wd[b * stride + j] = f16_to_f32(w->d[scale_at(w, n0 + j, b)]);
-            wm[b * stride + j] = w->bits == 4 ? f16_to_f32(w->mn[scale_at(w, n0 + j, b)]) : 0.f;
+        // A group's eight scales of a block lie side by side: two groups, two conversions.
+        for (int g = 0; g < 2; g++) {
+            const int64_t at = scale_at(w, n0 + g * NR, b);
+            _mm256_storeu_ps(wd + b * stride + g * NR, load_f16x8(w->d + at));
+            _mm256_storeu_ps(wm + b * stride + g * NR, w->bits == 4 ? load_f16x8(w->mn + at) : _mm256_setzero_ps());
         }
+    }
+}
+
+// Weight rows n0 .. n0 + 15 (two whole groups, their scales and minimums) on their way to the cache: the gathers
+// of amx_unpack would otherwise wait on memory one block after another.
+static void amx_prefetch(const kvd_weight* w, int64_t n0) {
+    const int64_t nb = w->k / QBLOCK, group_bytes = NR * nb * block_bytes(w), scale_bytes = 2 * NR * nb * 2;
+    const char* codes = (const char*)block_at(w, n0, 0);
+    for (int64_t i = 0; i < 2 * group_bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
+    for (int64_t i = 0; i < scale_bytes; i += 64) {
+        _mm_prefetch((const char*)(w->d + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
+        if (w->bits == 4) _mm_prefetch((const char*)(w->mn + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
     }
 }
 
@@ -709,6 +723,10 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
                     amx_unpack(w, n0 + j * AMX_ROWS, wtiles + j * nb * AMX_ROWS * QBLOCK, wd + j * AMX_ROWS,
                                wm + j * AMX_ROWS, 2 * AMX_ROWS);
                 unpacked = pair;
+                // The thread's next pair, unpacked after this item's products (static schedule: the next item).
+                for (int64_t n = n0 + 2 * AMX_ROWS; n < n0 + 4 * AMX_ROWS && n + AMX_ROWS <= groups * AMX_ROWS;
+                     n += AMX_ROWS)
+                    amx_prefetch(w, n);
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
             if (w->bits == 4)
