@@ -611,27 +611,24 @@ static void amx_prefetch(const kvd_weight* w, int64_t n0) {
     }
 }
 
-// The float steps of block b for the C tiles of one pass (mc activation tiles from row m0, ng weight groups):
-// acc [rows][32] = fma(isum, d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
-static inline void amx_scale(int bits, const int32_t* c, int mc, int ng, int64_t m0, int64_t M, int64_t b,
-                             const float* wd, const float* wm, const quantized_rows* x, int64_t nb, float* acc) {
+// The float steps of block b for one C tile of a pass (activation tile i from row m0 of the pass, weight group
+// j): acc [rows][32] = fma(isum, d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
+static inline __attribute__((always_inline)) void amx_scale(int bits, const int32_t* c, int i, int j, int64_t m0,
+                                                           int64_t M, int64_t b, const float* wd, const float* wm,
+                                                           const quantized_rows* x, int64_t nb, float* acc) {
     // Held in registers: the stores to acc could otherwise alias x's fields and the weight scales.
     const float *dxs = x->dx + b, *sxs = x->sx + b;
-    const __m512 d[2] = {_mm512_loadu_ps(wd + b * 2 * AMX_ROWS), _mm512_loadu_ps(wd + b * 2 * AMX_ROWS + AMX_ROWS)};
-    const __m512 mn[2] = {_mm512_loadu_ps(wm + b * 2 * AMX_ROWS), _mm512_loadu_ps(wm + b * 2 * AMX_ROWS + AMX_ROWS)};
-    for (int i = 0; i < mc; i++)
-        for (int r = 0; r < AMX_ROWS; r++) {
-            const int64_t m = m0 + i * AMX_ROWS + r;
-            if (m >= M) return;
-            const __m512 dx = _mm512_set1_ps(dxs[m * nb]), sx = _mm512_set1_ps(sxs[m * nb]);
-            for (int j = 0; j < ng; j++) {
-                const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + (2 * i + j) * 256 + r * AMX_ROWS));
-                float* a = acc + (i * AMX_ROWS + r) * 2 * AMX_ROWS + j * AMX_ROWS;
-                __m512 v = _mm512_fmadd_ps(isum, _mm512_mul_ps(d[j], dx), _mm512_loadu_ps(a));
-                if (bits == 4) v = _mm512_fmadd_ps(mn[j], sx, v);
-                _mm512_storeu_ps(a, v);
-            }
-        }
+    const __m512 d = _mm512_loadu_ps(wd + b * 2 * AMX_ROWS + j * AMX_ROWS);
+    const __m512 mn = _mm512_loadu_ps(wm + b * 2 * AMX_ROWS + j * AMX_ROWS);
+    for (int r = 0; r < AMX_ROWS; r++) {
+        const int64_t m = m0 + i * AMX_ROWS + r;
+        if (m >= M) return;
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + (2 * i + j) * 256 + r * AMX_ROWS));
+        float* a = acc + (i * AMX_ROWS + r) * 2 * AMX_ROWS + j * AMX_ROWS;
+        __m512 v = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dxs[m * nb])), _mm512_loadu_ps(a));
+        if (bits == 4) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * nb]), v);
+        _mm512_storeu_ps(a, v);
+    }
 }
 
 #define AMX_DOT(bits, c, a, b)               \
@@ -640,8 +637,19 @@ static inline void amx_scale(int bits, const int32_t* c, int mc, int ng, int64_t
         else _tile_dpbssd(c, a, b);          \
     } while (0)
 
+// C tile t of a pass (activation tile a x weight tile b, all three literal tile numbers): zeroed, the block's
+// products, stored to c.
+#define AMX_TILE_PASS(bits, t, a, b, c)           \
+    do {                                          \
+        _tile_zero(t);                            \
+        AMX_DOT(bits, t, a, b);                   \
+        _tile_stored(t, (c) + (t) * 256, 64);     \
+    } while (0)
+
 // One work item: activation tiles [t0, t0 + mtiles) x weight groups n0 .. n0 + ng x 16, every block in order. The
-// products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles).
+// products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles):
+// each tile's products, then one tile's float steps of the previous pass, so the tile unit always has work
+// queued behind the vector instructions.
 static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_weight* w, const quantized_rows* x,
                                                           int64_t t0, int64_t mtiles, int64_t n0, int ng,
                                                           const int8_t* wtiles, const float* wd, const float* wm,
@@ -657,37 +665,31 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
         for (int64_t b = 0; b < nb; b++) {
             _tile_loadd(4, a + b * QBLOCK, K);
             _tile_loadd(6, wtiles + b * tile_bytes, 64);
-            _tile_zero(0);
-            AMX_DOT(bits, 0, 4, 6);
-            if (ng > 1) {
-                _tile_loadd(7, wtiles + (nb + b) * tile_bytes, 64);
-                _tile_zero(1);
-                AMX_DOT(bits, 1, 4, 7);
-            }
-            if (mc > 1) {
-                _tile_loadd(5, a + AMX_ROWS * K + b * QBLOCK, K);
-                _tile_zero(2);
-                AMX_DOT(bits, 2, 5, 6);
-                if (ng > 1) {
-                    _tile_zero(3);
-                    AMX_DOT(bits, 3, 5, 7);
-                }
-            }
-            int32_t* c = c_tiles[half];
-            _tile_stored(0, c, 64);
-            if (ng > 1) _tile_stored(1, c + 256, 64);
-            if (mc > 1) _tile_stored(2, c + 512, 64);
-            if (mc > 1 && ng > 1) _tile_stored(3, c + 768, 64);
-            // The stores wait for the products; the float steps of the previous pass need neither, and leave the
-            // stores time to finish before the next pass zeroes the same tiles.
-            if (prev_m >= 0)
-                amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
-                          acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
+            if (ng > 1) _tile_loadd(7, wtiles + (nb + b) * tile_bytes, 64);
+            if (mc > 1) _tile_loadd(5, a + AMX_ROWS * K + b * QBLOCK, K);
+            int32_t *c = c_tiles[half], *prev = c_tiles[half ^ 1];
+            float* prev_acc = acc + prev_m * AMX_ROWS * 2 * AMX_ROWS;
+            const int64_t prev_m0 = (t0 + prev_m) * AMX_ROWS;
+            // The previous pass's tiles in the order of the new pass's: (0, 0), (0, 1), (1, 0), (1, 1).
+#define AMX_SCALE_PREV(i, j)                                                                                     \
+    if (prev_m >= 0 && (i) < prev_mc && (j) < ng)                                                                \
+    amx_scale(bits, prev, i, j, prev_m0, M, prev_b, wd, wm, x, nb, prev_acc)
+            AMX_TILE_PASS(bits, 0, 4, 6, c);
+            AMX_SCALE_PREV(0, 0);
+            if (ng > 1) AMX_TILE_PASS(bits, 1, 4, 7, c);
+            AMX_SCALE_PREV(0, 1);
+            if (mc > 1) AMX_TILE_PASS(bits, 2, 5, 6, c);
+            AMX_SCALE_PREV(1, 0);
+            if (mc > 1 && ng > 1) AMX_TILE_PASS(bits, 3, 5, 7, c);
+            AMX_SCALE_PREV(1, 1);
+#undef AMX_SCALE_PREV
             prev_m = mt, prev_b = b, prev_mc = mc, half ^= 1;
         }
     }
-    amx_scale(bits, c_tiles[half ^ 1], prev_mc, ng, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
-              acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
+    for (int i = 0; i < prev_mc; i++)
+        for (int j = 0; j < ng; j++)
+            amx_scale(bits, c_tiles[half ^ 1], i, j, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
+                      acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
     const int64_t rows = M - t0 * AMX_ROWS < mtiles * AMX_ROWS ? M - t0 * AMX_ROWS : mtiles * AMX_ROWS;
     for (int64_t r = 0; r < rows; r++)
         for (int j = 0; j < ng; j++)
