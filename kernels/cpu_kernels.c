@@ -668,7 +668,7 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
             if (ng > 1) _tile_loadd(7, wtiles + (nb + b) * tile_bytes, 64);
             if (mc > 1) _tile_loadd(5, a + AMX_ROWS * K + b * QBLOCK, K);
             int32_t *c = c_tiles[half], *prev = c_tiles[half ^ 1];
-            float* prev_acc = acc + prev_m * AMX_ROWS * 2 * AMX_ROWS;
+            float* prev_acc = prev_m >= 0 ? acc + prev_m * AMX_ROWS * 2 * AMX_ROWS : acc;
             const int64_t prev_m0 = (t0 + prev_m) * AMX_ROWS;
             // The previous pass's tiles in the order of the new pass's: (0, 0), (0, 1), (1, 0), (1, 1).
 #define AMX_SCALE_PREV(i, j)                                                                                     \
