@@ -23,21 +23,19 @@ def allocate_kv_cache(
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-    if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-    return [_zeros_in_huge_pages(shape, dtype) for _ in range(config.num_hidden_layers)]
+    return [_zeros(shape, dtype, torch.device(device)) for _ in range(config.num_hidden_layers)]
 
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose pages Linux may back with 2 MiB pages (transparent huge pages in "madvise"
-    mode): a decode step reads blocks scattered across the pool, and with 4 KiB pages nearly every block costs a
-    TLB miss. The advice comes before the first touch, so the zeroing faults huge pages in."""
-    t = torch.empty(shape, dtype=dtype)
-    if sys.platform == "linux":
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on a Linux CPU one whose pages may be 2 MiB (transparent huge pages in "madvise" mode):
+    a decode step reads blocks scattered across the pool, and with 4 KiB pages nearly every block costs a TLB
+    miss. The advice comes before the first touch, so the zeroing faults huge pages in."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and sys.platform == "linux":
         begin = t.data_ptr()
         start = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
         end = (begin + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
