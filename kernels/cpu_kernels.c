@@ -18,6 +18,9 @@
 #include "cpu_kernels.h"
 
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -951,6 +954,42 @@ static inline void prefetch_next_block(const char* rows, const int32_t* table, i
         for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next + t * slot_bytes + i);
 }
 
+// The next sequence a thread attends to, streamed into L2 a slice per block of the current one: a decode step's
+// pool is far larger than the caches, and one sequence's blocks alone keep too few misses in flight to use the
+// memory bandwidth. Prefetches only, so the arithmetic is the same with or without a stream.
+typedef struct {
+    const char* region;  // the pool's keys or values
+    const int32_t* table;
+    int64_t block_bytes, blocks;  // the next sequence's blocks
+    int64_t block, offset;        // how far the stream is: a block index and a byte offset in that block
+    int64_t quantum;              // bytes per step
+} kv_stream;
+
+static inline void kv_stream_step(kv_stream* st) {
+    if (!st) return;
+    int64_t block = st->block, offset = st->offset;
+    for (int64_t left = st->quantum; left > 0 && block < st->blocks;) {
+        const char* base = st->region + (int64_t)st->table[block] * st->block_bytes;
+        const int64_t end = offset + left < st->block_bytes ? offset + left : st->block_bytes;
+        left -= end - offset;
+        for (; offset < end; offset += 64) __builtin_prefetch(base + offset, 0, 2);
+        if (offset >= st->block_bytes) offset = 0, block++;
+    }
+    st->block = block, st->offset = offset;
+}
+
+// Streams for the keys and values of sequence `next` (its table and context length) while one of `blocks`
+// blocks is read per kv head and phase: done by half-way through the current sequence, so its lines are in L2
+// before they are needed.
+static inline void kv_streams(kv_stream st[2], const char* keys, const char* values, const int32_t* next,
+                              int64_t next_ctx, int64_t blocks, int64_t kv_heads, int64_t block_size,
+                              int64_t block_bytes) {
+    const int64_t nb = (next_ctx + block_size - 1) / block_size, steps = kv_heads * blocks;
+    const int64_t quantum = 2 * ((nb * block_bytes + steps - 1) / steps);
+    st[0] = (kv_stream){keys, next, block_bytes, nb, 0, 0, quantum};
+    st[1] = (kv_stream){values, next, block_bytes, nb, 0, 0, quantum};
+}
+
 #if KVD_AVX2
 static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
 
@@ -1105,7 +1144,7 @@ static inline __attribute__((always_inline)) void weighted_values(float* a, cons
 static inline __attribute__((always_inline)) void values_tile(float* a, const float* p, const char* values,
                                                               const int32_t* table, int64_t ctx, int64_t block_size,
                                                               int64_t slot_bytes, int64_t head, int bf16, int64_t D,
-                                                              int64_t i0, const int GN) {
+                                                              int64_t i0, const int GN, kv_stream* st) {
     const int elem = bf16 ? 2 : 4;
     __m256 acc[3][4];
     for (int g = 0; g < GN; g++)
@@ -1114,6 +1153,7 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
         const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         prefetch_next_block(values + head + i0 * elem, table, t0, ctx, block_size, slot_bytes, 32 * elem);
+        kv_stream_step(st);
         for (int64_t t = 0; t < n; t++) {
             const char* row = v + t * slot_bytes;
             const __m256 v0 = load8(row, bf16), v1 = load8(row + 8 * elem, bf16);
@@ -1142,7 +1182,7 @@ static inline __m512 load16(const char* p, int bf16) {
 static inline __attribute__((always_inline)) void values_tile64(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx, int64_t block_size,
                                                                 int64_t slot_bytes, int64_t head, int bf16, int64_t D,
-                                                                int64_t i0, const int GN) {
+                                                                int64_t i0, const int GN, kv_stream* st) {
     const int elem = bf16 ? 2 : 4;
     __m512 acc[3][4];
     for (int g = 0; g < GN; g++)
@@ -1151,6 +1191,7 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
         const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * elem;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         prefetch_next_block(values + head + i0 * elem, table, t0, ctx, block_size, slot_bytes, 64 * elem);
+        kv_stream_step(st);
         for (int64_t t = 0; t < n; t++) {
             const char* row = v + t * slot_bytes;
             const __m512 v0 = load16(row, bf16), v1 = load16(row + 16 * elem, bf16);
@@ -1219,19 +1260,21 @@ static inline __attribute__((always_inline)) void bf16_scores(const uint16_t* q,
 static inline __attribute__((always_inline)) void group_values(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx,
                                                                 int64_t block_size, int64_t slot_bytes, int64_t head,
-                                                                int bf16, int64_t group, const int64_t D) {
+                                                                int bf16, int64_t group, const int64_t D,
+                                                                kv_stream* st) {
 #if KVD_AVX512
     if (D % 64 == 0) {
         for (int64_t g = 0; g < group; g += 3)
             for (int64_t i0 = 0; i0 < D; i0 += 64) {
                 float* ag = a + g * D;
                 const float* pg = p + g * ctx;
+                kv_stream* first = g == 0 && i0 == 0 ? st : NULL;  // one stream step per block of the context
                 if (group - g >= 3)
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3);
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3, first);
                 else if (group - g == 2)
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2);
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2, first);
                 else
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1);
+                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1, first);
             }
         return;
     }
@@ -1242,12 +1285,13 @@ static inline __attribute__((always_inline)) void group_values(float* a, const f
             for (int64_t i0 = 0; i0 < D; i0 += 32) {
                 float* ag = a + g * D;
                 const float* pg = p + g * ctx;
+                kv_stream* first = g == 0 && i0 == 0 ? st : NULL;  // one stream step per block of the context
                 if (group - g >= 3)
-                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3);
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3, first);
                 else if (group - g == 2)
-                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2);
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2, first);
                 else
-                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1);
+                    values_tile(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1, first);
             }
         return;
     }
@@ -1262,7 +1306,7 @@ static inline __attribute__((always_inline)) void group_values(float* a, const f
 static inline __attribute__((always_inline)) void attend_group(
     const void* q, void* out, const char* keys, const char* values, int bf16, int64_t s, int64_t kvh,
     int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
-    const int32_t* table, int64_t ctx, float scale, float* work) {
+    const int32_t* table, int64_t ctx, float scale, float* work, kv_stream* st) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D], pre-scaled
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
@@ -1284,6 +1328,7 @@ static inline __attribute__((always_inline)) void attend_group(
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         const uint16_t* qh = (const uint16_t*)q + s * q_stride + kvh * group * D;
         prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D * 2);
+        kv_stream_step(st);
         for (int64_t g = 0; g < group; g++) bf16_scores(qh + g * D, k, slot_bytes, n, D, scale, scores + g * ctx + t0);
     }
 #endif
@@ -1291,6 +1336,7 @@ static inline __attribute__((always_inline)) void attend_group(
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
         prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D * elem);
+        kv_stream_step(st);
         for (int64_t g = 0; g < group; g++) {
             float* sc = scores + g * ctx + t0;
             int64_t t = 0;
@@ -1304,7 +1350,7 @@ static inline __attribute__((always_inline)) void attend_group(
     }
     float* sums = acc + group * D;  // [group]
     for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
-    group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, bf16, group, D);
+    group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, bf16, group, D, st ? st + 1 : NULL);
     for (int64_t g = 0; g < group; g++) {
         const float inv = 1.f / sums[g];
         for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, acc[g * D + i] * inv, bf16);
@@ -1348,8 +1394,25 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
         // they are in its cache; a head to an item where there are too few sequences to keep every thread busy.
         // Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
         const int64_t per_item = S >= 4 * nthreads ? kv_heads : 1;
+#ifdef _OPENMP
+        const int64_t team = omp_get_num_threads();
+#else
+        const int64_t team = 1;
+#endif
 #pragma omp for schedule(static, 1)
         for (int64_t item = 0; item < S * kv_heads / per_item; item++) {
+            // A thread's next item is `team` on (schedule static, 1). Rows of one prompt (prefill) share their
+            // first block, and those blocks are in the cache already.
+            kv_stream streams[2], *st = NULL;
+            if (per_item == kv_heads && item + team < S) {
+                const int32_t *now = block_tables + item * table_width, *next = now + team * table_width;
+                if (next[0] != now[0]) {
+                    kv_streams(streams, keys, values, next, context_lens[item + team],
+                               (context_lens[item] + block_size - 1) / block_size, kv_heads, block_size,
+                               block_size * slot_bytes);
+                    st = streams;
+                }
+            }
             for (int64_t j = item * per_item; j < (item + 1) * per_item; j++) {
                 const int64_t s = j / kv_heads, kvh = j % kv_heads;
                 if (!work) continue;
@@ -1357,7 +1420,7 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
                 // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
 #define ATTEND(HEAD_DIM, BF16)                                                                                   \
     attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
-                 context_lens[s], scale, work)
+                 context_lens[s], scale, work, st)
                 if (D == 64)
                     bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
                 else if (D == 128)

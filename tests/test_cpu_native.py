@@ -40,13 +40,17 @@ def _attention_reference(q, pool, tables, lens, scale):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 8), (6, 1, 12)])
-def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("lens", [[1, 16, 17, 100, 37], [1, 16, 17, 100, 37, 5, 64, 33, 90, 2, 48, 71]])
+def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_dim, lens):
     """Contexts of 1 token, exactly one block, across blocks, scattered block ids; q strided as in the model;
-    head sizes 64 and 128 run the SIMD paths (16 keys per sum and the keys past them), 12 the non-SIMD tail."""
+    head sizes 64 and 128 run the SIMD paths (16 keys per sum and the keys past them), 12 the non-SIMD tail.
+    Twelve sequences take the whole-sequence work items, each streaming the next one's blocks in: every
+    sequence's output has the same bits as when it is attended to alone."""
     torch.manual_seed(head_dim)
-    num_blocks, block_size = 40, 16
+    block_size = 16
+    num_blocks = sum(-(-ctx // block_size) for ctx in lens) + 3
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
-    lens = torch.tensor([1, 16, 17, 100, 37], dtype=torch.int32)
+    lens = torch.tensor(lens, dtype=torch.int32)
     order = torch.randperm(num_blocks).tolist()
     tables = torch.zeros(len(lens), 7, dtype=torch.int32)
     for s, ctx in enumerate(lens.tolist()):
@@ -58,6 +62,11 @@ def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_di
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    for s in range(len(lens)):
+        alone = cpu_native.paged_attention(
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
+        )
+        assert torch.equal(alone, got[s : s + 1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
