@@ -572,6 +572,22 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+// Dwords 0-3 of block b of one group's 8 rows of 4-bit codes, row j's dword r at lane 4 j + r (rows 0-3 in *lo,
+// 4-7 in *hi): rows of a block pair lie 32 bytes apart, their blocks side by side, an odd last block 16 apart.
+static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b, __m512i* lo, __m512i* hi) {
+    const uint8_t* p = block_at(w, n, b);
+    if (row_stride(w, b) == QBLOCK / 2) {
+        *lo = _mm512_loadu_si512(p), *hi = _mm512_loadu_si512(p + 64);
+        return;
+    }
+    p -= (b & 1) * (QBLOCK / 2);
+    // Lane 4 j + r from load j / 2 (a pair of rows) at dword 8 (j % 2) + 4 (b % 2) + r.
+    const __m512i at = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27),
+                                        _mm512_set1_epi32(4 * (int)(b & 1)));
+    *lo = _mm512_permutex2var_epi32(_mm512_loadu_si512(p), at, _mm512_loadu_si512(p + 64));
+    *hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(p + 128), at, _mm512_loadu_si512(p + 192));
+}
+
 // Weight rows n0 .. n0 + 15 as B tiles out [nb][8][16][4] (code k of output j at (k / 4) x 64 + 4 j + k % 4):
 // unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
 // signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
@@ -580,17 +596,27 @@ static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, 
     const __m512i row = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i group = _mm512_maskz_set1_epi32(0xff00, (int)group_bytes);  // rows 8-15: the next group
     const __m512i low = _mm512_set1_epi8(0x0f);
+    // Lane 8 h + j: row j's dword h from rows 0-3 (lane 4 j + h of lo) or 4-7 (of hi).
+    const __m512i pair_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     for (int64_t b = 0; b < nb; b++) {
         __m512i* dst = (__m512i*)(out + b * AMX_ROWS * QBLOCK);
-        const __m512i rows = _mm512_add_epi32(group, _mm512_mullo_epi32(row, _mm512_set1_epi32((int)row_stride(w, b))));
-        const uint8_t* base = block_at(w, n0, b);
         if (w->bits == 4) {
+            // Dword r of the 16 rows (lane j: row j) by two transposes of the groups' 8 x 4 dwords, not gathers.
+            __m512i lo[2], hi[2], pairs[2][2];
+            for (int g = 0; g < 2; g++) {
+                group_block_dwords(w, n0 + g * NR, b, &lo[g], &hi[g]);
+                for (int h = 0; h < 2; h++)  // lanes 0-7: dword 2 h of rows 0-7, lanes 8-15: dword 2 h + 1
+                    pairs[g][h] = _mm512_permutex2var_epi32(lo[g], _mm512_add_epi32(pair_rows, _mm512_set1_epi32(2 * h)), hi[g]);
+            }
             for (int r = 0; r < 4; r++) {
-                const __m512i v = _mm512_i32gather_epi32(rows, base + 4 * r, 1);
+                const __m512i v = r % 2 ? _mm512_shuffle_i64x2(pairs[0][r / 2], pairs[1][r / 2], 0xee)
+                                        : _mm512_shuffle_i64x2(pairs[0][r / 2], pairs[1][r / 2], 0x44);
                 _mm512_storeu_si512(dst + r, _mm512_and_si512(v, low));
                 _mm512_storeu_si512(dst + r + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
             }
         } else {
+            const __m512i rows = _mm512_add_epi32(group, _mm512_mullo_epi32(row, _mm512_set1_epi32((int)row_stride(w, b))));
+            const uint8_t* base = block_at(w, n0, b);
             for (int r = 0; r < 8; r++) _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + 4 * r, 1));
         }
         // A group's eight scales of a block lie side by side: two groups, two conversions.
@@ -1296,6 +1322,7 @@ static inline __attribute__((always_inline)) void group_values(float* a, const f
         return;
     }
 #endif
+    (void)st;  // head sizes without SIMD value tiles read their values without the stream
     for (int64_t g = 0; g < group; g++)
         weighted_values(a + g * D, p + g * ctx, values, table, ctx, block_size, slot_bytes, head, bf16, D);
 }
