@@ -680,7 +680,7 @@ static inline __attribute__((always_inline)) void amx_scale(int bits, const int3
 // each tile's products, then one tile's float steps of the previous pass, so the tile unit always has work
 // queued behind the vector instructions.
 static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_weight* w, const quantized_rows* x,
-                                                          int64_t t0, int64_t mtiles, int64_t n0, int ng,
+                                                          const int8_t* xt, int64_t t0, int64_t mtiles, int64_t n0, int ng,
                                                           const int8_t* wtiles, const float* wd, const float* wm,
                                                           float* acc, void* y, int y_bf16) {
     const int64_t K = w->k, nb = K / QBLOCK, M = x->M, tile_bytes = AMX_ROWS * QBLOCK;
@@ -690,12 +690,12 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
     int prev_mc = 0, half = 0;
     for (int64_t mt = 0; mt < mtiles; mt += 2) {
         const int mc = mtiles - mt < 2 ? 1 : 2;
-        const int8_t* a = x->q + (t0 + mt) * AMX_ROWS * K;
+        const int8_t* a = xt + (t0 + mt) * nb * tile_bytes;
         for (int64_t b = 0; b < nb; b++) {
-            _tile_loadd(4, a + b * QBLOCK, K);
+            _tile_loadd(4, a + b * tile_bytes, QBLOCK);
             _tile_loadd(6, wtiles + b * tile_bytes, 64);
             if (ng > 1) _tile_loadd(7, wtiles + (nb + b) * tile_bytes, 64);
-            if (mc > 1) _tile_loadd(5, a + AMX_ROWS * K + b * QBLOCK, K);
+            if (mc > 1) _tile_loadd(5, a + (nb + b) * tile_bytes, QBLOCK);
             int32_t *c = c_tiles[half], *prev = c_tiles[half ^ 1];
             float* prev_acc = prev_m >= 0 ? acc + prev_m * AMX_ROWS * 2 * AMX_ROWS : acc;
             const int64_t prev_m0 = (t0 + prev_m) * AMX_ROWS;
@@ -732,9 +732,17 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
 static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
     const int64_t nb = w->k / QBLOCK, tiles = (x->M + AMX_ROWS - 1) / AMX_ROWS, groups = w->n / AMX_ROWS;
     const int64_t chunks = (tiles + AMX_CHUNK - 1) / AMX_CHUNK, pairs = (groups + 1) / 2;
-    int failed = 0;
+    // The activation codes as A tiles [tiles][nb][16 rows][32]: a tile's rows side by side, not K apart.
+    int8_t* xt = malloc((size_t)(tiles * AMX_ROWS * w->k));
+    int failed = !xt;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t b = 0; xt && b < nb; b++)
+                for (int r = 0; r < AMX_ROWS; r++)
+                    memcpy(xt + ((t * nb + b) * AMX_ROWS + r) * QBLOCK, x->q + (t * AMX_ROWS + r) * w->k + b * QBLOCK,
+                           QBLOCK);
         const size_t tile_bytes = (size_t)(nb * 2 * AMX_ROWS * QBLOCK);
         int8_t* wtiles = malloc(tile_bytes);
         float* wd = malloc(sizeof(float) * (size_t)(4 * nb * AMX_ROWS + AMX_CHUNK * AMX_ROWS * 2 * AMX_ROWS));
@@ -743,7 +751,7 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
         int64_t unpacked = -1;  // the pair whose weights wtiles holds
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < chunks * pairs; item++) {
-            if (!wtiles || !wd) continue;
+            if (!xt || !wtiles || !wd) continue;
             // Pair-major: a thread's items share one pair's unpacked weights while they last.
             const int64_t pair = item / chunks, chunk = item % chunks;
             const int64_t n0 = pair * 2 * AMX_ROWS, t0 = chunk * AMX_CHUNK;
@@ -761,14 +769,15 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
             if (w->bits == 4)
-                amx_item(4, w, x, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
+                amx_item(4, w, x, xt, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
             else
-                amx_item(8, w, x, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
+                amx_item(8, w, x, xt, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
         }
         if (wtiles && wd) _tile_release();
         free(wtiles);
         free(wd);
     }
+    free(xt);
     if (!failed) simd_rows(w, groups * AMX_ROWS, x, y, y_bf16, nthreads);
     return failed;
 }
