@@ -116,15 +116,20 @@ static inline __m256 load8(const char* p, int bf16) {
 #endif
 
 #if KVD_AVX512
-// The sixteen bf16 of v at dst, each lane rounded as f32_to_bf16 rounds it.
-static inline void store_bf16x16(void* dst, __m512 v) {
+// Each lane of v rounded to bf16 as f32_to_bf16 rounds it, as float32 bits (the low half zero).
+static inline __m512i bf16_bits16(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
                                                   _mm512_set1_epi32(0x7f800000));
     const __m512i out = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x00400000));  // NaN stays NaN
-    _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(out, 16)));
+    return _mm512_and_si512(out, _mm512_set1_epi32((int)0xffff0000));
+}
+
+// The sixteen bf16 of v (rounded as above) at dst.
+static inline void store_bf16x16(void* dst, __m512 v) {
+    _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
 }
 #endif
 
@@ -1098,6 +1103,28 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
+#if KVD_AVX512
+// exp_nonpositive in 16 lanes: the same steps, so the same bits lane for lane.
+static inline __m512 exp_nonpositive16(__m512 x) {
+    const __m512 floor_x = _mm512_set1_ps(-87.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, floor_x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(~under, y, _mm512_castsi512_ps(bits));
+}
+#endif
+
 // scores[t] = exp(scores[t] - max) for t < n; returns their sum. Eight at a time where SIMD runs: the order of
 // the sum depends on n alone, so a query's softmax is the same whatever else the call holds.
 static inline float softmax_numerators(float* sc, int64_t n) {
@@ -1115,6 +1142,13 @@ static inline float softmax_numerators(float* sc, int64_t n) {
 #if KVD_AVX2
     const __m256 mv = _mm256_set1_ps(mx);
     __m256 s8 = _mm256_setzero_ps();
+#if KVD_AVX512
+    for (; t + 16 <= n; t += 16) {  // the exponentials 16 at a time, summed eight at a time as below
+        const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(mx)));
+        _mm512_storeu_ps(sc + t, e);
+        s8 = _mm256_add_ps(_mm256_add_ps(s8, _mm512_castps512_ps256(e)), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    }
+#endif
     for (; t + 8 <= n; t += 8) {
         const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
         _mm256_storeu_ps(sc + t, e);
@@ -1556,6 +1590,14 @@ static inline __m256 silu8(__m256 g) {
 }
 #endif
 
+#if KVD_AVX512
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp_nonpositive16(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
+    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+    return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.f)));
+}
+#endif
+
 void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
                   int nthreads) {
     const int elem = bf16 ? 2 : 4;
@@ -1565,6 +1607,17 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
         const char* u = (const char*)up + t * stride * elem;
         char* o = (char*)out + t * I * elem;
         int64_t i = 0;
+#if KVD_AVX512
+        for (; i + 16 <= I; i += 16) {
+            __m512 s = silu16(load16(g + i * elem, bf16));
+            if (bf16) s = _mm512_castsi512_ps(bf16_bits16(s));
+            const __m512 v = _mm512_mul_ps(s, load16(u + i * elem, bf16));
+            if (bf16)
+                store_bf16x16(o + i * elem, v);
+            else
+                _mm512_storeu_ps((float*)(o + i * elem), v);
+        }
+#endif
 #if KVD_AVX2
         for (; i + 8 <= I; i += 8) {
             const __m256 s = round8(silu8(load8(g + i * elem, bf16)), bf16);
