@@ -1081,6 +1081,21 @@ static inline __attribute__((always_inline)) __m256 dot_rows8(const float* q, co
     return hsum8x8_ps(acc);
 }
 
+// e^(x - n ln2) for |x - n ln2| <= ln2 / 2 into y: ln2 in two parts, then a degree-6 polynomial. One definition
+// for the 8- and 16-lane versions (P: _mm256 or _mm512), so they take the same steps.
+#define EXP_REDUCED(P, x, n, y)                                                  \
+    do {                                                                         \
+        __typeof__(x) r_ = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);       \
+        r_ = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), r_);                 \
+        y = P##_set1_ps(1.9875691500e-4f);                                       \
+        y = P##_fmadd_ps(y, r_, P##_set1_ps(1.3981999507e-3f));                  \
+        y = P##_fmadd_ps(y, r_, P##_set1_ps(8.3334519073e-3f));                  \
+        y = P##_fmadd_ps(y, r_, P##_set1_ps(4.1665795894e-2f));                  \
+        y = P##_fmadd_ps(y, r_, P##_set1_ps(1.6666665459e-1f));                  \
+        y = P##_fmadd_ps(y, r_, P##_set1_ps(5.0000001201e-1f));                  \
+        y = P##_fmadd_ps(y, P##_mul_ps(r_, r_), P##_add_ps(r_, P##_set1_ps(1.0f))); \
+    } while (0)
+
 // e^x for x <= 0 (a softmax's shifted scores): Cody-Waite reduction to [-ln2/2, ln2/2], a degree-6 polynomial,
 // the power of two put into the exponent; within 2 ulp of expf, 0 below -87.
 static inline __m256 exp_nonpositive(__m256 x) {
@@ -1089,15 +1104,8 @@ static inline __m256 exp_nonpositive(__m256 x) {
     x = _mm256_max_ps(x, floor_x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 y;
+    EXP_REDUCED(_mm256, x, n, y);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
@@ -1111,15 +1119,8 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     x = _mm512_max_ps(x, floor_x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 y;
+    EXP_REDUCED(_mm512, x, n, y);
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps(~under, y, _mm512_castsi512_ps(bits));
 }
