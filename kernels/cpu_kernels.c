@@ -3,7 +3,7 @@
 // - Linears, each output computed in one order whatever the number of rows (batch invariance): quantized weights
 //   in GGUF's blocks of 32 along K, 4-bit (Q4_1's layout) or 8-bit (Q8_0's), against activations quantized per
 //   block to int8 (exact integer block sums by SIMD, VNNI or AMX int8 tiles, then one float chain); float32
-//   weights in panels of 16 outputs (one FMA chain each) or rows; bf16 weights in AMX tiles or rows.
+//   weights in panels of 16 outputs (one FMA chain each) or rows; bf16 weights in AMX tiles, AVX-512 BF16 pairs or rows.
 //   Dequantization for the float GEMMs of prefill without batch invariance.
 // - Attention over the paged KV pool in place, one query per row: no gather of K/V into a workspace.
 // - K/V store, rotary embedding, RMSNorm (with the residual add fused), SiLU-and-multiply, and a decode step
@@ -355,6 +355,20 @@ static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     return failed;
 }
 
+#if KVD_AVX512
+// y[m, n .. n + 15] = v + bias (+ 0 without one, as store_output adds it: -0 becomes +0 in every path).
+static inline void store_outputs16(const kvd_weight* w, int64_t m, int64_t n, __m512 v, void* y, int y_bf16) {
+    v = _mm512_add_ps(v, w->bias ? _mm512_loadu_ps(w->bias + n) : _mm512_setzero_ps());
+    if (y_bf16)
+        store_bf16x16((uint16_t*)y + m * w->n + n, v);
+    else
+        _mm512_storeu_ps((float*)y + m * w->n + n, v);
+}
+#endif
+#if KVD_AVX512_BF16
+static inline __m512bh load_bh(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#endif
+
 // ---- AMX tiles --------------------------------------------------------------------------------------------
 
 #if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AVX512F__)
@@ -376,14 +390,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-// y[m, n .. n + 15] = v + bias (+ 0 without one, as store_output adds it: -0 becomes +0 in every path).
-static inline void store_outputs16(const kvd_weight* w, int64_t m, int64_t n, __m512 v, void* y, int y_bf16) {
-    v = _mm512_add_ps(v, w->bias ? _mm512_loadu_ps(w->bias + n) : _mm512_setzero_ps());
-    if (y_bf16)
-        store_bf16x16((uint16_t*)y + m * w->n + n, v);
-    else
-        _mm512_storeu_ps((float*)y + m * w->n + n, v);
-}
 #endif
 
 // ---- quantized linears: exact block sums, then one float order ------------------------------------------------
@@ -943,12 +949,73 @@ static int amx_bf16_linear(const kvd_weight* w, const uint16_t* x, int64_t M, vo
 #define KVD_AMX_BF16 0
 #endif
 
-int kvd_tiles_available(void) {
-#if KVD_AMX_BF16
-    return amx_permitted();
-#else
-    return 0;
+// ---- bf16 linears by AVX-512 BF16 pair products (CPUs without AMX tiles) ---------------------------------------
+//
+// Read panel by panel, the tile order above is [n/16][k/2][16 outputs][2]: the 16 outputs' weights for a pair of k
+// in one 64-byte line, which VDPBF16PS multiplies by the pair of activations broadcast. Each output sums its pair
+// products in float32 in k order from zero, whatever the row count (batch invariance).
+
+#if KVD_AVX512_BF16
+#define PAIR_ROWS 6    // activation rows a pass
+#define PAIR_PANELS 4  // panels of 16 outputs a pass: 24 sums in registers
+#define PAIR_CHUNK 96  // activation rows a work item: they stay in L2 while the item's panels are read per pass
+
+// Rows m0 .. m0 + rows and panels np .. np + panels; constant counts unroll into registers.
+static inline __attribute__((always_inline)) void pair_pass(const kvd_weight* w, const uint16_t* x, int64_t m0,
+                                                            int rows, int64_t np, int panels, void* y, int y_bf16) {
+    const int64_t K = w->k;
+    const uint16_t* p = (const uint16_t*)w->qs + np * PANEL * K;
+    __m512 acc[PAIR_ROWS][PAIR_PANELS];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 2) {
+        __m512bh wv[PAIR_PANELS];
+        for (int j = 0; j < panels; j++) wv[j] = load_bh(p + j * PANEL * K + i * PANEL);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + (m0 + r) * K + i, 4);
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int j = 0; j < panels; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < panels; j++) store_outputs16(w, m0 + r, (np + j) * PANEL, acc[r][j], y, y_bf16);
+}
+
+static void pair_linear(const kvd_weight* w, const uint16_t* x, int64_t M, void* y, int y_bf16, int nthreads) {
+    const int64_t panels = w->n / PANEL, groups = (panels + PAIR_PANELS - 1) / PAIR_PANELS;
+    const int64_t chunks = (M + PAIR_CHUNK - 1) / PAIR_CHUNK;
+    // Chunk-major, as for the tiles: a thread's items share one chunk of activations.
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t item = 0; item < chunks * groups; item++) {
+        const int64_t np = item % groups * PAIR_PANELS, m1 = item / groups * PAIR_CHUNK + PAIR_CHUNK;
+        const int np_count = panels - np < PAIR_PANELS ? (int)(panels - np) : PAIR_PANELS;
+        for (int64_t m = item / groups * PAIR_CHUNK; m < M && m < m1; m += PAIR_ROWS) {
+            const int rows = M - m < PAIR_ROWS ? (int)(M - m) : PAIR_ROWS;
+            if (np_count != PAIR_PANELS)
+                pair_pass(w, x, m, rows, np, np_count, y, y_bf16);  // a last part group: not unrolled
+            else if (rows == PAIR_ROWS)
+                pair_pass(w, x, m, PAIR_ROWS, np, PAIR_PANELS, y, y_bf16);
+            else if (rows == 1)
+                pair_pass(w, x, m, 1, np, PAIR_PANELS, y, y_bf16);
+            else if (rows == 2)
+                pair_pass(w, x, m, 2, np, PAIR_PANELS, y, y_bf16);
+            else if (rows == 3)
+                pair_pass(w, x, m, 3, np, PAIR_PANELS, y, y_bf16);
+            else if (rows == 4)
+                pair_pass(w, x, m, 4, np, PAIR_PANELS, y, y_bf16);
+            else
+                pair_pass(w, x, m, 5, np, PAIR_PANELS, y, y_bf16);
+        }
+    }
+}
 #endif
+
+int kvd_bf16_kernel_order(void) {
+#if KVD_AMX_BF16
+    if (amx_permitted()) return 1;
+#endif
+    return KVD_AVX512_BF16;
 }
 
 
@@ -959,11 +1026,16 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
         return KVD_OK;
     }
     if (w->tiles) {
+        if (w->bits != 16 || !x_bf16) return KVD_UNSUPPORTED;
 #if KVD_AMX_BF16
-        if (w->bits == 16 && x_bf16 && amx_permitted())
-            return amx_bf16_linear(w, x, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
+        if (amx_permitted()) return amx_bf16_linear(w, x, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
 #endif
+#if KVD_AVX512_BF16
+        pair_linear(w, x, M, y, y_bf16, nthreads);
+        return KVD_OK;
+#else
         return KVD_UNSUPPORTED;
+#endif
     }
     if (w->bits == 32 || w->bits == 16)
         return float_linear(w, x, x_bf16, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
@@ -1295,8 +1367,6 @@ static inline __m512 hsum16x16(const __m512* v) {
     const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xdd));
 }
-
-static inline __m512bh load_bh(const void* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 // sc[t] = scale x (q . key t) for the n keys of one block (bf16 q row and pool rows, D a multiple of 32 up to
 // 128): bf16 pair products summed in float32 lanes (vdpbf16ps), sixteen keys per hsum16x16; a key past the

@@ -10,7 +10,7 @@
 
 // What every kernel that can fail returns. KVD_BAD_INDEX: a slot, block table entry, context length, position
 // or row range lies outside the buffer it indexes; the kernel refused it before writing anything.
-// KVD_UNSUPPORTED: this build or CPU lacks what the call needs (AMX tiles for a weight in tile order).
+// KVD_UNSUPPORTED: this build or CPU lacks what the call needs (AMX tiles or AVX-512 BF16 for a bf16 weight in kernel order).
 enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2, KVD_UNSUPPORTED = -3 };
 
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
@@ -53,8 +53,9 @@ typedef struct {
 // the CPU has them, or "portable" (plain C). Every build computes the same results (the quantized linears bit for bit).
 const char* kvd_isa(void);
 
-// Whether bf16 weights can be multiplied in AMX tiles here (built with AMX-BF16, and Linux grants the tiles).
-int kvd_tiles_available(void);
+// Whether bf16 weights in tile order can be multiplied here: in AMX tiles (built with AMX-BF16, and Linux grants
+// the tiles), else by AVX-512 BF16 pair products.
+int kvd_bf16_kernel_order(void);
 
 // y [M, n] = x [M, k] @ W^T (+ bias); float32 or bf16 activations (x_bf16, y_bf16). Each output row is
 // computed in one order whatever M is (batch invariance): integer block dots for 4- and 8-bit weights, float32

@@ -95,7 +95,7 @@ def _check(status: int, what: str) -> None:
         return
     if status == library().KVD_UNSUPPORTED:
         raise NativeKernelError(
-            f"{what}: this CPU or build cannot run it (a weight in AMX tile order without AMX)"
+            f"{what}: this CPU or build cannot run it (a bf16 weight in tile order without AMX or AVX-512 BF16)"
         )
     if status == library().KVD_BAD_INDEX:
         raise NativeKernelError(
@@ -178,19 +178,19 @@ def ungroup_blocks(codes: torch.Tensor, *scales: torch.Tensor, rows: int) -> tup
     )
 
 
-def tiles_available() -> bool:
-    """Whether bf16 weights can be multiplied in AMX tiles here (see pack)."""
-    return available() and bool(library().kvd_tiles_available())
+def bf16_kernel_order() -> bool:
+    """Whether bf16 weights in tile order (see pack) can be multiplied here: AMX tiles or AVX-512 BF16 pairs."""
+    return available() and bool(library().kvd_bf16_kernel_order())
 
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether `pack` takes this weight here: float32 [N, K] with N a multiple of 16, or bf16 with K a multiple
-    of 32 too on a CPU with AMX tiles."""
+    of 32 too on a CPU with AMX tiles or AVX-512 BF16."""
     if not available() or weight.device.type != "cpu" or weight.dim() != 2 or weight.shape[0] % 16:
         return False
     if weight.dtype == torch.float32:
         return True
-    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and tiles_available()
+    return weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and bf16_kernel_order()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
