@@ -565,23 +565,10 @@ static void simd_rows(const kvd_weight* w, int64_t first, const quantized_rows* 
     }
 }
 
-#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-#define KVD_AMX 1
+#if KVD_AVX512
+// ---- quantized weights unpacked 16 rows at a time (AMX tiles, AVX-512 VNNI) ------------------------------------
 
-#define AMX_MIN_ROWS 4  // from 4 rows on, half-empty tiles beat eight weight rows at a time (int4, 2 cores)
-#define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
-
-// Tiles: 0-3 = C (16 activation rows x 16 outputs of int32 block sums; activation tile i and weight group j of
-// the pass at 2 i + j), 4-5 = A (16 activation rows x one block of 32 int8 codes, read in place), 6-7 = B (one
-// block of 16 weight rows: 8 rows of 4 codes x 16 outputs).
-static void amx_configure(void) {
-    tile_config cfg = {0};
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = QBLOCK;
-    for (int t = 6; t < 8; t++) cfg.rows[t] = QBLOCK / 4, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
+#define OUT16 16  // outputs of an unpacked weight block: an AMX B tile's, a zmm's int32 lanes
 
 // Dwords 0-3 of block b of one group's 8 rows of 4-bit codes, row j's dword r at lane 4 j + r (rows 0-3 in *lo,
 // 4-7 in *hi): rows of a block pair lie 32 bytes apart, their blocks side by side, an odd last block 16 apart.
@@ -599,18 +586,16 @@ static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b,
     *hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(p + 128), at, _mm512_loadu_si512(p + 192));
 }
 
-// Weight rows n0 .. n0 + 15 as B tiles out [nb][8][16][4] (code k of output j at (k / 4) x 64 + 4 j + k % 4):
+// Weight rows n0 .. n0 + 15 unpacked to out [nb][8][16][4] (AMX B tiles; a zmm per 4 codes of 16 outputs for VNNI) (code k of output j at (k / 4) x 64 + 4 j + k % 4):
 // unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
 // signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
-static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
-    const int64_t nb = w->k / QBLOCK, group_bytes = NR * nb * block_bytes(w);
-    const __m512i row = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i group = _mm512_maskz_set1_epi32(0xff00, (int)group_bytes);  // rows 8-15: the next group
+static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
+    const int64_t nb = w->k / QBLOCK;
     const __m512i low = _mm512_set1_epi8(0x0f);
     // Lane 8 h + j: row j's dword h from rows 0-3 (lane 4 j + h of lo) or 4-7 (of hi).
     const __m512i pair_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     for (int64_t b = 0; b < nb; b++) {
-        __m512i* dst = (__m512i*)(out + b * AMX_ROWS * QBLOCK);
+        __m512i* dst = (__m512i*)(out + b * OUT16 * QBLOCK);
         if (w->bits == 4) {
             // Dword r of the 16 rows (lane j: row j) by two transposes of the groups' 8 x 4 dwords, not gathers.
             __m512i lo[2], hi[2], pairs[2][2];
@@ -626,9 +611,24 @@ static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, 
                 _mm512_storeu_si512(dst + r + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
             }
         } else {
-            const __m512i rows = _mm512_add_epi32(group, _mm512_mullo_epi32(row, _mm512_set1_epi32((int)row_stride(w, b))));
-            const uint8_t* base = block_at(w, n0, b);
-            for (int r = 0; r < 8; r++) _mm512_storeu_si512(dst + r, _mm512_i32gather_epi32(rows, base + 4 * r, 1));
+            // Four dwords of rows 4 l + r in 128-bit lane l of p[r], then a 4 x 4 transpose in every lane: lane l of
+            // dword d's vector holds rows 4 l .. 4 l + 3 (gathers were slower).
+            const uint8_t* rows[OUT16];
+            for (int j = 0; j < OUT16; j++) rows[j] = block_at(w, n0 + j, b);
+            for (int q = 0; q < 2; q++) {
+                __m512i p[4];
+                for (int r = 0; r < 4; r++) {
+                    p[r] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(rows[r] + 16 * q)));
+                    for (int l = 1; l < 4; l++)
+                        p[r] = _mm512_inserti32x4(p[r], _mm_loadu_si128((const __m128i*)(rows[4 * l + r] + 16 * q)), l);
+                }
+                const __m512i t0 = _mm512_unpacklo_epi32(p[0], p[1]), t1 = _mm512_unpackhi_epi32(p[0], p[1]);
+                const __m512i t2 = _mm512_unpacklo_epi32(p[2], p[3]), t3 = _mm512_unpackhi_epi32(p[2], p[3]);
+                _mm512_storeu_si512(dst + 4 * q, _mm512_unpacklo_epi64(t0, t2));
+                _mm512_storeu_si512(dst + 4 * q + 1, _mm512_unpackhi_epi64(t0, t2));
+                _mm512_storeu_si512(dst + 4 * q + 2, _mm512_unpacklo_epi64(t1, t3));
+                _mm512_storeu_si512(dst + 4 * q + 3, _mm512_unpackhi_epi64(t1, t3));
+            }
         }
         // A group's eight scales of a block lie side by side: two groups, two conversions.
         for (int g = 0; g < 2; g++) {
@@ -640,8 +640,8 @@ static void amx_unpack(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, 
 }
 
 // Weight rows n0 .. n0 + 15 (two whole groups, their scales and minimums) on their way to the cache: the gathers
-// of amx_unpack would otherwise wait on memory one block after another.
-static void amx_prefetch(const kvd_weight* w, int64_t n0) {
+// of unpack_rows16 would otherwise wait on memory one block after another.
+static void prefetch_rows16(const kvd_weight* w, int64_t n0) {
     const int64_t nb = w->k / QBLOCK, group_bytes = NR * nb * block_bytes(w), scale_bytes = 2 * NR * nb * 2;
     const char* codes = (const char*)block_at(w, n0, 0);
     for (int64_t i = 0; i < 2 * group_bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
@@ -649,6 +649,149 @@ static void amx_prefetch(const kvd_weight* w, int64_t n0) {
         _mm_prefetch((const char*)(w->d + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
         if (w->bits == 4) _mm_prefetch((const char*)(w->mn + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
     }
+}
+
+#endif
+
+// ---- quantized linears by AVX-512 VNNI outer products (CPUs without AMX tiles) ---------------------------------
+//
+// For several activation rows, each work item unpacks 32 weight rows once (unpack_rows16) and multiplies them by
+// every row of its chunk: VPDPBUSD adds 4 code products into each output's int32 lane, so a block's 8 of them
+// give the same exact integer sums as the other paths, then the same float steps in the same order.
+
+#if KVD_AVX512 && defined(__AVX512VNNI__)
+#define KVD_VNNI512 1
+
+#define VNNI_MIN_ROWS 3  // from here, unpacking once per item beats eight weight rows at a time (2 cores)
+#define VNNI_ROWS 4      // activation rows a pass: 8 int32 sums and 8 float32 ones in registers
+#define VNNI_CHUNK 64    // activation rows a work item: its unpacked weights serve all of them
+
+// Activation rows m .. m + rows x the item's ng unpacked groups (outputs n0 ..): every block's integer sums, then
+// fma(isum, d x dx, acc) (and the 4-bit minimum term) block by block, as block_step and amx_scale do. VPDPBUSD
+// multiplies unsigned by signed bytes: 4-bit codes are unsigned; 8-bit ones go in shifted (w + 128, the sign bit
+// flipped), so each block's sum starts from base = -128 x the sum of the activation row's codes in the block.
+static inline __attribute__((always_inline)) void vnni_pass(int bits, int rows, int ng, const kvd_weight* w,
+                                                           const quantized_rows* x, int64_t m, int64_t n0,
+                                                           const int8_t* wt, const float* wd, const float* wm,
+                                                           const int32_t* base, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / QBLOCK;
+    __m512 acc[VNNI_ROWS][2];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < ng; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i isum[VNNI_ROWS][2];
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < ng; j++)
+                isum[r][j] = bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(base[(m + r) * nb + b]);
+        for (int qd = 0; qd < QBLOCK / 4; qd++) {
+            __m512i wv[2];
+            for (int j = 0; j < ng; j++) wv[j] = _mm512_loadu_si512(wt + ((j * nb + b) * 8 + qd) * 64);
+            for (int r = 0; r < rows; r++) {
+                int32_t codes;
+                memcpy(&codes, x->q + (m + r) * K + b * QBLOCK + 4 * qd, 4);
+                const __m512i xb = _mm512_set1_epi32(codes);
+                for (int j = 0; j < ng; j++) isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], wv[j], xb);
+            }
+        }
+        for (int j = 0; j < ng; j++) {
+            const __m512 d = _mm512_loadu_ps(wd + b * 2 * OUT16 + j * OUT16);
+            const __m512 mn = _mm512_loadu_ps(wm + b * 2 * OUT16 + j * OUT16);
+            for (int r = 0; r < rows; r++) {
+                const int64_t i = (m + r) * nb + b;
+                acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), _mm512_mul_ps(d, _mm512_set1_ps(x->dx[i])),
+                                            acc[r][j]);
+                if (bits == 4) acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->sx[i]), acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < ng; j++) store_outputs16(w, m + r, n0 + j * OUT16, acc[r][j], y, y_bf16);
+}
+
+// Rows [m0, m1) in passes, each with its row and group counts as constants (sums in registers, loops unrolled).
+static inline __attribute__((always_inline)) void vnni_item(int bits, const kvd_weight* w, const quantized_rows* x,
+                                                           int64_t m0, int64_t m1, int64_t n0, int ng, const int8_t* wt,
+                                                           const float* wd, const float* wm, const int32_t* base,
+                                                           void* y, int y_bf16) {
+    int64_t m = m0;
+    if (ng == 1) {
+        for (; m < m1; m++) vnni_pass(bits, 1, 1, w, x, m, n0, wt, wd, wm, base, y, y_bf16);
+        return;
+    }
+    for (; m + VNNI_ROWS <= m1; m += VNNI_ROWS) vnni_pass(bits, VNNI_ROWS, 2, w, x, m, n0, wt, wd, wm, base, y, y_bf16);
+    if (m1 - m == 3) vnni_pass(bits, 3, 2, w, x, m, n0, wt, wd, wm, base, y, y_bf16);
+    if (m1 - m == 2) vnni_pass(bits, 2, 2, w, x, m, n0, wt, wd, wm, base, y, y_bf16);
+    if (m1 - m == 1) vnni_pass(bits, 1, 2, w, x, m, n0, wt, wd, wm, base, y, y_bf16);
+}
+
+// Outputs [0, groups x 16) in work items of up to VNNI_CHUNK activation rows x two groups of 16 (pair-major: a
+// thread's items share one pair's unpacked weights), the rest by simd_rows. Returns 1 when out of memory.
+static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
+    const int64_t nb = w->k / QBLOCK, groups = w->n / OUT16, pairs = (groups + 1) / 2;
+    const int64_t chunks = (x->M + VNNI_CHUNK - 1) / VNNI_CHUNK;
+    int32_t* base = w->bits == 8 ? malloc(sizeof(int32_t) * (size_t)(x->M * nb)) : NULL;
+    int failed = w->bits == 8 && !base;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < (base ? x->M * nb : 0); i++) {
+            int32_t sum = 0;
+            for (int t = 0; t < QBLOCK; t++) sum += x->q[i * QBLOCK + t];
+            base[i] = -128 * sum;
+        }
+        int8_t* wt = malloc((size_t)(nb * 2 * OUT16 * QBLOCK));
+        float* wd = malloc(sizeof(float) * (size_t)(4 * nb * OUT16));
+        failed |= !wt || !wd;
+        int64_t unpacked = -1;
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < chunks * pairs; item++) {
+            if (!wt || !wd || (w->bits == 8 && !base)) continue;
+            const int64_t pair = item / chunks, m0 = item % chunks * VNNI_CHUNK, n0 = pair * 2 * OUT16;
+            const int64_t m1 = m0 + VNNI_CHUNK < x->M ? m0 + VNNI_CHUNK : x->M;
+            const int ng = groups - pair * 2 > 1 ? 2 : 1;
+            float* wm = wd + 2 * nb * OUT16;
+            if (unpacked != pair) {
+                for (int j = 0; j < ng; j++)
+                    unpack_rows16(w, n0 + j * OUT16, wt + j * nb * OUT16 * QBLOCK, wd + j * OUT16, wm + j * OUT16,
+                                  2 * OUT16);
+                for (int64_t i = 0; w->bits == 8 && i < ng * nb * OUT16 * QBLOCK; i += 64)
+                    _mm512_storeu_si512(wt + i, _mm512_xor_si512(_mm512_loadu_si512(wt + i), _mm512_set1_epi8((char)0x80)));
+                unpacked = pair;
+                for (int64_t n = n0 + 2 * OUT16; n < n0 + 4 * OUT16 && n + OUT16 <= groups * OUT16; n += OUT16)
+                    prefetch_rows16(w, n);
+            }
+            if (w->bits == 4)
+                vnni_item(4, w, x, m0, m1, n0, ng, wt, wd, wm, base, y, y_bf16);
+            else
+                vnni_item(8, w, x, m0, m1, n0, ng, wt, wd, wm, base, y, y_bf16);
+        }
+        free(wt);
+        free(wd);
+    }
+    free(base);
+    if (!failed) simd_rows(w, groups * OUT16, x, y, y_bf16, nthreads);
+    return failed;
+}
+#else
+#define KVD_VNNI512 0
+#endif
+
+#if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
+#define KVD_AMX 1
+
+#define AMX_MIN_ROWS 4  // from 4 rows on, half-empty tiles beat eight weight rows at a time (int4, 2 cores)
+#define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
+
+// Tiles: 0-3 = C (16 activation rows x 16 outputs of int32 block sums; activation tile i and weight group j of
+// the pass at 2 i + j), 4-5 = A (16 activation rows x one block of 32 int8 codes, read in place), 6-7 = B (one
+// block of 16 weight rows: 8 rows of 4 codes x 16 outputs).
+static void amx_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = QBLOCK;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = QBLOCK / 4, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
 }
 
 // The float steps of block b for one C tile of a pass (activation tile i from row m0 of the pass, weight group
@@ -770,13 +913,13 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
             float *wm = wd + 2 * nb * AMX_ROWS, *acc = wm + 2 * nb * AMX_ROWS;
             if (unpacked != pair) {
                 for (int j = 0; j < ng; j++)
-                    amx_unpack(w, n0 + j * AMX_ROWS, wtiles + j * nb * AMX_ROWS * QBLOCK, wd + j * AMX_ROWS,
+                    unpack_rows16(w, n0 + j * AMX_ROWS, wtiles + j * nb * AMX_ROWS * QBLOCK, wd + j * AMX_ROWS,
                                wm + j * AMX_ROWS, 2 * AMX_ROWS);
                 unpacked = pair;
                 // The thread's next pair, unpacked after this item's products (static schedule: the next item).
                 for (int64_t n = n0 + 2 * AMX_ROWS; n < n0 + 4 * AMX_ROWS && n + AMX_ROWS <= groups * AMX_ROWS;
                      n += AMX_ROWS)
-                    amx_prefetch(w, n);
+                    prefetch_rows16(w, n);
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
             if (w->bits == 4)
@@ -800,6 +943,9 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
 static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
 #if KVD_AMX
     if (x->M >= AMX_MIN_ROWS && w->n >= AMX_ROWS && amx_permitted()) return amx_linear(w, x, y, y_bf16, nthreads);
+#endif
+#if KVD_VNNI512
+    if (x->M >= VNNI_MIN_ROWS && w->n >= OUT16) return vnni_linear(w, x, y, y_bf16, nthreads);
 #endif
     simd_rows(w, 0, x, y, y_bf16, nthreads);
     return 0;
