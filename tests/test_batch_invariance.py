@@ -117,6 +117,21 @@ def test_switched_off_it_says_so(tiny_checkpoint):
     assert info["cpu_kernels"] == native_build.isa(native_build.library())
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # a tied table, an lm_head
+def test_a_projection_a_quantized_copy_replaces_stays_in_rows(tiny_checkpoint, family):
+    """Float32 (packable on every CPU): quantized, the table only looks embeddings up, so it keeps its rows
+    (lookups read a packed table 16 rows interleaved); unquantized, the float projection is packed."""
+    for quantization, packed in (("int8", False), ("none", True)):
+        llm = LLM(
+            str(tiny_checkpoint(family)), dtype="float32", quantization=quantization, kv_cache_memory=2**24
+        )
+        model = llm.engine.runner.model
+        assert (model.output_proj is None) == packed
+        assert model.float_output().tiles == packed
+        out = llm.generate([[5, 6, 7]], [SamplingParams(temperature=0.0, max_tokens=3)], use_tqdm=False)
+        assert len(out[0].token_ids) == 3
+
+
 def test_the_bundled_model_in_its_default_mode(monkeypatch):
     """SmolLM2 as shipped (int4 from its Q4_1 file, the CPU's auto dtype): alone, batched and chunked."""
     recorder = LogitsRecorder(monkeypatch)

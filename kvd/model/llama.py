@@ -166,6 +166,10 @@ class CausalLM(nn.Module):
         decoder = self._native_decoder
         return decoder if decoder and decoder.takes(hidden) else None
 
+    def float_output(self) -> Embedding | Linear:
+        """The float output projection: the embedding table of a tied model, else lm_head."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the N rows given (only the rows that will be sampled).
 

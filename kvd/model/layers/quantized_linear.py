@@ -287,8 +287,7 @@ def quantize_linears(layers: nn.Module, mode: str) -> int:
 def quantize_model(model: nn.Module, mode: str) -> None:
     """Quantize a CausalLM in place: its decoder layers' linears, and an int8 copy of its output projection."""
     quantize_linears(model.model.layers, mode)
-    output = model.model.embed_tokens if model.lm_head is None else model.lm_head
-    model.output_proj = quantize_output(output.weight, mode)
+    model.output_proj = quantize_output(model.float_output().weight, mode)
 
 
 def quantize_output(weight: torch.Tensor, mode: str) -> QuantizedLinear | None:
