@@ -565,7 +565,7 @@ static void simd_rows(const kvd_weight* w, int64_t first, const quantized_rows* 
     }
 }
 
-#if KVD_AVX512
+#if KVD_AVX512 && (defined(__AVX512VNNI__) || (defined(__AMX_TILE__) && defined(__AMX_INT8__)))
 // ---- quantized weights unpacked 16 rows at a time (AMX tiles, AVX-512 VNNI) ------------------------------------
 
 #define OUT16 16  // outputs of an unpacked weight block: an AMX B tile's, a zmm's int32 lanes
@@ -649,6 +649,16 @@ static void prefetch_rows16(const kvd_weight* w, int64_t n0) {
         _mm_prefetch((const char*)(w->d + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
         if (w->bits == 4) _mm_prefetch((const char*)(w->mn + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
     }
+}
+
+// A work item's pair of weight groups (n0 .. n0 + ng x 16) unpacked into wt [ng][nb][8][16][4], their scales wd
+// and minimums wm [nb][32]; then the thread's next pair prefetched (with a static schedule, its next item, whose
+// unpack follows this item's products).
+static void unpack_pair(const kvd_weight* w, int64_t n0, int ng, int64_t groups, int8_t* wt, float* wd, float* wm) {
+    const int64_t nb = w->k / QBLOCK;
+    for (int j = 0; j < ng; j++)
+        unpack_rows16(w, n0 + j * OUT16, wt + j * nb * OUT16 * QBLOCK, wd + j * OUT16, wm + j * OUT16, 2 * OUT16);
+    for (int64_t n = n0 + 2 * OUT16; n < n0 + 4 * OUT16 && n + OUT16 <= groups * OUT16; n += OUT16) prefetch_rows16(w, n);
 }
 
 #endif
@@ -751,14 +761,10 @@ static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, in
             const int ng = groups - pair * 2 > 1 ? 2 : 1;
             float* wm = wd + 2 * nb * OUT16;
             if (unpacked != pair) {
-                for (int j = 0; j < ng; j++)
-                    unpack_rows16(w, n0 + j * OUT16, wt + j * nb * OUT16 * QBLOCK, wd + j * OUT16, wm + j * OUT16,
-                                  2 * OUT16);
+                unpack_pair(w, n0, ng, groups, wt, wd, wm);
                 for (int64_t i = 0; w->bits == 8 && i < ng * nb * OUT16 * QBLOCK; i += 64)
                     _mm512_storeu_si512(wt + i, _mm512_xor_si512(_mm512_loadu_si512(wt + i), _mm512_set1_epi8((char)0x80)));
                 unpacked = pair;
-                for (int64_t n = n0 + 2 * OUT16; n < n0 + 4 * OUT16 && n + OUT16 <= groups * OUT16; n += OUT16)
-                    prefetch_rows16(w, n);
             }
             if (w->bits == 4)
                 vnni_item(4, w, x, m0, m1, n0, ng, wt, wd, wm, base, y, y_bf16);
@@ -912,14 +918,8 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
             const int ng = groups - pair * 2 > 1 ? 2 : 1;
             float *wm = wd + 2 * nb * AMX_ROWS, *acc = wm + 2 * nb * AMX_ROWS;
             if (unpacked != pair) {
-                for (int j = 0; j < ng; j++)
-                    unpack_rows16(w, n0 + j * AMX_ROWS, wtiles + j * nb * AMX_ROWS * QBLOCK, wd + j * AMX_ROWS,
-                               wm + j * AMX_ROWS, 2 * AMX_ROWS);
+                unpack_pair(w, n0, ng, groups, wtiles, wd, wm);
                 unpacked = pair;
-                // The thread's next pair, unpacked after this item's products (static schedule: the next item).
-                for (int64_t n = n0 + 2 * AMX_ROWS; n < n0 + 4 * AMX_ROWS && n + AMX_ROWS <= groups * AMX_ROWS;
-                     n += AMX_ROWS)
-                    prefetch_rows16(w, n);
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
             if (w->bits == 4)
