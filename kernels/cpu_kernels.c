@@ -399,7 +399,8 @@ typedef struct {
 // activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
 // steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
 // (batch invariance). Small batches run weight rows eight at a time, one float lane each; from AMX_MIN_ROWS rows
-// on a CPU with AMX, tiles of 16 weight rows x 16 activation rows.
+// on a CPU with AMX, tiles of 16 weight rows x 16 activation rows; from VNNI_MIN_ROWS on one with AVX-512 VNNI
+// (and below AMX_MIN_ROWS or without tiles), VNNI outer products.
 
 typedef struct {
     const int8_t* q;  // [M, K] int8 codes (then zero rows up to a whole AMX tile)
@@ -586,8 +587,8 @@ static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b,
     *hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(p + 128), at, _mm512_loadu_si512(p + 192));
 }
 
-// Weight rows n0 .. n0 + 15 unpacked to out [nb][8][16][4] (AMX B tiles; a zmm per 4 codes of 16 outputs for VNNI) (code k of output j at (k / 4) x 64 + 4 j + k % 4):
-// unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
+// Weight rows n0 .. n0 + 15 unpacked to out [nb][8][16][4] (code k of output j at (k / 4) x 64 + 4 j + k % 4: AMX
+// B tiles, and for VNNI one zmm per 4 codes of the 16 outputs): unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
 // signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
 static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
     const int64_t nb = w->k / QBLOCK;
@@ -639,8 +640,8 @@ static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* w
     }
 }
 
-// Weight rows n0 .. n0 + 15 (two whole groups, their scales and minimums) on their way to the cache: the gathers
-// of unpack_rows16 would otherwise wait on memory one block after another.
+// Weight rows n0 .. n0 + 15 (two whole groups, their scales and minimums) on their way to the cache: the loads of
+// unpack_rows16 would otherwise wait on memory one block after another.
 static void prefetch_rows16(const kvd_weight* w, int64_t n0) {
     const int64_t nb = w->k / QBLOCK, group_bytes = NR * nb * block_bytes(w), scale_bytes = 2 * NR * nb * 2;
     const char* codes = (const char*)block_at(w, n0, 0);
@@ -663,7 +664,7 @@ static void unpack_pair(const kvd_weight* w, int64_t n0, int ng, int64_t groups,
 
 #endif
 
-// ---- quantized linears by AVX-512 VNNI outer products (CPUs without AMX tiles) ---------------------------------
+// ---- quantized linears by AVX-512 VNNI outer products (CPUs without AMX tiles; 3 rows where tiles start at 4) --
 //
 // For several activation rows, each work item unpacks 32 weight rows once (unpack_rows16) and multiplies them by
 // every row of its chunk: VPDPBUSD adds 4 code products into each output's int32 lane, so a block's 8 of them
