@@ -1201,6 +1201,53 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
+// ---- argmax over logits rows ---------------------------------------------------------------------------------
+
+static int64_t first_nan(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != x[i]) return i;
+    return -1;
+}
+
+// Row x's argmax: eight lanes keep their first largest value (strictly greater replaces), then the largest of the
+// lanes with the lowest index among equals, then the tail in order; a NaN anywhere wins at its first place.
+static int64_t argmax_row(const float* x, int64_t n) {
+    int64_t i = 0, best = 0;
+    float top = x[0];
+#if KVD_AVX2
+    if (n >= 16 && n <= INT32_MAX) {  // int32 lanes count the indices
+        __m256 vtop = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(vtop, vtop, _CMP_UNORD_Q);
+        __m256i vbest = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = vbest;
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+            const __m256 gt = _mm256_cmp_ps(v, vtop, _CMP_GT_OQ);
+            vtop = _mm256_blendv_ps(vtop, v, gt);
+            vbest = _mm256_blendv_epi8(vbest, at, _mm256_castps_si256(gt));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        if (_mm256_movemask_ps(nan)) return first_nan(x, n);
+        float tops[8];
+        int32_t bests[8];
+        _mm256_storeu_ps(tops, vtop);
+        _mm256_storeu_si256((__m256i*)bests, vbest);
+        top = tops[0], best = bests[0];
+        for (int l = 1; l < 8; l++)
+            if (tops[l] > top || (tops[l] == top && bests[l] < best)) top = tops[l], best = bests[l];
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return first_nan(x, n);
+        if (x[i] > top) top = x[i], best = i;
+    }
+    return best;
+}
+
+void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+}
+
 // ---- paged decode attention --------------------------------------------------------------------------------
 
 // Block t0 / block_size + 1's rows (row_bytes from `rows` in each slot) on their way to the cache while block

@@ -102,6 +102,10 @@ void kvd_add_rms_norm(const void* x, void* residual, const void* weight, void* o
 void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
                   int nthreads);
 
+// out[r] = the index of the largest value of row r of x [rows, n] (float32, n >= 1): the first of equal ones, and
+// the first NaN where the row holds one, as torch.argmax answers (greedy sampling over the logits).
+void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthreads);
+
 // Every decoder layer for S sequences of one new token each, in the model's dtype: hidden [S, hidden] (the
 // embeddings in, the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that
 // output out); the rotary table cos_sin [num_positions, 2 x head_dim] in that dtype too.

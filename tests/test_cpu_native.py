@@ -353,3 +353,25 @@ def test_float32_weights_in_panel_order_match_torch_at_every_row_count():
         assert torch.equal(cpu_native.linear(x[:rows].contiguous(), packed), got[:rows])
     with pytest.raises(cpu_native.NativeKernelError, match="32-bit weight"):
         cpu_native.linear(x.bfloat16(), cpu_native.linear_weight(32, panels, tiles=True))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 23, 49152])
+def test_argmax_answers_as_torch_does_ties_and_nan_included(n):
+    """Each row's first largest value, the first NaN where there is one (the sampler's greedy pick): rows shorter
+    than the SIMD pass, a tail after it, and a vocabulary's width."""
+    torch.manual_seed(n)
+    x = torch.randn(9, n)
+    x[1] = 0.5  # all equal: the first
+    x[2] = float("-inf")  # all masked: the first
+    x[3, n // 2] = float("nan")
+    x[3, n - 1] = float("nan")
+    x[4, n - 1] = float("nan")  # in the tail
+    x[5, n - 1] = float("inf")
+    x[6, n // 3] = x[6, n - 1] = 100.0  # a tie far apart
+    x[7, 0] = float("nan")
+    assert torch.equal(cpu_native.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_native.argmax(x[:, : max(1, n // 2)]), x[:, : max(1, n // 2)].argmax(dim=-1))
+    with pytest.raises(cpu_native.NativeKernelError, match="float32"):
+        cpu_native.argmax(x.bfloat16())
+    with pytest.raises(cpu_native.NativeKernelError, match="n >= 1"):
+        cpu_native.argmax(torch.zeros(3, 0))

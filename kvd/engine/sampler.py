@@ -9,6 +9,7 @@ import torch
 
 from kvd.engine.grammar import apply_masks
 from kvd.engine.sampling_params import SamplingParams
+from kvd.kernels import cpu_native
 
 
 @dataclass
@@ -53,7 +54,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     if constrained:  # last, so that nothing lifts a masked token back
         matchers = [rows[i].matcher for i in constrained]
         logits = apply_masks(logits.clone() if logits is raw else logits, constrained, matchers)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = _argmax(logits)
     if all(r.params.greedy for r in rows):
         token_ids = greedy_ids
     else:
@@ -85,7 +86,14 @@ def _random_sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     for i, row in enumerate(rows):
         if row.generator is not None:
             noise[i] = torch.empty(probs.shape[1], device=device).exponential_(generator=row.generator)
-    return (probs / noise).argmax(dim=-1)
+    return _argmax(probs / noise)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for x [N, V], natively on a CPU (the same answers, ties and NaN included)."""
+    if cpu_native.supports(x) and x.dtype == torch.float32 and x.shape[-1] > 0:
+        return cpu_native.argmax(x)
+    return x.argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
