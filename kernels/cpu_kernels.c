@@ -71,9 +71,8 @@
 #else
 #define KVD_ISA_AVX512 ""
 #endif
+#define KVD_ISA_NO_AMX (KVD_AVX2 ? "avx2+fma" KVD_ISA_AVX512 KVD_ISA_VNNI : "portable")
 #define KVD_ISA (KVD_AVX2 ? "avx2+fma" KVD_ISA_AVX512 KVD_ISA_VNNI KVD_ISA_AMX KVD_ISA_AMX_BF16 : "portable")
-
-const char* kvd_isa(void) { return KVD_ISA; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -1157,6 +1156,13 @@ static void pair_linear(const kvd_weight* w, const uint16_t* x, int64_t M, void*
     }
 }
 #endif
+
+const char* kvd_isa(void) {
+#if KVD_AMX || KVD_AMX_BF16
+    if (!amx_permitted()) return KVD_ISA_NO_AMX;  // Linux refused the tiles: the other paths run
+#endif
+    return KVD_ISA;
+}
 
 int kvd_bf16_kernel_order(void) {
 #if KVD_AMX_BF16
