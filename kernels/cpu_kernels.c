@@ -587,11 +587,13 @@ static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b,
 }
 
 // Weight rows n0 .. n0 + 15 unpacked to out [nb][8][16][4] (code k of output j at (k / 4) x 64 + 4 j + k % 4: AMX
-// B tiles, and for VNNI one zmm per 4 codes of the 16 outputs): unsigned 4-bit codes (byte i of a 4-bit block holds code i in its low nibble, code i + 16 in its high one) or
-// signed 8-bit ones. Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
-static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride) {
+// B tiles, and for VNNI one zmm per 4 codes of the 16 outputs): unsigned 4-bit codes (byte i of a 4-bit block holds
+// code i in its low nibble, code i + 16 in its high one) or 8-bit ones, signed, or xor flip8 (0x80: shifted to
+// unsigned, for VNNI). Their scales (and 4-bit minimums) as float32 wd, wm [nb][stride], outputs side by side.
+static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* wd, float* wm, int64_t stride,
+                          char flip8) {
     const int64_t nb = w->k / QBLOCK;
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8(flip8);
     // Lane 8 h + j: row j's dword h from rows 0-3 (lane 4 j + h of lo) or 4-7 (of hi).
     const __m512i pair_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
     for (int64_t b = 0; b < nb; b++) {
@@ -624,10 +626,10 @@ static void unpack_rows16(const kvd_weight* w, int64_t n0, int8_t* out, float* w
                 }
                 const __m512i t0 = _mm512_unpacklo_epi32(p[0], p[1]), t1 = _mm512_unpackhi_epi32(p[0], p[1]);
                 const __m512i t2 = _mm512_unpacklo_epi32(p[2], p[3]), t3 = _mm512_unpackhi_epi32(p[2], p[3]);
-                _mm512_storeu_si512(dst + 4 * q, _mm512_unpacklo_epi64(t0, t2));
-                _mm512_storeu_si512(dst + 4 * q + 1, _mm512_unpackhi_epi64(t0, t2));
-                _mm512_storeu_si512(dst + 4 * q + 2, _mm512_unpacklo_epi64(t1, t3));
-                _mm512_storeu_si512(dst + 4 * q + 3, _mm512_unpackhi_epi64(t1, t3));
+                _mm512_storeu_si512(dst + 4 * q, _mm512_xor_si512(_mm512_unpacklo_epi64(t0, t2), flip));
+                _mm512_storeu_si512(dst + 4 * q + 1, _mm512_xor_si512(_mm512_unpackhi_epi64(t0, t2), flip));
+                _mm512_storeu_si512(dst + 4 * q + 2, _mm512_xor_si512(_mm512_unpacklo_epi64(t1, t3), flip));
+                _mm512_storeu_si512(dst + 4 * q + 3, _mm512_xor_si512(_mm512_unpackhi_epi64(t1, t3), flip));
             }
         }
         // A group's eight scales of a block lie side by side: two groups, two conversions.
@@ -651,13 +653,15 @@ static void prefetch_rows16(const kvd_weight* w, int64_t n0) {
     }
 }
 
-// A work item's pair of weight groups (n0 .. n0 + ng x 16) unpacked into wt [ng][nb][8][16][4], their scales wd
-// and minimums wm [nb][32]; then the thread's next pair prefetched (with a static schedule, its next item, whose
-// unpack follows this item's products).
-static void unpack_pair(const kvd_weight* w, int64_t n0, int ng, int64_t groups, int8_t* wt, float* wd, float* wm) {
+// A work item's pair of weight groups (n0 .. n0 + ng x 16) unpacked into wt [ng][nb][8][16][4] (8-bit codes xor
+// flip8), their scales wd and minimums wm [nb][32]; then the thread's next pair prefetched (with a static
+// schedule, its next item, whose unpack follows this item's products).
+static void unpack_pair(const kvd_weight* w, int64_t n0, int ng, int64_t groups, int8_t* wt, float* wd, float* wm,
+                        char flip8) {
     const int64_t nb = w->k / QBLOCK;
     for (int j = 0; j < ng; j++)
-        unpack_rows16(w, n0 + j * OUT16, wt + j * nb * OUT16 * QBLOCK, wd + j * OUT16, wm + j * OUT16, 2 * OUT16);
+        unpack_rows16(w, n0 + j * OUT16, wt + j * nb * OUT16 * QBLOCK, wd + j * OUT16, wm + j * OUT16, 2 * OUT16,
+                      flip8);
     for (int64_t n = n0 + 2 * OUT16; n < n0 + 4 * OUT16 && n + OUT16 <= groups * OUT16; n += OUT16) prefetch_rows16(w, n);
 }
 
@@ -761,9 +765,7 @@ static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, in
             const int ng = groups - pair * 2 > 1 ? 2 : 1;
             float* wm = wd + 2 * nb * OUT16;
             if (unpacked != pair) {
-                unpack_pair(w, n0, ng, groups, wt, wd, wm);
-                for (int64_t i = 0; w->bits == 8 && i < ng * nb * OUT16 * QBLOCK; i += 64)
-                    _mm512_storeu_si512(wt + i, _mm512_xor_si512(_mm512_loadu_si512(wt + i), _mm512_set1_epi8((char)0x80)));
+                unpack_pair(w, n0, ng, groups, wt, wd, wm, (char)0x80);
                 unpacked = pair;
             }
             if (w->bits == 4)
@@ -918,7 +920,7 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
             const int ng = groups - pair * 2 > 1 ? 2 : 1;
             float *wm = wd + 2 * nb * AMX_ROWS, *acc = wm + 2 * nb * AMX_ROWS;
             if (unpacked != pair) {
-                unpack_pair(w, n0, ng, groups, wtiles, wd, wm);
+                unpack_pair(w, n0, ng, groups, wtiles, wd, wm, 0);
                 unpacked = pair;
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
