@@ -397,9 +397,9 @@ typedef struct {
 // and, for 4-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
 // activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
 // steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
-// (batch invariance). Small batches run weight rows eight at a time, one float lane each; from AMX_MIN_ROWS rows
-// on a CPU with AMX, tiles of 16 weight rows x 16 activation rows; from VNNI_MIN_ROWS on one with AVX-512 VNNI
-// (and below AMX_MIN_ROWS or without tiles), VNNI outer products.
+// (batch invariance). Small batches run weight rows eight at a time, one float lane each; from VNNI_MIN_ROWS on a
+// CPU with AVX-512 VNNI, VNNI outer products; 8-bit weights from AMX_MIN_ROWS rows on a CPU with AMX, tiles of 16
+// weight rows x 16 activation rows.
 
 typedef struct {
     const int8_t* q;  // [M, K] int8 codes (then zero rows up to a whole AMX tile)
@@ -667,7 +667,7 @@ static void unpack_pair(const kvd_weight* w, int64_t n0, int ng, int64_t groups,
 
 #endif
 
-// ---- quantized linears by AVX-512 VNNI outer products (CPUs without AMX tiles; 3 rows where tiles start at 4) --
+// ---- quantized linears by AVX-512 VNNI outer products (4-bit weights, 8-bit ones below AMX_MIN_ROWS) ----------
 //
 // For several activation rows, each work item unpacks 32 weight rows once (unpack_rows16) and multiplies them by
 // every row of its chunk: VPDPBUSD adds 4 code products into each output's int32 lane, so a block's 8 of them
@@ -787,7 +787,11 @@ static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, in
 #if KVD_AVX2 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 #define KVD_AMX 1
 
-#define AMX_MIN_ROWS 4  // from 4 rows on, half-empty tiles beat eight weight rows at a time (int4, 2 cores)
+// 8-bit weights only: a 4-bit block's minimum term adds to the float steps that each tile's block sums wait for,
+// which bound the tiles, so VNNI (on every CPU with AMX) runs 4-bit ones faster (3072 x 576 int4 on a Xeon, 4-2048
+// rows: 1.3-1.6x). Below a full tile VNNI runs 8-bit ones faster too (3072 x 576 at 4-12 rows: 150-214 against
+// 216-259 us); from 32 rows the tiles are up to 1.3x faster.
+#define AMX_MIN_ROWS 16
 #define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
 
 // Tiles: 0-3 = C (16 activation rows x 16 outputs of int32 block sums; activation tile i and weight group j of
@@ -803,48 +807,36 @@ static void amx_configure(void) {
 }
 
 // The float steps of block b for one C tile of a pass (activation tile i from row m0 of the pass, weight group
-// j): acc [rows][32] = fma(isum, d x dx, acc) (and the 4-bit minimum term), in the one order every path uses.
-static inline __attribute__((always_inline)) void amx_scale(int bits, const int32_t* c, int i, int j, int64_t m0,
-                                                           int64_t M, int64_t b, const float* wd, const float* wm,
-                                                           const quantized_rows* x, int64_t nb, float* acc) {
+// j): acc [rows][32] = fma(isum, d x dx, acc), in the one order every path uses.
+static inline void amx_scale(const int32_t* c, int i, int j, int64_t m0, int64_t M, int64_t b, const float* wd,
+                             const quantized_rows* x, int64_t nb, float* acc) {
     // Held in registers: the stores to acc could otherwise alias x's fields and the weight scales.
-    const float *dxs = x->dx + b, *sxs = x->sx + b;
+    const float* dxs = x->dx + b;
     const __m512 d = _mm512_loadu_ps(wd + b * 2 * AMX_ROWS + j * AMX_ROWS);
-    const __m512 mn = _mm512_loadu_ps(wm + b * 2 * AMX_ROWS + j * AMX_ROWS);
     for (int r = 0; r < AMX_ROWS; r++) {
         const int64_t m = m0 + i * AMX_ROWS + r;
         if (m >= M) return;
         const __m512 isum = _mm512_cvtepi32_ps(_mm512_loadu_si512(c + (2 * i + j) * 256 + r * AMX_ROWS));
         float* a = acc + (i * AMX_ROWS + r) * 2 * AMX_ROWS + j * AMX_ROWS;
-        __m512 v = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dxs[m * nb])), _mm512_loadu_ps(a));
-        if (bits == 4) v = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxs[m * nb]), v);
-        _mm512_storeu_ps(a, v);
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dxs[m * nb])), _mm512_loadu_ps(a)));
     }
 }
 
-#define AMX_DOT(bits, c, a, b)               \
-    do {                                     \
-        if ((bits) == 4) _tile_dpbsud(c, a, b); \
-        else _tile_dpbssd(c, a, b);          \
-    } while (0)
-
 // C tile t of a pass (activation tile a x weight tile b, all three literal tile numbers): zeroed, the block's
-// products, stored to c.
-#define AMX_TILE_PASS(bits, t, a, b, c)           \
-    do {                                          \
-        _tile_zero(t);                            \
-        AMX_DOT(bits, t, a, b);                   \
-        _tile_stored(t, (c) + (t) * 256, 64);     \
+// signed x signed products, stored to c.
+#define AMX_TILE_PASS(t, a, b, c)             \
+    do {                                      \
+        _tile_zero(t);                        \
+        _tile_dpbssd(t, a, b);                \
+        _tile_stored(t, (c) + (t) * 256, 64); \
     } while (0)
 
 // One work item: activation tiles [t0, t0 + mtiles) x weight groups n0 .. n0 + ng x 16, every block in order. The
 // products of a pass run while the previous pass's results are scaled (stored in the other half of c_tiles):
 // each tile's products, then one tile's float steps of the previous pass, so the tile unit always has work
 // queued behind the vector instructions.
-static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_weight* w, const quantized_rows* x,
-                                                          const int8_t* xt, int64_t t0, int64_t mtiles, int64_t n0, int ng,
-                                                          const int8_t* wtiles, const float* wd, const float* wm,
-                                                          float* acc, void* y, int y_bf16) {
+static void amx_item(const kvd_weight* w, const quantized_rows* x, const int8_t* xt, int64_t t0, int64_t mtiles,
+                     int64_t n0, int ng, const int8_t* wtiles, const float* wd, float* acc, void* y, int y_bf16) {
     const int64_t K = w->k, nb = K / QBLOCK, M = x->M, tile_bytes = AMX_ROWS * QBLOCK;
     memset(acc, 0, sizeof(float) * (size_t)(mtiles * AMX_ROWS * 2 * AMX_ROWS));
     int32_t c_tiles[2][4 * AMX_ROWS * AMX_ROWS];
@@ -864,14 +856,14 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
             // The previous pass's tiles in the order of the new pass's: (0, 0), (0, 1), (1, 0), (1, 1).
 #define AMX_SCALE_PREV(i, j)                                                                                     \
     if (prev_m >= 0 && (i) < prev_mc && (j) < ng)                                                                \
-    amx_scale(bits, prev, i, j, prev_m0, M, prev_b, wd, wm, x, nb, prev_acc)
-            AMX_TILE_PASS(bits, 0, 4, 6, c);
+    amx_scale(prev, i, j, prev_m0, M, prev_b, wd, x, nb, prev_acc)
+            AMX_TILE_PASS(0, 4, 6, c);
             AMX_SCALE_PREV(0, 0);
-            if (ng > 1) AMX_TILE_PASS(bits, 1, 4, 7, c);
+            if (ng > 1) AMX_TILE_PASS(1, 4, 7, c);
             AMX_SCALE_PREV(0, 1);
-            if (mc > 1) AMX_TILE_PASS(bits, 2, 5, 6, c);
+            if (mc > 1) AMX_TILE_PASS(2, 5, 6, c);
             AMX_SCALE_PREV(1, 0);
-            if (mc > 1 && ng > 1) AMX_TILE_PASS(bits, 3, 5, 7, c);
+            if (mc > 1 && ng > 1) AMX_TILE_PASS(3, 5, 7, c);
             AMX_SCALE_PREV(1, 1);
 #undef AMX_SCALE_PREV
             prev_m = mt, prev_b = b, prev_mc = mc, half ^= 1;
@@ -879,7 +871,7 @@ static inline __attribute__((always_inline)) void amx_item(int bits, const kvd_w
     }
     for (int i = 0; i < prev_mc; i++)
         for (int j = 0; j < ng; j++)
-            amx_scale(bits, c_tiles[half ^ 1], i, j, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, wm, x, nb,
+            amx_scale(c_tiles[half ^ 1], i, j, (t0 + prev_m) * AMX_ROWS, M, prev_b, wd, x, nb,
                       acc + prev_m * AMX_ROWS * 2 * AMX_ROWS);
     const int64_t rows = M - t0 * AMX_ROWS < mtiles * AMX_ROWS ? M - t0 * AMX_ROWS : mtiles * AMX_ROWS;
     for (int64_t r = 0; r < rows; r++)
@@ -924,10 +916,7 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
                 unpacked = pair;
             }
             const int64_t mtiles = tiles - t0 < AMX_CHUNK ? tiles - t0 : AMX_CHUNK;
-            if (w->bits == 4)
-                amx_item(4, w, x, xt, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
-            else
-                amx_item(8, w, x, xt, t0, mtiles, n0, ng, wtiles, wd, wm, acc, y, y_bf16);
+            amx_item(w, x, xt, t0, mtiles, n0, ng, wtiles, wd, acc, y, y_bf16);
         }
         if (wtiles && wd) _tile_release();
         free(wtiles);
@@ -944,7 +933,8 @@ static int amx_linear(const kvd_weight* w, const quantized_rows* x, void* y, int
 // y [M, n] = the quantized activation rows @ W^T (+ bias). Returns 1 when out of memory.
 static int quantized_linear(const kvd_weight* w, const quantized_rows* x, void* y, int y_bf16, int nthreads) {
 #if KVD_AMX
-    if (x->M >= AMX_MIN_ROWS && w->n >= AMX_ROWS && amx_permitted()) return amx_linear(w, x, y, y_bf16, nthreads);
+    if (w->bits == 8 && x->M >= AMX_MIN_ROWS && w->n >= AMX_ROWS && amx_permitted())
+        return amx_linear(w, x, y, y_bf16, nthreads);
 #endif
 #if KVD_VNNI512
     if (x->M >= VNNI_MIN_ROWS && w->n >= OUT16) return vnni_linear(w, x, y, y_bf16, nthreads);
@@ -1293,13 +1283,14 @@ static inline void kv_stream_step(kv_stream* st) {
 }
 
 // Streams for the keys and values of sequence `next` (its table and context length) while one of `blocks`
-// blocks is read per kv head and phase: done by half-way through the current sequence, so its lines are in L2
-// before they are needed.
+// blocks is read per kv head and phase: spread over the whole of the current sequence, so its lines are in L2
+// when it starts and the misses in flight stay even (finishing by half-way was 10-25 % slower on a Xeon and on
+// a Zen 5 EPYC).
 static inline void kv_streams(kv_stream st[2], const char* keys, const char* values, const int32_t* next,
                               int64_t next_ctx, int64_t blocks, int64_t kv_heads, int64_t block_size,
                               int64_t block_bytes) {
     const int64_t nb = (next_ctx + block_size - 1) / block_size, steps = kv_heads * blocks;
-    const int64_t quantum = 2 * ((nb * block_bytes + steps - 1) / steps);
+    const int64_t quantum = (nb * block_bytes + steps - 1) / steps;
     st[0] = (kv_stream){keys, next, block_bytes, nb, 0, 0, quantum};
     st[1] = (kv_stream){values, next, block_bytes, nb, 0, 0, quantum};
 }
