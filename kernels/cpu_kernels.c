@@ -789,8 +789,8 @@ static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, in
 
 // 8-bit weights only: a 4-bit block's minimum term adds to the float steps that each tile's block sums wait for,
 // which bound the tiles, so VNNI (on every CPU with AMX) runs 4-bit ones faster (3072 x 576 int4 on a Xeon, 4-2048
-// rows: 1.3-1.6x). Below a full tile VNNI runs 8-bit ones faster too (3072 x 576 at 4-12 rows: 150-214 against
-// 216-259 us); from 32 rows the tiles are up to 1.3x faster.
+// rows: 1.3-1.7x). Below a full tile VNNI runs 8-bit ones faster too (3072 x 576 at 4-12 rows: 150-214 against
+// 216-259 us). docs/benchmarks.md, "Native kernel paths".
 #define AMX_MIN_ROWS 16
 #define AMX_CHUNK 16  // activation tiles per work item: they share the item's unpacked weight tiles
 
