@@ -49,6 +49,11 @@
 
 #define QBLOCK 32
 
+// A KV pool's element kind where the attention reads it: 0 float32, 1 bf16 (the model's dtype), or KV_INT8:
+// 8-bit rows (kvd_paged_attention). Values that pass it as `bf16` read 8-bit codes as signed integers.
+#define KV_INT8 2
+static inline int kv_elem(int kind) { return kind == KV_INT8 ? 1 : kind ? 2 : 4; }
+
 #if KVD_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
 #define KVD_ISA_VNNI "+vnni"
 #else
@@ -107,8 +112,9 @@ static inline void store_bf16x8(void* dst, __m256 v) {
     _mm_storeu_si128((__m128i*)dst, _mm_packus_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
 }
 
-// Eight float32 or bf16 values at p, as float32.
+// Eight float32, bf16 or (KV_INT8) signed 8-bit values at p, as float32.
 static inline __m256 load8(const char* p, int bf16) {
+    if (bf16 == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
     if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
     return _mm256_loadu_ps((const float*)p);
 }
@@ -133,6 +139,7 @@ static inline void store_bf16x16(void* dst, __m512 v) {
 #endif
 
 static inline float load_f(const void* base, int64_t i, int bf16) {
+    if (bf16 == KV_INT8) return (float)((const int8_t*)base)[i];
     return bf16 ? bf16_to_f32(((const uint16_t*)base)[i]) : ((const float*)base)[i];
 }
 
@@ -1434,7 +1441,7 @@ static inline float softmax_numerators(float* sc, int64_t n) {
 static inline __attribute__((always_inline)) void add_scaled_row(float* acc, float p, const char* v, int bf16, int64_t D) {
     int64_t i = 0;
 #if KVD_AVX2
-    const int elem = bf16 ? 2 : 4;
+    const int elem = kv_elem(bf16);
     const __m256 pv = _mm256_set1_ps(p);
     for (; i + 8 <= D; i += 8)
         _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8(v + i * elem, bf16), _mm256_loadu_ps(acc + i)));
@@ -1450,7 +1457,7 @@ static inline __attribute__((always_inline)) void weighted_values(float* a, cons
                                                                    int64_t head, int bf16, const int64_t D) {
 #if KVD_AVX2
     if (D % 8 == 0 && D <= 128) {
-        const int elem = bf16 ? 2 : 4;
+        const int elem = kv_elem(bf16);
         __m256 acc[16];
         for (int64_t i = 0; i < D / 8; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
@@ -1481,7 +1488,7 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
                                                               const int32_t* table, int64_t ctx, int64_t block_size,
                                                               int64_t slot_bytes, int64_t head, int bf16, int64_t D,
                                                               int64_t i0, const int GN, kv_stream* st) {
-    const int elem = bf16 ? 2 : 4;
+    const int elem = kv_elem(bf16);
     __m256 acc[3][4];
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < 4; i++) acc[g][i] = _mm256_setzero_ps();
@@ -1510,6 +1517,7 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
 
 #if KVD_AVX512
 static inline __m512 load16(const char* p, int bf16) {
+    if (bf16 == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
     if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
     return _mm512_loadu_ps((const float*)p);
 }
@@ -1519,7 +1527,7 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
                                                                 const int32_t* table, int64_t ctx, int64_t block_size,
                                                                 int64_t slot_bytes, int64_t head, int bf16, int64_t D,
                                                                 int64_t i0, const int GN, kv_stream* st) {
-    const int elem = bf16 ? 2 : 4;
+    const int elem = kv_elem(bf16);
     __m512 acc[3][4];
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
@@ -1692,6 +1700,140 @@ static inline __attribute__((always_inline)) void attend_group(
     }
 }
 
+// ---- the 8-bit KV pool --------------------------------------------------------------------------------------
+//
+// Each (slot, kv head) row holds D codes, then the row's float32 scale (its largest magnitude / 127): a value is
+// code x scale. Keys hold code + 128 (unsigned, the operand VPDPBUSD takes unsigned), values the signed code. A
+// query head is quantized the same way when it attends, so a score is one exact integer dot times two scales,
+// and every path (VNNI or plain C) gives the same bits for it.
+
+// codes = x / scale rounded half to even (x x 127 / its largest magnitude); returns the scale (0 for a row of
+// zeros, NaN for a row with a NaN, so that it reaches the output as in a float pool).
+static float quantize_row8(const void* x, int bf16, int64_t D, int8_t* codes) {
+    float mx = 0.f;
+    int nan = 0;
+    for (int64_t i = 0; i < D; i++) {
+        const float a = fabsf(load_f(x, i, bf16));
+        nan |= a != a;
+        mx = a > mx ? a : mx;
+    }
+    const float inv = mx > 0.f && !nan ? 127.f / mx : 0.f;
+    for (int64_t i = 0; i < D; i++) {
+        const float c = nearbyintf(load_f(x, i, bf16) * inv);
+        codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+    }
+    return nan ? NAN : mx / 127.f;
+}
+
+#if KVD_VNNI512
+// Lane j = the sum of v[j]'s sixteen int32 lanes (hsum16x16's steps in integers).
+static inline __m512i hsum16x16_epi32(const __m512i* v) {
+    __m512i a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi64(a[2 * i], a[2 * i + 1]));
+    const __m512i e0 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[0], b[1], 0x88), _mm512_shuffle_i32x4(b[0], b[1], 0xdd));
+    const __m512i e1 = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2], b[3], 0x88), _mm512_shuffle_i32x4(b[2], b[3], 0xdd));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(e0, e1, 0x88), _mm512_shuffle_i32x4(e0, e1, 0xdd));
+}
+#endif
+
+// sc[t] = (q . key t) x qs x the key's scale for the n keys of one block; q: a query head's codes, qsum their
+// sum (the keys' + 128 comes back off as 128 x qsum). The integer sums are below 2^24, so their float32 lanes
+// (hsum16x16) are exact.
+static inline __attribute__((always_inline)) void int8_scores(const int8_t* q, float qs, int32_t qsum, const char* k,
+                                                              int64_t slot_bytes, int64_t n, const int64_t D,
+                                                              float* sc) {
+    int64_t t = 0;
+#if KVD_VNNI512
+    if (D % 64 == 0 && D <= 256) {
+        __m512i qv[4];
+        for (int64_t i = 0; i < D / 64; i++) qv[i] = _mm512_loadu_si512(q + i * 64);
+        const __m512 off = _mm512_set1_ps(128.f * (float)qsum), qsv = _mm512_set1_ps(qs);
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)slot_bytes));
+        for (; t + 16 <= n; t += 16) {
+            __m512i acc[16];
+            for (int j = 0; j < 16; j++) {
+                acc[j] = _mm512_setzero_si512();
+                for (int64_t i = 0; i < D / 64; i++)
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_loadu_si512(k + (t + j) * slot_bytes + i * 64), qv[i]);
+            }
+            const __m512 scales = _mm512_i32gather_ps(at, k + t * slot_bytes + D, 1);
+            const __m512 dots = _mm512_cvtepi32_ps(hsum16x16_epi32(acc));
+            _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_sub_ps(dots, off), _mm512_mul_ps(qsv, scales)));
+        }
+    }
+#endif
+    for (; t < n; t++) {
+        const uint8_t* row = (const uint8_t*)k + t * slot_bytes;
+        int32_t dot = 0;
+        for (int64_t i = 0; i < D; i++) dot += (int32_t)row[i] * q[i];
+        float ks;
+        memcpy(&ks, row + D, sizeof ks);
+        sc[t] = (float)(dot - 128 * qsum) * (qs * ks);
+    }
+}
+
+// attend_group over an 8-bit pool (q and out in the model's dtype, q_bf16): quantized query heads, integer
+// scores, the softmax, then each weight times its value row's scale before the same weighted sums as a float
+// pool's (8-bit codes read as floats).
+static inline __attribute__((always_inline)) void attend_group8(
+    const void* q, void* out, const char* keys, const char* values, int q_bf16, int64_t s, int64_t kvh,
+    int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
+    const int32_t* table, int64_t ctx, float scale, float* work, kv_stream* st) {
+    float* scores = work;            // [group, ctx]
+    float* qf = work + group * ctx;  // [group, D] floats' room: the query codes, their scales and sums
+    float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
+    int8_t* qc = (int8_t*)qf;
+    float* qs = qf + (group * D + 3) / 4;
+    int32_t* qsum = (int32_t*)(qs + group);
+    const int64_t row = D + KVD_KV8_SCALE_BYTES, head = kvh * row;
+    for (int64_t g = 0; g < group; g++) {
+        const char* qh = (const char*)q + (s * q_stride + (kvh * group + g) * D) * (q_bf16 ? 2 : 4);
+        qs[g] = quantize_row8(qh, q_bf16, D, qc + g * D) * scale;
+        qsum[g] = 0;
+        for (int64_t i = 0; i < D; i++) qsum[g] += qc[g * D + i];
+    }
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, row);
+        kv_stream_step(st);
+        for (int64_t g = 0; g < group; g++) int8_scores(qc + g * D, qs[g], qsum[g], k, slot_bytes, n, D, scores + g * ctx + t0);
+    }
+    float* sums = acc + group * D;  // [group]
+    for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + D;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        int64_t t = 0;
+#if KVD_AVX512
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)slot_bytes));
+        for (; t + 16 <= n; t += 16) {
+            const __m512 vs = _mm512_i32gather_ps(at, v + t * slot_bytes, 1);
+            for (int64_t g = 0; g < group; g++) {
+                float* p = scores + g * ctx + t0 + t;
+                _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), vs));
+            }
+        }
+#endif
+        for (; t < n; t++) {
+            float vs;
+            memcpy(&vs, v + t * slot_bytes, sizeof vs);
+            for (int64_t g = 0; g < group; g++) scores[g * ctx + t0 + t] *= vs;
+        }
+    }
+    group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, KV_INT8, group, D, st ? st + 1 : NULL);
+    for (int64_t g = 0; g < group; g++) {
+        const float inv = 1.f / sums[g];
+        for (int64_t i = 0; i < D; i++)
+            store_f(out, (s * H + kvh * group + g) * D + i, acc[g * D + i] * inv, q_bf16);
+    }
+}
+
 // The longest of the S contexts, or -1 when a context length or a block table entry it covers is out of range
 // (lengths in [1, table_width x block_size], entries in [0, num_blocks)).
 static int64_t checked_max_context(const int32_t* tables, int64_t table_width, const int32_t* lens, int64_t S,
@@ -1709,14 +1851,14 @@ static int64_t checked_max_context(const int32_t* tables, int64_t table_width, c
     return longest;
 }
 
-int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
                                const int32_t* context_lens, float scale, int nthreads) {
     const int64_t longest = checked_max_context(block_tables, table_width, context_lens, S, num_blocks, block_size);
     if (longest < 0) return KVD_BAD_INDEX;
     const int64_t group = H / kv_heads;
-    const int64_t slot_bytes = kv_heads * D * (bf16 ? 2 : 4);
+    const int64_t slot_bytes = kv_heads * (kv8 ? D + KVD_KV8_SCALE_BYTES : D * (bf16 ? 2 : 4));
     const char* keys = pool;
     const char* values = keys + num_blocks * block_size * slot_bytes;
     int failed = 0;
@@ -1756,13 +1898,23 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 #define ATTEND(HEAD_DIM, BF16)                                                                                   \
     attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
                  context_lens[s], scale, work, st)
-                if (D == 64)
+#define ATTEND8(HEAD_DIM, BF16)                                                                        \
+    attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
+                  table, context_lens[s], scale, work, st)
+                if (kv8 && D == 64)
+                    bf16 ? ATTEND8(64, 1) : ATTEND8(64, 0);
+                else if (kv8 && D == 128)
+                    bf16 ? ATTEND8(128, 1) : ATTEND8(128, 0);
+                else if (kv8)
+                    ATTEND8(D, bf16);
+                else if (D == 64)
                     bf16 ? ATTEND(64, 1) : ATTEND(64, 0);
                 else if (D == 128)
                     bf16 ? ATTEND(128, 1) : ATTEND(128, 0);
                 else
                     ATTEND(D, bf16);
 #undef ATTEND
+#undef ATTEND8
             }
         }
         free(work);
@@ -1905,17 +2057,31 @@ static int indices_in_range(const int64_t* idx, int64_t T, int64_t low, int64_t 
     return 1;
 }
 
-int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16,
-                 int64_t num_slots, int64_t row, const int64_t* slots, int64_t T) {
+int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16, int kv8,
+                 int64_t num_slots, int64_t kv_heads, int64_t D, const int64_t* slots, int64_t T) {
     if (!indices_in_range(slots, T, -1, num_slots)) return KVD_BAD_INDEX;
     const int elem = bf16 ? 2 : 4;
-    const size_t bytes = (size_t)(row * elem);
+    const int64_t bytes = kv_heads * (kv8 ? D + KVD_KV8_SCALE_BYTES : D * elem);
     char* keys = pool;
-    char* values = keys + num_slots * (int64_t)bytes;
+    char* values = keys + num_slots * bytes;
     for (int64_t t = 0; t < T; t++) {
         if (slots[t] < 0) continue;
-        memcpy(keys + slots[t] * (int64_t)bytes, (const char*)k + t * k_stride * elem, bytes);
-        memcpy(values + slots[t] * (int64_t)bytes, (const char*)v + t * v_stride * elem, bytes);
+        const char *kt = (const char*)k + t * k_stride * elem, *vt = (const char*)v + t * v_stride * elem;
+        char *kd = keys + slots[t] * bytes, *vd = values + slots[t] * bytes;
+        if (!kv8) {
+            memcpy(kd, kt, (size_t)bytes);
+            memcpy(vd, vt, (size_t)bytes);
+            continue;
+        }
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int8_t* kc = (int8_t*)kd + h * (D + KVD_KV8_SCALE_BYTES);
+            int8_t* vc = (int8_t*)vd + h * (D + KVD_KV8_SCALE_BYTES);
+            const float ks = quantize_row8(kt + h * D * elem, bf16, D, kc);
+            const float vs = quantize_row8(vt + h * D * elem, bf16, D, vc);
+            for (int64_t i = 0; i < D; i++) ((uint8_t*)kc)[i] = (uint8_t)(kc[i] + 128);  // unsigned (int8_scores)
+            memcpy(kc + D, &ks, sizeof ks);
+            memcpy(vc + D, &vs, sizeof vs);
+        }
     }
     return KVD_OK;
 }
@@ -1998,8 +2164,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         }
         // The k heads follow the q heads in a qkv row: one pass rotates both.
         kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, cos_sin, m->num_positions, positions, nthreads);
-        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, num_slots, kv_size, slots, S);
-        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->num_blocks, m->block_size,
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
+        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
                                       m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
                                       nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;

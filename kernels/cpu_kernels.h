@@ -13,6 +13,9 @@
 // KVD_UNSUPPORTED: this build or CPU lacks what the call needs (AMX tiles or AVX-512 BF16 for a bf16 weight in kernel order).
 enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2, KVD_UNSUPPORTED = -3 };
 
+// An 8-bit KV pool row (kvd_paged_attention's kv8): a head's D codes, then this many bytes of its float32 scale.
+enum kvd_kv8 { KVD_KV8_SCALE_BYTES = 4 };
+
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
 // i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn) or 8-bit (bits 8: 32 int8 codes a block, an
 // fp16 scale d, mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16: qs bf16 [n, k]; d
@@ -42,11 +45,12 @@ typedef struct {
     void* kv_cache;
 } kvd_layer;
 
-// bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32.
+// bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
+// the pool holds 8-bit rows instead (kvd_paged_attention).
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_positions;
     float eps, scale;
-    int32_t bf16;
+    int32_t bf16, kv8;
 } kvd_shape;
 
 // The instruction sets this build's SIMD paths use: "avx2+fma", with "+avx512" or "+avx512-bf16" (bf16 linears by
@@ -71,17 +75,20 @@ int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out,
 // out [S, H, D] = softmax(q K^T * scale) V for each query row s (q: row s at s x q_stride) over the first
 // context_lens[s] tokens of its own block table row, read in place from the pool [2, num_blocks, block_size,
 // kv_heads, D] through block_tables [S, table_width]: a decode token per sequence, or any token of a prompt
-// (its causal context), each reduced in the same order. Query heads h share kv head h / (H / kv_heads). q, out and the pool share one
-// dtype (bf16 or float32).
-int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16,
+// (its causal context), each reduced in the same order. Query heads h share kv head h / (H / kv_heads). q and
+// out are bf16 or float32 (bf16); the pool holds that dtype too, or with kv8 8-bit rows [2, num_blocks,
+// block_size, kv_heads, D + 4]: D codes and a float32 scale each (keys' codes + 128, values' signed), which the
+// query heads meet quantized the same way (integer dot products).
+int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
                                const int32_t* context_lens, float scale, int nthreads);
 
-// The pool's K and V rows at slots[t] = k[t], v[t] (row = kv_heads x D values; token t at t x k_stride in k,
-// t x v_stride in v); slot -1 is skipped.
-int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16,
-                 int64_t num_slots, int64_t row, const int64_t* slots, int64_t T);
+// The pool's K and V rows at slots[t] = k[t], v[t] (kv_heads x D values; token t at t x k_stride in k, t x
+// v_stride in v), quantized per head into an 8-bit pool (kv8, as kvd_paged_attention reads it); slot -1 is
+// skipped.
+int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16, int kv8,
+                 int64_t num_slots, int64_t kv_heads, int64_t D, const int64_t* slots, int64_t T);
 
 // Rotate x [T, heads, D] (token t at t x stride) in place by the rows of cos_sin [num_positions, 2 * D] (cos |
 // signed sin) at positions[t].

@@ -260,17 +260,26 @@ def _token_stride(x: torch.Tensor) -> int:
     return strides[0]
 
 
-def _check_pool(kv_cache: torch.Tensor, x: torch.Tensor) -> None:
-    """The pool is [2, blocks, block_size, kv_heads, D], contiguous, in x's dtype; x's heads fit it."""
+def kv8_row_bytes(head_dim: int) -> int:
+    """Bytes of one head's row in an 8-bit pool: its codes and its scale."""
+    return head_dim + library().KVD_KV8_SCALE_BYTES
+
+
+def _check_pool(kv_cache: torch.Tensor, x: torch.Tensor) -> int:
+    """The pool is [2, blocks, block_size, kv_heads, D], contiguous, in x's dtype, or int8 with D + 4 bytes a
+    row (kv8); x's heads fit it. Returns kv8 (1 for an 8-bit pool)."""
     pool, rows = kv_cache.shape, x.shape
     if len(pool) != 5 or pool[0] != 2 or not kv_cache.is_contiguous():
         raise NativeKernelError(
             f"the KV pool must be a contiguous [2, blocks, block_size, kv_heads, D] tensor, got {tuple(pool)}"
         )
-    if kv_cache.dtype != x.dtype or rows[-1] != pool[4] or rows[1] % pool[3]:
+    kv8 = int(kv_cache.dtype == torch.int8)
+    row = kv8_row_bytes(rows[-1]) if kv8 else rows[-1]
+    if (kv_cache.dtype != x.dtype and not kv8) or row != pool[4] or rows[1] % pool[3]:
         raise NativeKernelError(
             f"a {x.dtype} {tuple(rows)} input does not fit a {kv_cache.dtype} pool of {pool[3]} heads of {pool[4]}"
         )
+    return kv8
 
 
 def paged_attention(
@@ -280,36 +289,37 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [S, H, D] (one query per row) over the pool [2, blocks, block_size, kv_heads, D] in place.
+    """q [S, H, D] (one query per row) over the pool [2, blocks, block_size, kv_heads, D] in place (an int8
+    pool: [..., D + 4], see kvd_paged_attention).
 
     block_tables int32 [S, width] and context_lens int32 [S]: each row's blocks and the tokens it sees (its own
     included); a prompt's rows share their sequence's table, each with its own causal length.
     """
-    _check_pool(kv_cache, q)
-    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
-    seqs = q.shape[0]
+    kv8 = _check_pool(kv_cache, q)
+    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
+    seqs, head_dim = q.shape[0], q.shape[-1]
     _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
     _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
     out = torch.empty(q.shape, dtype=q.dtype)
     status = library().kvd_paged_attention(
-        _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), num_blocks, block_size, kv_heads,
-        head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens), scale,
-        _threads(),
+        _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), kv8, num_blocks, block_size,
+        kv_heads, head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens),
+        scale, _threads(),
     )  # fmt: skip
     _check(status, "paged attention")
     return out
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write k and v [T, kv_heads, D] into the pool's slots (long [T]; -1 = skip)."""
-    _check_pool(kv_cache, k)
+    """Write k and v [T, kv_heads, D] into the pool's slots (long [T]; -1 = skip), quantized into an int8 pool."""
+    kv8 = _check_pool(kv_cache, k)
     if v.dtype != k.dtype or v.shape != k.shape or k.shape[1] != kv_cache.shape[3]:
         raise NativeKernelError(f"store_kv: k {tuple(k.shape)} and v {tuple(v.shape)} do not fit the pool")
     _check_tensor(slots, "slots", torch.int64, (k.shape[0],))
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     status = library().kvd_store_kv(
-        _ptr(k), _token_stride(k), _ptr(v), _token_stride(v), _ptr(kv_cache), _is_bf16(k), num_slots,
-        k.shape[1] * k.shape[2], _ptr(slots), k.shape[0],
+        _ptr(k), _token_stride(k), _ptr(v), _token_stride(v), _ptr(kv_cache), _is_bf16(k), kv8, num_slots,
+        k.shape[1], k.shape[2], _ptr(slots), k.shape[0],
     )  # fmt: skip
     _check(status, "store_kv")
 

@@ -30,14 +30,17 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=12, ignore_eos=True, logprobs=3)
-# Every (dtype, quantization), each on a family that exercises another part of the model.
+# Every (dtype, quantization), each on a family that exercises another part of the model; two over an 8-bit KV
+# pool.
 MODES = [
-    ("float32", "none", "qwen3"),
-    ("float32", "int8", "qwen2"),
-    ("float32", "int4", "llama"),
-    ("bfloat16", "none", "qwen2"),
-    ("bfloat16", "int8", "qwen3"),
-    ("bfloat16", "int4", "llama"),
+    ("float32", "none", "qwen3", "auto"),
+    ("float32", "int8", "qwen2", "auto"),
+    ("float32", "int4", "llama", "auto"),
+    ("bfloat16", "none", "qwen2", "auto"),
+    ("bfloat16", "int8", "qwen3", "auto"),
+    ("bfloat16", "int4", "llama", "auto"),
+    ("float32", "none", "llama", "int8"),
+    ("bfloat16", "int4", "qwen3", "int8"),
 ]
 
 
@@ -72,13 +75,14 @@ def _assert_same(got: dict, want: dict, path: str) -> None:
         assert torch.equal(row, want["logits"][key]), f"{path}: a logits row differs after {len(key)} tokens"
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "family"), MODES)
+@pytest.mark.parametrize(("dtype", "quantization", "family", "kv_cache_dtype"), MODES)
 def test_every_scheduling_path_gives_the_same_logits(
-    tiny_checkpoint, monkeypatch, dtype, quantization, family
+    tiny_checkpoint, monkeypatch, dtype, quantization, family, kv_cache_dtype
 ):
     folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
-    alone = _run(folder, dtype, quantization, recorder, one_at_a_time=True)
+    kv = {"kv_cache_dtype": kv_cache_dtype}
+    alone = _run(folder, dtype, quantization, recorder, one_at_a_time=True, **kv)
     assert len(alone["logits"]) == len(PROMPTS) * GREEDY.max_tokens
     paths = {
         "batched": {},
@@ -88,8 +92,9 @@ def test_every_scheduling_path_gives_the_same_logits(
     }
     for path, engine in paths.items():
         if "num_blocks" in engine:
-            engine = {"kv_cache_memory": _pool_bytes(folder, dtype, engine["num_blocks"])}
-        got = _run(folder, dtype, quantization, recorder, **engine)
+            pool_dtype = "int8" if kv_cache_dtype == "int8" else dtype
+            engine = {"kv_cache_memory": _pool_bytes(folder, pool_dtype, engine["num_blocks"])}
+        got = _run(folder, dtype, quantization, recorder, **engine, **kv)
         _assert_same(got, alone, path)
         if path == "prefix hits":
             assert got["stats"]["prefix_cache"]["hit_tokens"] > 0

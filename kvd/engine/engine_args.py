@@ -12,6 +12,7 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TCP = re.compile(r"^tcp://[^/:]+:\d+/?$")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
 # kvd.model.layers.selector's BACKEND_NAMES, spelt out: importing it would load torch for every command.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
 POOLINGS = ("auto", "mean", "last")  # kvd.engine.pooling's, spelt out for the same reason
@@ -43,6 +44,14 @@ class EngineArgs:
         None,
         "tokens per KV block (default: the attention backend's; 16, or 256 for flash-attn)",
         type=positive_int,
+    )
+    # The pool's element: auto = the model's dtype; int8 = a scale and 8-bit codes per token and kv head, half a
+    # bf16 pool's bytes for every decode step to read (CPU, the native attention: kernels/cpu_kernels.h).
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV pool elements: auto = the model's dtype, int8 = 8-bit codes and a scale per token and head "
+        "(CPU native attention; half the bytes of bf16) (%(default)s)",
+        choices=KV_CACHE_DTYPES,
     )
     # Bytes or "512M"; None = sized by kv_cache_memory_fraction (CPU) or gpu_memory_utilization (CUDA).
     kv_cache_memory: int | str | None = setting(
@@ -136,6 +145,8 @@ class EngineArgs:
             )
         if self.quantization not in QUANTIZATIONS:
             raise EngineArgsError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineArgsError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.pooling not in POOLINGS:
             raise EngineArgsError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         if self.block_size is not None and self.block_size < 1:

@@ -16,7 +16,7 @@ from kvd.distributed.shard import WHOLE
 from kvd.distributed.shm import slot_bytes
 from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.detokenizer import IncrementalDetokenizer
-from kvd.engine.engine_args import EngineArgs
+from kvd.engine.engine_args import EngineArgs, EngineArgsError
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.engine.grammar import LIBRARY, GrammarCompiler, GrammarError
 from kvd.engine.metrics import EngineMetrics
@@ -31,6 +31,7 @@ from kvd.engine.sequence import Sequence
 from kvd.engine.tool_calls import Tool, detect_tool_template, render_messages
 from kvd.kernels.native_build import native_isa
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+from kvd.model.layers.native_attention import NativeAttentionBackend
 from kvd.model.layers.selector import resolve_block_size
 from kvd.model.llama import CausalLM
 
@@ -104,6 +105,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.dtype_reason = loaded.dtype_reason
+        self.kv_dtype = _kv_dtype(args.kv_cache_dtype, loaded.model, self.dtype)
         self.quantization = loaded.quantization
         self.eos_token_ids = _eos_token_ids(loaded.config, loaded.tokenizer)
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
@@ -139,7 +141,7 @@ class LLMEngine:
             loaded.model.config,  # this rank's slice: its KV heads in its pool
             self.num_blocks,
             args.block_size,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -155,16 +157,16 @@ class LLMEngine:
             args.block_size,
             pool_tokens,
             self.num_blocks
-            * kv_cache_bytes_per_block(loaded.model.config, args.block_size, self.dtype)
+            * kv_cache_bytes_per_block(loaded.model.config, args.block_size, self.kv_dtype)
             / 2**20,
-            self.dtype,
+            self.kv_dtype,
             self.max_model_len,
             self.attention_backend,
         )
 
     def _pool_blocks(self, model: CausalLM, baseline: DeviceMemory | None) -> int:
         args = self.args
-        per_block = kv_cache_bytes_per_block(model.config, args.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(model.config, args.block_size, self.kv_dtype)
         budget = args.kv_cache_memory
         if budget is None and self.tp and baseline is not None:
             raise RequestRejectedError(
@@ -467,6 +469,7 @@ class LLMEngine:
             "model": self.model_name,
             "dtype": str(self.dtype).removeprefix("torch."),
             "dtype_reason": self.dtype_reason,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "batch_invariant": self.args.batch_invariant,
             "cpu_kernels": native_isa(),
@@ -490,6 +493,24 @@ class LLMEngine:
             "weight_bytes": self.weight_bytes,
             "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }
+
+
+def _kv_dtype(setting: str, model: CausalLM, dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type; an 8-bit pool only where the native attention reads every query of it."""
+    if setting == "auto":
+        return dtype
+    backend = model.attention_backend
+    if not isinstance(backend, NativeAttentionBackend):
+        raise EngineArgsError(
+            f"kv_cache_dtype int8 needs the native CPU attention (this engine runs {backend.name} attention): "
+            "use kv_cache_dtype auto, or attention_backend native on a CPU with a C compiler"
+        )
+    if not backend.batch_invariant:
+        raise EngineArgsError(
+            "kv_cache_dtype int8 needs batch invariance on (its attention reads the pool one query at a time): "
+            "drop --no-batch-invariance, or use kv_cache_dtype auto"
+        )
+    return torch.int8
 
 
 def _start_tensor_parallel(args: EngineArgs) -> TensorParallel | None:

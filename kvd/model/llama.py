@@ -12,6 +12,7 @@ from kvd.distributed.shard import WHOLE, Shard, ShardPlan
 from kvd.model.config import ModelConfig
 from kvd.model.layers.activation import silu_and_mul
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
+from kvd.model.layers.kv_cache import pool_row
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
@@ -188,12 +189,13 @@ class CausalLM(nn.Module):
         layers = self.model.layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(layers)} layers")
-        heads, head_dim = self.config.num_key_value_heads, self.config.head_dim
+        heads = self.config.num_key_value_heads
         for layer, cache in zip(layers, kv_caches, strict=True):
-            if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[-2:] != (heads, head_dim):
+            row = pool_row(self.config, cache.dtype)
+            if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[-2:] != (heads, row):
                 raise ValueError(
                     f"KV cache tensor of shape {tuple(cache.shape)} is not "
-                    f"[2, num_blocks, block_size, {heads}, {head_dim}]: use allocate_kv_cache"
+                    f"[2, num_blocks, block_size, {heads}, {row}]: use allocate_kv_cache"
                 )
             layer.self_attn.kv_cache = cache
         self._native_decoder = None

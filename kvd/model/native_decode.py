@@ -51,7 +51,7 @@ class NativeDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, layers = model.config, model.model.layers
-        cache = layers[0].self_attn.kv_cache
+        cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
         self.shape = cpu_native.ModelShape(
             hidden=config.hidden_size,
             heads=config.num_attention_heads,
@@ -63,7 +63,8 @@ class NativeDecoder:
             num_positions=model.rotary.cos_sin_cache.shape[0],
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
-            bf16=int(cache.dtype == torch.bfloat16),
+            bf16=int(dtype == torch.bfloat16),
+            kv8=int(cache.dtype == torch.int8),
         )
         self.layers = tuple(
             cpu_native.LayerWeights(
@@ -98,10 +99,13 @@ class NativeDecoder:
         layers = model.model.layers
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
             return False
-        cache = layers[0].self_attn.kv_cache
-        if cache is None or cache.dtype not in (torch.float32, torch.bfloat16):
+        cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
+        if (
+            cache is None
+            or dtype not in (torch.float32, torch.bfloat16)
+            or cache.dtype not in (dtype, torch.int8)
+        ):
             return False
-        dtype = cache.dtype
         caches = [layer.self_attn.kv_cache for layer in layers]
         norms = [
             n
@@ -110,10 +114,9 @@ class NativeDecoder:
             if n is not None
         ]
         return (
-            model.rotary.cos_sin_cache.dtype == dtype
-            and all(_native_linear(m, dtype) for m in _linears(layers))
+            all(_native_linear(m, dtype) for m in _linears(layers))
             and all(n.weight.dtype == dtype for n in norms)
-            and all(c.dtype == dtype and c.is_contiguous() for c in caches)
+            and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
         )
 
     def valid_for(self, model: torch.nn.Module) -> bool:
