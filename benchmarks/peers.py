@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-model", default=None, help="the .gguf llama-server loads (default: --model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="kvd's KV pool elements"
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads of both sides")
     p.add_argument("--single-len", type=int, default=128, help="single stream: tokens in and out")
     p.add_argument("--concurrency", default="8,16,64", help="throughput workload: requests at once")
@@ -85,6 +88,7 @@ class KvdSide:
             args.model,
             dtype=args.dtype,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_threads=args.threads,
             max_num_seqs=max_seqs,
             max_num_batched_tokens=max(2048, max_seqs),
@@ -232,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         "peer_model": args.peer_model if binary else None,
         "kvd_dtype": info["dtype"],
         "kvd_quantization": info["quantization"],
+        "kvd_kv_cache_dtype": info["kv_cache_dtype"],
         "threads": args.threads,
         "cpu_bf16": info["dtype_reason"],
         "workloads": {},

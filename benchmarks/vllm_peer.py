@@ -11,7 +11,7 @@ request and kept up across its turns; its start (which compiles the model with I
 no figure. It gets vLLM's CPU settings: $VLLM_CPU_KVCACHE_SPACE (--vllm-kv-gib), $VLLM_CPU_OMP_THREADS_BIND
 (cores 0 to --threads - 1) and, where present, tcmalloc and the venv's Intel OpenMP in $LD_PRELOAD.
 kvd runs in this process on the bundled GGUF: `bf16` is `--quantization none --dtype bfloat16`, the weights
-vLLM loads; `int4` is kvd's default (`auto`: Q4_1 as int4).
+vLLM loads; `int4` is kvd's default (`auto`: Q4_1 as int4); `-kv8` adds `--kv-cache-dtype int8` (an 8-bit pool).
 Workloads (token-id prompts, greedy, ignore_eos; each side must produce exactly the requested tokens): single
 stream (--single-len in and out: decode tok/s after the first token, prefill tok/s), then --concurrency N
 requests of benchmarks.throughput's workload at once (output tok/s; 64 is that workload, 16 its first 16).
@@ -39,8 +39,19 @@ from benchmarks.throughput import make_workload
 from kvd.model.cpu_dtype import cpu_flags
 
 ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-KVD_MODES = {"bf16": ("none", "bfloat16"), "int4": ("auto", "auto")}  # name: (quantization, dtype)
-TARGETS = {"kvd bf16": 2.0, "kvd int4": 2.5}  # output tok/s over vLLM's on the 64-request workload
+# name: (quantization, dtype, kv_cache_dtype)
+KVD_MODES = {
+    "bf16": ("none", "bfloat16", "auto"),
+    "int4": ("auto", "auto", "auto"),
+    "bf16-kv8": ("none", "bfloat16", "int8"),
+    "int4-kv8": ("auto", "auto", "int8"),
+}
+TARGETS = {
+    "kvd bf16": 2.0,
+    "kvd int4": 2.5,
+    "kvd bf16-kv8": 2.0,
+    "kvd int4-kv8": 2.5,
+}  # output tok/s over vLLM's on the 64-request workload
 PEER = "vLLM"
 
 # Runs in $VLLM_VENV's python: JSON lines in (a workload), JSON lines out (seconds, tokens produced).
@@ -180,10 +191,9 @@ def peer_venv() -> Path | None:
 
 
 def kvd_side(args: argparse.Namespace, mode: str, max_seqs: int) -> KvdSide:
-    quantization, dtype = KVD_MODES[mode]
-    side = KvdSide(
-        argparse.Namespace(**{**vars(args), "quantization": quantization, "dtype": dtype}), max_seqs
-    )
+    quantization, dtype, kv_dtype = KVD_MODES[mode]
+    mode_args = {"quantization": quantization, "dtype": dtype, "kv_cache_dtype": kv_dtype}
+    side = KvdSide(argparse.Namespace(**{**vars(args), **mode_args}), max_seqs)
     side.name = f"kvd {mode}"
     return side
 
@@ -215,8 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
         sides: list = [kvd_side(args, mode, max(concurrency)) for mode in args.kvd.split(",")]
         for side in sides:
             info = side.llm.engine.info()
-            results["kvd"][side.name] = {"dtype": info["dtype"], "quantization": info["quantization"]}
-            print(f"{side.name}: {info['dtype']}, quantization {info['quantization']}")
+            results["kvd"][side.name] = {
+                key: info[key] for key in ("dtype", "quantization", "kv_cache_dtype")
+            }
+            print(
+                f"{side.name}: {info['dtype']}, quantization {info['quantization']}, KV {info['kv_cache_dtype']}"
+            )
         kvd_names = [side.name for side in sides]
         sides += [peer] if peer else []
 
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
             results["workloads"][name] = row
             lines = [(side, row[side]) for side in figures]
             lines += [(f"{side} / {PEER}", ratio) for side, ratio in row.get("ratio", {}).items()]
-            print(name + "".join(f"\n  {label:<16}" + fmt(values) for label, values in lines), flush=True)
+            print(name + "".join(f"\n  {label:<22}" + fmt(values) for label, values in lines), flush=True)
 
         vocab = sides[0].llm.engine.config.vocab_size
         rng = random.Random(0)

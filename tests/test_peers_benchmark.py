@@ -20,6 +20,7 @@ def test_without_a_peer_says_so_and_measures_kvd():
     stdout, result = run_quick(env)
     assert "llama.cpp peer skipped: $LLAMA_CPP_BIN is unset" in stdout
     assert result["peer_model"] is None and result["kvd_quantization"] == "int4"  # the bundled Q4_1 file
+    assert result["kvd_kv_cache_dtype"] == result["kvd_dtype"]  # auto: the model's dtype
     assert list(result["workloads"]) == WORKLOADS
     single = result["workloads"]["single stream"]
     assert set(single) == {"kvd"} and set(single["kvd"]) == {"decode", "prefill"}

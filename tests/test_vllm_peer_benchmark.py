@@ -17,15 +17,23 @@ def run_quick(env: dict[str, str], *extra: str) -> tuple[str, dict]:
 
 def test_without_the_peer_says_so_and_measures_kvd():
     env = {k: v for k, v in os.environ.items() if k != "VLLM_VENV"}
-    stdout, result = run_quick(env)
+    stdout, result = run_quick(env, "--kvd", "bf16,int4-kv8")
     assert "vLLM peer skipped: $VLLM_VENV is unset; run the vLLM CPU install script" in stdout
     assert result["peer_model"] is None and "vllm" not in result
-    assert result["kvd"] == {"kvd bf16": {"dtype": "bfloat16", "quantization": "none"}}
+    assert result["kvd"] == {
+        "kvd bf16": {"dtype": "bfloat16", "quantization": "none", "kv_cache_dtype": "bfloat16"},
+        "kvd int4-kv8": {
+            "dtype": result["kvd"]["kvd int4-kv8"]["dtype"],
+            "quantization": "int4",
+            "kv_cache_dtype": "int8",
+        },
+    }
     assert result["cpu"]["model"] == "" or result["cpu"]["model"] in stdout
     assert list(result["workloads"]) == WORKLOADS
     single, concurrent = (result["workloads"][name] for name in WORKLOADS)
-    assert set(single) == set(concurrent) == {"kvd bf16"}  # no peer, no ratio
-    assert set(single["kvd bf16"]) == {"decode", "prefill"} and set(concurrent["kvd bf16"]) == {"output"}
+    assert set(single) == set(concurrent) == {"kvd bf16", "kvd int4-kv8"}  # no peer, no ratio
+    for side in single:
+        assert set(single[side]) == {"decode", "prefill"} and set(concurrent[side]) == {"output"}
 
 
 @pytest.mark.skipif(not os.environ.get("VLLM_VENV"), reason="needs vLLM's CPU backend in $VLLM_VENV")
