@@ -47,7 +47,8 @@ def _engine(model: Path | None, tp: int, blocks: int | None = 12, **kw: object) 
 
         config = ModelConfig.from_hf_dict(_open_folder(model).hf_config)
         local = ShardPlan(config, Shard(0, tp)).local_config()
-        engine_kw["kv_cache_memory"] = blocks * kv_cache_bytes_per_block(local, 16, torch.float32)
+        pool = torch.int8 if engine_kw.get("kv_cache_dtype") == "int8" else torch.float32
+        engine_kw["kv_cache_memory"] = blocks * kv_cache_bytes_per_block(local, 16, pool)
     return LLMEngine(model=None if model is None else str(model), tensor_parallel_size=tp, **engine_kw)
 
 
@@ -71,25 +72,28 @@ def _close_rows(got: dict, want: dict) -> None:
 
 @pytest.mark.skipif(not cpu_native.available(), reason="batch invariance needs kvd's native kernels")
 @pytest.mark.parametrize(
-    ("family", "quantization"),
+    ("family", "quantization", "kv_cache_dtype"),
     [
-        *((f, "none") for f in ("llama", "llama3_rope", "linear_rope", "mistral", "qwen2", "qwen3")),
-        ("llama", "int4"),  # the native quantized kernels on shards
-        ("qwen2", "int8"),
+        *((f, "none", "auto") for f in ("llama", "llama3_rope", "linear_rope", "mistral", "qwen2", "qwen3")),
+        ("llama", "int4", "auto"),  # the native quantized kernels on shards
+        ("qwen2", "int8", "auto"),
+        ("qwen3", "none", "int8"),  # every rank's pool in 8 bits: the plan carries the pool's dtype
     ],
 )
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(
-    tiny_checkpoint, monkeypatch, family, quantization
+    tiny_checkpoint, monkeypatch, family, quantization, kv_cache_dtype
 ):
-    """Float weights: logits within 1e-5 of TP=1's. Quantized: the kernels quantize activations to int8, where
-    a last-bit difference of the all-reduce can cross a step, so only the tokens are compared."""
+    """Float weights and pool: logits within 1e-5 of TP=1's. Quantized weights or pool: the kernels quantize
+    activations (or queries) to int8, where a last-bit difference of the all-reduce can cross a step, so only the
+    tokens are compared."""
     folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
-    single = _engine(folder, 1, quantization=quantization)
+    kw = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    single = _engine(folder, 1, **kw)
     want = _generate(single, PROMPTS)
     want_rows = dict(recorder.rows)
     recorder.rows.clear()
-    engine = _engine(folder, 2, quantization=quantization)
+    engine = _engine(folder, 2, **kw)
     try:
         got = _generate(engine, PROMPTS)
         got_rows = dict(recorder.rows)
@@ -103,7 +107,7 @@ def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_inva
         engine.close()
     assert got == want
     assert stats["num_preemptions"] > 0 and stats["prefix_cache"]["hit_tokens"] > 0, stats
-    if quantization == "none":
+    if quantization == "none" and kv_cache_dtype == "auto":
         _close_rows(got_rows, want_rows)
     assert alone.keys() == got_rows.keys()
     for key, row in alone.items():

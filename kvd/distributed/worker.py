@@ -92,7 +92,7 @@ def _join(args: EngineArgs, local_index: int, cpus: list[int] | None):
         loaded.model.config,
         plan["num_blocks"],
         plan["block_size"],
-        loaded.dtype,
+        getattr(torch, plan["kv_cache_dtype"]),  # rank 0's pool dtype (an int8 pool on every rank or none)
         device,
         max_num_seqs=plan["max_num_seqs"],
         max_model_len=plan["max_model_len"],

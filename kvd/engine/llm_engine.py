@@ -125,6 +125,7 @@ class LLMEngine:
                 {
                     "num_blocks": self.num_blocks,
                     "block_size": args.block_size,
+                    "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
                     "max_model_len": self.max_model_len,
                     "max_num_seqs": args.max_num_seqs,
                     "fingerprint": fingerprint(loaded.model, self.dtype, self.quantization, self.config),
