@@ -211,6 +211,10 @@ for dtype in (torch.float32, torch.bfloat16):
 pool, lens = torch.randn(2, 80, 16, 3, 64), torch.randint(1, 100, (12,), dtype=torch.int32)
 tables = torch.randint(0, 80, (12, 7), dtype=torch.int32)
 out["simd", "attention"] = cpu_native.paged_attention(torch.randn(12, 9, 64), pool, tables, lens, 0.125)
+# The 8-bit pool: VNNI scores sixteen keys at a time where the build has it, plain C elsewhere and in block tails.
+pool8 = torch.zeros(2, 80, 16, 3, 68, dtype=torch.int8)
+cpu_native.store_kv(pool[0].view(-1, 3, 64), pool[1].view(-1, 3, 64), pool8, torch.arange(80 * 16))
+out["simd", "int8 pool"] = cpu_native.paged_attention(torch.randn(12, 9, 64), pool8, tables, lens, 0.125)
 torch.save(out, sys.argv[1])
 """
 
@@ -218,7 +222,8 @@ torch.save(out, sys.argv[1])
 def test_every_instruction_set_computes_the_same_linears_and_norms(tmp_path):
     """The host's build (AMX tiles, VNNI where the CPU has them), the AVX2 one and the portable C one give the
     same quantized, float32-panel and RMSNorm outputs bit for bit: those do not depend on the CPU's features.
-    SiLU and float32 attention, whose SIMD exponential differs from expf, are the same on AVX-512 and AVX2."""
+    SiLU and float32 attention (over a float or an 8-bit pool), whose SIMD exponential differs from expf, are the
+    same on AVX-512 and AVX2."""
     builds = {"host": "", "avx2": AVX2}
     builds["portable"] = PORTABLE
     results = {}
