@@ -1,14 +1,17 @@
-"""Two builds of the native CPU kernels in one process, alternating: quantized linears by rows, decode attention.
+"""Two builds of the native CPU kernels in one process, alternating: linears by rows, decode attention.
 
     python -m benchmarks.native_paths --cflags=-mno-amx-int8 [--rounds 6] [--rows 4,16,64,256,2048] [--json]
+    python -m benchmarks.native_paths --alt-commit HEAD~1 --modes bf16,int4 [--cflags=...]
 
 The host's build ("host") runs against one built with extra compiler flags ("alt": KVD_NATIVE_CFLAGS, compiled
 into its own cache folder), e.g. `-mno-amx-int8` (the 8-bit linears on AVX-512 VNNI instead of AMX int8 tiles) or
-`-mno-avx512f` (AVX2). Both libraries are loaded into this process and every case runs on each in turn, round
-after round (the first of a round alternating), on the same tensors: separate processes on a VM differ by up to
-1.6x in the same code, one process does not. Figures: the best round in microseconds, and alt / host (above 1:
-the host's build is faster). Shapes are SmolLM2-135M's gate_up (3072 x 576), down (576 x 1536) and int8 output
-projection (49152 x 576), bf16 activations; attention is one decode step of 64 sequences over shuffled 16-token
+`-mno-avx512f` (AVX2), or against the kernels' source at another commit (--alt-commit: a change's before and
+after; its C ABI must be this one's). Modes: int4 and int8 weights, and bf16 (a bf16 weight in tile order: AMX
+tiles or AVX-512 BF16 pairs, where the CPU has either). Both libraries are loaded into this process and every
+case runs on each in turn, round after round (the first of a round alternating), on the same tensors: separate
+processes on a VM differ by up to 1.6x in the same code, one process does not. Figures: the best round in
+microseconds, and alt / host (above 1: the host's build is faster). Shapes are SmolLM2-135M's gate_up (3072 x
+576), down (576 x 1536) and int8 output projection (49152 x 576), bf16 activations; attention is one decode step of 64 sequences over shuffled 16-token
 blocks, each of 30 layers' blocks distinct (so no cache holds a sweep). With `--cflags=` both sides are the host's
 build (the noise floor).
 """
@@ -19,29 +22,39 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
-from kvd.kernels.native_build import ffi, isa, library_path
+from kvd.kernels.native_build import FLAGS, HEADER, ffi, isa, library_path
 from kvd.model.layers.quantized_linear import linear_class
 
-SHAPES = {"int4": ((3072, 576), (576, 1536)), "int8": ((3072, 576), (576, 1536), (49152, 576))}
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "int4": ((3072, 576), (576, 1536)),
+    "int8": ((3072, 576), (576, 1536), (49152, 576)),
+    "bf16": ((3072, 576), (576, 1536)),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cflags", required=True, help="the alternative build's extra flags, as --cflags=-m...")
+    p.add_argument("--cflags", default="", help="the alternative build's extra flags, as --cflags=-m...")
+    p.add_argument(
+        "--alt-commit", default=None, help="the alternative build from the kernels at this git commit"
+    )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--rows", default="4,16,64,256,2048", help="activation rows of each linear")
-    p.add_argument("--modes", default="int4,int8", help="quantizations to time")
+    p.add_argument("--modes", default="int4,int8", help=f"weights to time, of {', '.join(SHAPES)}")
     p.add_argument(
         "--attention-tokens", type=int, default=384, help="context of each of the 64 sequences (0: none)"
     )
@@ -49,6 +62,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="two rounds, small sizes (a smoke run)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
     return p.parse_args(argv)
+
+
+def commit_library(commit: str, cflags: str, folder: str) -> str:
+    """The path of the kernels at `commit` built with kvd's flags and the extra ones, in `folder`."""
+    source = Path(folder) / "cpu_kernels.c"
+    for name in ("cpu_kernels.c", "cpu_kernels.h"):
+        shown = subprocess.run(
+            ["git", "show", f"{commit}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True, check=False
+        )
+        if shown.returncode:
+            raise SystemExit(f"--alt-commit {commit}: {shown.stderr.strip()}")
+        (Path(folder) / name).write_text(shown.stdout)
+    target = Path(folder) / "alt.so"
+    compiler = os.environ.get("CC", "cc")
+    built = subprocess.run(
+        [compiler, *FLAGS, *shlex.split(cflags), str(source), "-o", str(target), "-lm"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if built.returncode:
+        raise SystemExit(f"the build of {commit}'s kernels failed:\n{built.stderr[-3000:]}")
+    if (Path(folder) / "cpu_kernels.h").read_text() != HEADER.read_text():
+        print(f"note: {commit}'s cpu_kernels.h differs from this one's; its C ABI must be the same")
+    return str(target)
 
 
 def alt_library(cflags: str, cache: str) -> str:
@@ -80,15 +118,27 @@ def mean_seconds(fn: Callable[[], object], reps: int) -> float:
     return (time.perf_counter() - started) / reps
 
 
+def bf16_linear(n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x @ W^T for a random bf16 weight [n, k] in the tile order its kernel reads."""
+    tiles = cpu_native.pack((torch.randn(n, k) * 0.05).to(torch.bfloat16))
+    weight = cpu_native.linear_weight(16, tiles, tiles=True)
+
+    # The weight holds only the tiles' address: the default argument keeps them alive.
+    def call(x: torch.Tensor, tiles: torch.Tensor = tiles) -> torch.Tensor:
+        return cpu_native.linear(x, weight)
+
+    return call
+
+
 def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object], int]]:
     """(name, call, calls a timing) for every case."""
     for mode in args.modes.split(","):
         for n, k in SHAPES[mode]:
-            layer = linear_class(mode)(torch.randn(n, k) * 0.05)
+            call = bf16_linear(n, k) if mode == "bf16" else linear_class(mode)(torch.randn(n, k) * 0.05)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k, dtype=torch.bfloat16)
                 reps = max(1, min(3 if args.quick else 50, int(1e8 / (m * n * k))))
-                yield f"{mode} {n}x{k} rows {m}", lambda layer=layer, x=x: layer(x), reps
+                yield f"{mode} {n}x{k} rows {m}", lambda call=call, x=x: call(x), reps
     tokens = args.attention_tokens
     if tokens:
         seqs, heads, kv_heads, dim, block, layers = 64, 9, 3, 64, 16, 30
@@ -114,13 +164,22 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     if library_path() is None:
         raise SystemExit("the native kernels cannot be built here (see KVD_NATIVE_CFLAGS and the compiler)")
+    unknown = set(args.modes.split(",")) - set(SHAPES)
+    if unknown:
+        raise SystemExit(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SHAPES)}")
+    if "bf16" in args.modes.split(",") and not cpu_native.bf16_kernel_order():
+        raise SystemExit("--modes bf16: this CPU has neither AMX tiles (that Linux grants) nor AVX-512 BF16")
     with tempfile.TemporaryDirectory(prefix="kvd-native-alt-") as cache:
-        paths = {"host": str(library_path()), "alt": alt_library(args.cflags, cache) if args.cflags else None}
-        paths["alt"] = paths["alt"] or paths["host"]
+        paths = {"host": str(library_path()), "alt": str(library_path())}
+        if args.alt_commit:
+            paths["alt"] = commit_library(args.alt_commit, args.cflags, cache)
+        elif args.cflags:
+            paths["alt"] = alt_library(args.cflags, cache)
         libs = {side: ffi.dlopen(path) for side, path in paths.items()}
     paths_isa = {side: isa(lib) for side, lib in libs.items()}
     print(
-        f"CPU: {cpu_name()}; host build {paths_isa['host']}, alt build {paths_isa['alt']} (flags {args.cflags!r})"
+        f"CPU: {cpu_name()}; host build {paths_isa['host']}, alt build {paths_isa['alt']} (flags {args.cflags!r}"
+        + (f", kernels at {args.alt_commit})" if args.alt_commit else ")")
     )
     print(f"{'case':<34} {'host us':>10} {'alt us':>10} {'alt/host':>9}")
     results = {}
@@ -139,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu": cpu_name(),
         "isa": paths_isa,
         "cflags": args.cflags,
+        "alt_commit": args.alt_commit,
         "rounds": args.rounds,
         "cases": results,
     }

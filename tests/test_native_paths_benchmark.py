@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
-from quick_benchmark import run_quick
+from quick_benchmark import ROOT, run_quick
 
 from kvd.kernels import cpu_native
 from kvd.kernels.native_build import native_isa
@@ -31,3 +33,33 @@ def test_times_every_case_on_the_host_build_and_a_portable_one():
     if result["isa"]["host"] != "portable":
         ratios = sorted(c["ratio"] for name, c in result["cases"].items() if "rows" in name)
         assert ratios[len(ratios) // 2] > 1.5, result["cases"]
+
+
+@pytest.mark.skipif(
+    not cpu_native.bf16_kernel_order(), reason="bf16 weights in tile order need AMX tiles or AVX-512 BF16"
+)
+def test_times_bf16_weights_against_the_kernels_of_a_commit():
+    """--alt-commit builds the kernels' source of that commit beside the working tree's; HEAD's is this one's
+    source or its ancestor, so both sides run the same paths."""
+    out, result = run_quick(
+        "benchmarks.native_paths",
+        dict(os.environ),
+        "--alt-commit",
+        "HEAD",
+        "--modes",
+        "bf16",
+    )
+    assert result["alt_commit"] == "HEAD" and result["isa"]["alt"] == result["isa"]["host"] == native_isa()
+    assert set(result["cases"]) == {
+        f"bf16 {n}x{k} rows {m}" for n, k in ((3072, 576), (576, 1536)) for m in (4, 16)
+    } | {"attention 64x64 a layer"}
+    assert all(case["host_us"] > 0 and case["alt_us"] > 0 for case in result["cases"].values())
+    assert "kernels at HEAD" in out
+
+
+def test_an_unknown_commit_is_refused_by_name():
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.native_paths", "--alt-commit", "no-such-commit", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "--alt-commit no-such-commit" in proc.stderr
