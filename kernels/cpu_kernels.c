@@ -1550,8 +1550,19 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
         kv_stream_step(st);
         for (int64_t t = 0; t < n; t++) {
             const char* row = v + t * slot_bytes;
-            const __m512 v0 = load16(row, bf16), v1 = load16(row + 16 * elem, bf16);
-            const __m512 v2 = load16(row + 32 * elem, bf16), v3 = load16(row + 48 * elem, bf16);
+            __m512 v0, v1, v2, v3;
+            if (bf16 == 1) {
+                // bf16 to float32 by interleaving with zeros, no shifts: v0 holds columns 0-3, 8-11, 16-19, 24-27,
+                // v1 4-7, 12-15, ..., v2 and v3 the same of 32-63 (put back in order below).
+                const __m512i lo = _mm512_loadu_si512(row), hi = _mm512_loadu_si512(row + 64), zero = _mm512_setzero_si512();
+                v0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, lo));
+                v1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, lo));
+                v2 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, hi));
+                v3 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, hi));
+            } else {
+                v0 = load16(row, bf16), v1 = load16(row + 16 * elem, bf16);
+                v2 = load16(row + 32 * elem, bf16), v3 = load16(row + 48 * elem, bf16);
+            }
             for (int g = 0; g < GN; g++) {
                 const __m512 pv = _mm512_set1_ps(p[g * ctx + t0 + t]);
                 acc[g][0] = _mm512_fmadd_ps(pv, v0, acc[g][0]);
@@ -1560,6 +1571,16 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
                 acc[g][3] = _mm512_fmadd_ps(pv, v3, acc[g][3]);
             }
         }
+    }
+    if (bf16 == 1) {  // the columns back in order: 128-bit quarters alternate between the pair of sums
+        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        for (int g = 0; g < GN; g++)
+            for (int h = 0; h < 4; h += 2) {
+                const __m512 x = acc[g][h], y = acc[g][h + 1];
+                acc[g][h] = _mm512_permutex2var_ps(x, first, y);
+                acc[g][h + 1] = _mm512_permutex2var_ps(x, second, y);
+            }
     }
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
