@@ -11,9 +11,9 @@ tiles or AVX-512 BF16 pairs, where the CPU has either). Both libraries are loade
 case runs on each in turn, round after round (the first of a round alternating), on the same tensors: separate
 processes on a VM differ by up to 1.6x in the same code, one process does not. Figures: the best round in
 microseconds, and alt / host (above 1: the host's build is faster). Shapes are SmolLM2-135M's gate_up (3072 x
-576), down (576 x 1536) and int8 output projection (49152 x 576), bf16 activations; attention is one decode step of 64 sequences over shuffled 16-token
-blocks, each of 30 layers' blocks distinct (so no cache holds a sweep). With `--cflags=` both sides are the host's
-build (the noise floor).
+576), down (576 x 1536) and int8 output projection (49152 x 576), bf16 activations; attention is one decode
+step of 64 sequences over shuffled 16-token blocks, each of 30 layers' blocks distinct (so no cache holds a
+sweep). With `--cflags=` both sides are the host's build (the noise floor).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
-from kvd.kernels.native_build import FLAGS, HEADER, ffi, isa, library_path
+from kvd.kernels.native_build import HEADER, compile_source, ffi, isa, library_path
 from kvd.model.layers.quantized_linear import linear_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,15 +75,10 @@ def commit_library(commit: str, cflags: str, folder: str) -> str:
             raise SystemExit(f"--alt-commit {commit}: {shown.stderr.strip()}")
         (Path(folder) / name).write_text(shown.stdout)
     target = Path(folder) / "alt.so"
-    compiler = os.environ.get("CC", "cc")
-    built = subprocess.run(
-        [compiler, *FLAGS, *shlex.split(cflags), str(source), "-o", str(target), "-lm"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if built.returncode:
-        raise SystemExit(f"the build of {commit}'s kernels failed:\n{built.stderr[-3000:]}")
+    try:
+        compile_source(os.environ.get("CC", "cc"), source, target, shlex.split(cflags))
+    except OSError as exc:
+        raise SystemExit(f"the build of {commit}'s kernels failed:\n{exc}") from exc
     if (Path(folder) / "cpu_kernels.h").read_text() != HEADER.read_text():
         print(f"note: {commit}'s cpu_kernels.h differs from this one's; its C ABI must be the same")
     return str(target)

@@ -105,6 +105,15 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
+def compile_source(compiler: str, source: Path, target: Path, extra: list[str]) -> None:
+    """Builds `source` into the shared library `target` with kvd's flags and then `extra`; OSError on failure."""
+    result = subprocess.run(
+        [compiler, *FLAGS, *extra, str(source), "-o", str(target), "-lm"], capture_output=True, text=True
+    )
+    if result.returncode != 0:
+        raise OSError(result.stderr.strip()[-2000:])
+
+
 def _compile(compiler: str) -> Path:
     flags = [*FLAGS, *extra_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
@@ -121,11 +130,7 @@ def _compile(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise OSError(result.stderr.strip()[-2000:])
+        compile_source(compiler, SOURCE, Path(tmp), extra_flags())
         os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     finally:
