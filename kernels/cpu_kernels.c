@@ -1745,6 +1745,29 @@ static inline __attribute__((always_inline)) void attend_group(
 static float quantize_row8(const void* x, int bf16, int64_t D, int8_t* codes) {
     float mx = 0.f;
     int nan = 0;
+#if KVD_AVX512
+    if (D % 16 == 0) {  // the same steps 16 at a time (the largest magnitude is the same in any order)
+        const int elem = bf16 ? 2 : 4;
+        const __m512 sign = _mm512_set1_ps(-0.f);
+        __m512 m16 = _mm512_setzero_ps();
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 a = _mm512_andnot_ps(sign, load16((const char*)x + i * elem, bf16));
+            nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+            m16 = _mm512_max_ps(m16, a);
+        }
+        mx = _mm512_reduce_max_ps(m16);
+        const __m512 inv = _mm512_set1_ps(mx > 0.f && !nan ? 127.f / mx : 0.f);
+        const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 c = _mm512_roundscale_ps(_mm512_mul_ps(load16((const char*)x + i * elem, bf16), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __mmask16 number = _mm512_cmp_ps_mask(c, c, _CMP_ORD_Q);
+            const __m512 clamped = _mm512_maskz_mov_ps(number, _mm512_min_ps(_mm512_max_ps(c, lo), hi));
+            _mm_storeu_si128((__m128i*)(codes + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+        }
+        return nan ? NAN : mx / 127.f;
+    }
+#endif
     for (int64_t i = 0; i < D; i++) {
         const float a = fabsf(load_f(x, i, bf16));
         nan |= a != a;
@@ -1753,7 +1776,7 @@ static float quantize_row8(const void* x, int bf16, int64_t D, int8_t* codes) {
     const float inv = mx > 0.f && !nan ? 127.f / mx : 0.f;
     for (int64_t i = 0; i < D; i++) {
         const float c = nearbyintf(load_f(x, i, bf16) * inv);
-        codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+        codes[i] = c != c ? 0 : (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);  // NaN (x inf x 0): 0
     }
     return nan ? NAN : mx / 127.f;
 }

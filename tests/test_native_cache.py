@@ -215,6 +215,13 @@ out["simd", "attention"] = cpu_native.paged_attention(torch.randn(12, 9, 64), po
 pool8 = torch.zeros(2, 80, 16, 3, 68, dtype=torch.int8)
 cpu_native.store_kv(pool[0].view(-1, 3, 64), pool[1].view(-1, 3, 64), pool8, torch.arange(80 * 16))
 out["simd", "int8 pool"] = cpu_native.paged_attention(torch.randn(12, 9, 64), pool8, tables, lens, 0.125)
+# The 8-bit rows themselves (16 codes at a time on AVX-512), rows of zeros, tiny values, a NaN and an inf among them.
+for dtype in (torch.float32, torch.bfloat16):
+    k, v = (torch.randn(2, 40, 2, 64) * torch.rand(2, 40, 2, 1) * 30).to(dtype)
+    k[3, 0], k[4, 1], k[5, 0, 7], k[6, 1, 9], v[7, 0, 1] = 0, 1e-30, float("nan"), float("inf"), float("-inf")
+    rows = torch.zeros(2, 3, 16, 2, 68, dtype=torch.int8)
+    cpu_native.store_kv(k, v, rows, torch.arange(40))
+    out["int8 rows", str(dtype)] = rows
 torch.save(out, sys.argv[1])
 """
 
