@@ -1,4 +1,4 @@
-"""Two builds of the native CPU kernels in one process, alternating: linears by rows, decode attention.
+"""Two builds of the native CPU kernels in one process, alternating: linears by rows, decode and prefill attention.
 
     python -m benchmarks.native_paths --cflags=-mno-amx-int8 [--rounds 6] [--rows 4,16,64,256,2048] [--json]
     python -m benchmarks.native_paths --alt-commit HEAD~1 --modes bf16,int4 [--cflags=...]
@@ -13,7 +13,8 @@ processes on a VM differ by up to 1.6x in the same code, one process does not. F
 microseconds, and alt / host (above 1: the host's build is faster). Shapes are SmolLM2-135M's gate_up (3072 x
 576), down (576 x 1536) and int8 output projection (49152 x 576), bf16 activations; attention is one decode
 step of 64 sequences over shuffled 16-token blocks, each of 30 layers' blocks distinct (so no cache holds a
-sweep). With `--cflags=` both sides are the host's build (the noise floor).
+sweep); prefill attention is 4 prompts' rows over their causal contexts, in a bf16 and an 8-bit pool. With
+`--cflags=` both sides are the host's build (the noise floor).
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="int4,int8", help=f"weights to time, of {', '.join(SHAPES)}")
     p.add_argument(
         "--attention-tokens", type=int, default=384, help="context of each of the 64 sequences (0: none)"
+    )
+    p.add_argument(
+        "--prefill-tokens", type=int, default=512, help="rows of each of the 4 prompts' attention (0: none)"
     )
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two rounds, small sizes (a smoke run)")
@@ -148,12 +152,31 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object],
             lambda: cpu_native.paged_attention(q, pool, tables[next(order)], lens, dim**-0.5),
             layers,
         )
+    if args.prefill_tokens:
+        yield from prefill_cases(args.prefill_tokens)
+
+
+def prefill_cases(rows: int) -> Iterator[tuple[str, Callable[[], object], int]]:
+    """A prefill's attention: 4 prompts of `rows` rows, each row over its causal context, bf16 and 8-bit pools."""
+    prompts, heads, kv_heads, dim, block = 4, 9, 3, 64, 16
+    per_prompt = (rows + block - 1) // block
+    tables = torch.randperm(prompts * per_prompt).to(torch.int32).view(prompts, per_prompt)
+    row_tables = tables.repeat_interleave(rows, dim=0)
+    lens = torch.arange(1, rows + 1, dtype=torch.int32).repeat(prompts)
+    slots = (tables[:, :, None].long() * block + torch.arange(block)).flatten(1)[:, :rows].flatten()
+    q = torch.randn(prompts * rows, heads, dim).to(torch.bfloat16)
+    k, v = (torch.randn(prompts * rows, kv_heads, dim).to(torch.bfloat16) for _ in range(2))
+    for dtype, row in ((torch.bfloat16, dim), (torch.int8, cpu_native.kv8_row_bytes(dim))):
+        pool = torch.zeros(2, prompts * per_prompt, block, kv_heads, row, dtype=dtype)
+        cpu_native.store_kv(k, v, pool, slots)
+        name = f"prefill attention {prompts}x{rows} {'kv8' if dtype == torch.int8 else 'bf16'}"
+        yield name, lambda pool=pool: cpu_native.paged_attention(q, pool, row_tables, lens, dim**-0.5), 3
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.quick:
-        args.rounds, args.rows, args.attention_tokens = 2, "4,16", 64
+        args.rounds, args.rows, args.attention_tokens, args.prefill_tokens = 2, "4,16", 64, 40
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

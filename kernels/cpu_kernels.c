@@ -1418,6 +1418,15 @@ static inline float softmax_numerators(float* sc, int64_t n) {
     int64_t t = 0;
 #if KVD_AVX2
     __m256 m8 = _mm256_set1_ps(-INFINITY);
+#if KVD_AVX512
+    // The largest score in four independent chains of 16 lanes (one chain waits on each max): the same maximum.
+    __m512 m16[4];
+    for (int j = 0; j < 4; j++) m16[j] = _mm512_set1_ps(-INFINITY);
+    for (; t + 64 <= n; t += 64)
+        for (int j = 0; j < 4; j++) m16[j] = _mm512_max_ps(m16[j], _mm512_loadu_ps(sc + t + 16 * j));
+    const __m512 m4 = _mm512_max_ps(_mm512_max_ps(m16[0], m16[1]), _mm512_max_ps(m16[2], m16[3]));
+    m8 = _mm256_max_ps(_mm512_castps512_ps256(m4), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m4), 1)));
+#endif
     for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sc + t));
     float lanes[8];
     _mm256_storeu_ps(lanes, m8);
@@ -1890,6 +1899,188 @@ static inline __attribute__((always_inline)) void attend_group8(
     }
 }
 
+#if KVD_AMX
+// ---- prefill attention over the 8-bit pool in AMX tiles --------------------------------------------------------
+//
+// Rows of one prompt (one table, contexts c, c + 1, ...) attend in chunks of up to CHUNK_ROWS: every query head
+// of the chunk against 16 keys at a time in int8 tiles, whose exact integer dots then take int8_scores' float
+// steps; a row's softmax and value sums are attend_group8's, with a block's values widened to floats once for
+// the whole chunk. So a row's output has the same bits in a chunk as alone.
+
+#define CHUNK_ROWS 16
+
+// Tiles: 0 = A (16 query heads' codes, 64 of them), 1 = B (64 codes of 16 keys, in groups of 4), 2-4 = C (the
+// int32 dots of up to three sets of 16 query heads).
+static void chunk_tiles_configure(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 5; t++) cfg.rows[t] = AMX_ROWS, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+
+// out[d][j] = the d-th 4 bytes of key row j (16 rows `stride` apart, 64 bytes each): B's layout. A 16 x 16
+// transpose of 32-bit words: interleaves of 32 and 64 bits, then 128-bit lanes twice.
+static inline void keys_to_tile(const char* k, int64_t stride, int32_t* out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(k + i * stride);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // r[i + c]: rows i .. i + 3 at word 4 x lane + c
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), w = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        const __m512i v2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i w2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        _mm512_storeu_si512(out + c * 16, _mm512_shuffle_i32x4(v, v2, 0x88));
+        _mm512_storeu_si512(out + (8 + c) * 16, _mm512_shuffle_i32x4(v, v2, 0xdd));
+        _mm512_storeu_si512(out + (4 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0x88));
+        _mm512_storeu_si512(out + (12 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0xdd));
+    }
+}
+
+// a[g] += sum over t < n of p[g][t] x vf[t] (columns i0 .. i0 + 63 of D) for GN heads whose weights lie
+// `stride` apart: values_tile64's fma chain per element, carried in a between blocks.
+static inline __attribute__((always_inline)) void chunk_values64(float* a, const float* p, int64_t stride,
+                                                                 const float* vf, int64_t n, const int64_t D,
+                                                                 int64_t i0, const int GN) {
+    __m512 acc[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_loadu_ps(a + g * D + i0 + i * 16);
+    for (int64_t t = 0; t < n; t++) {
+        const float* row = vf + t * D + i0;
+        const __m512 v0 = _mm512_loadu_ps(row), v1 = _mm512_loadu_ps(row + 16);
+        const __m512 v2 = _mm512_loadu_ps(row + 32), v3 = _mm512_loadu_ps(row + 48);
+        for (int g = 0; g < GN; g++) {
+            const __m512 pv = _mm512_set1_ps(p[g * stride + t]);
+            acc[g][0] = _mm512_fmadd_ps(pv, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(pv, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(pv, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(pv, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
+}
+
+// Bytes of chunk work for contexts up to `longest`.
+static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64_t block_size) {
+    const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, L = (longest + 15) / 16 * 16;
+    return 4 * (nv * (L + D + 3) + block_size * D) + sets * AMX_ROWS * D + (D / 64 + 3) * 1024 + 64;
+}
+
+// attend_group8 for `rows` consecutive rows from s0 (contexts ctx0, ctx0 + 1, ...) of one table and kv head kvh:
+// query heads v = row x group + head, in sets of 16 (A tiles).
+static inline __attribute__((always_inline)) void attend_chunk8(
+    const void* q, void* out, const char* keys, const char* values, int q_bf16, int64_t s0, int64_t rows,
+    int64_t kvh, int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size,
+    int64_t slot_bytes, const int32_t* table, int64_t ctx0, float scale, char* work) {
+    const int64_t nv = rows * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ctx_last = ctx0 + rows - 1;
+    const int64_t L = (ctx_last + 15) / 16 * 16;  // a head's scores from one 16-key tile to the next
+    const int64_t row = D + KVD_KV8_SCALE_BYTES, head = kvh * row;
+    int32_t* ct = (int32_t*)(((uintptr_t)work + 63) & ~(uintptr_t)63);  // [3][16][16] C tiles' dots
+    int32_t* bt = ct + 3 * 256;                                           // [D / 64][16][16] B tiles
+    float* scores = (float*)(bt + D / 64 * 256);                          // [nv][L]
+    float* acc = scores + nv * L;                                         // [nv][D]
+    float *qs = acc + nv * D, *qoff = qs + nv, *sums = qoff + nv;         // [nv] each
+    float* vf = sums + nv;                                                // [block_size][D]: a block's values
+    int8_t* qc = (int8_t*)(vf + block_size * D);                          // [sets x 16][D] query codes
+    memset(qc + nv * D, 0, (size_t)((sets * AMX_ROWS - nv) * D));
+    for (int64_t v = 0; v < nv; v++) {
+        const int64_t s = s0 + v / group, g = v % group;
+        const char* qh = (const char*)q + (s * q_stride + (kvh * group + g) * D) * (q_bf16 ? 2 : 4);
+        qs[v] = quantize_row8(qh, q_bf16, D, qc + v * D) * scale;
+        int32_t qsum = 0;
+        for (int64_t i = 0; i < D; i++) qsum += qc[v * D + i];
+        qoff[v] = 128.f * (float)qsum;
+    }
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)slot_bytes));
+    // Scores, 16 keys at a time (the keys of a block past the context are read but never weigh).
+    for (int64_t t0 = 0; t0 < ctx_last; t0 += block_size) {
+        const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx_last - t0 < block_size ? ctx_last - t0 : block_size;
+        prefetch_next_block(keys + head, table, t0, ctx_last, block_size, slot_bytes, row);
+        for (int64_t u = 0; u < n; u += 16) {
+            const char* ku = k + u * slot_bytes;
+            for (int64_t kk = 0; kk < D / 64; kk++) keys_to_tile(ku + kk * 64, slot_bytes, bt + kk * 256);
+            const __m512 ks = _mm512_i32gather_ps(at, ku + D, 1);
+            for (int64_t j0 = 0; j0 < sets; j0 += 3) {
+                const int64_t js = sets - j0 < 3 ? sets - j0 : 3;
+                const int8_t* a = qc + j0 * AMX_ROWS * D;
+                _tile_zero(2);
+                if (js > 1) _tile_zero(3);
+                if (js > 2) _tile_zero(4);
+                for (int64_t kk = 0; kk < D / 64; kk++) {
+                    _tile_loadd(1, bt + kk * 256, 64);
+                    _tile_loadd(0, a + kk * 64, D);
+                    _tile_dpbsud(2, 0, 1);
+                    if (js > 1) {
+                        _tile_loadd(0, a + AMX_ROWS * D + kk * 64, D);
+                        _tile_dpbsud(3, 0, 1);
+                    }
+                    if (js > 2) {
+                        _tile_loadd(0, a + 2 * AMX_ROWS * D + kk * 64, D);
+                        _tile_dpbsud(4, 0, 1);
+                    }
+                }
+                _tile_stored(2, ct, 64);
+                if (js > 1) _tile_stored(3, ct + 256, 64);
+                if (js > 2) _tile_stored(4, ct + 512, 64);
+                const int64_t end = (j0 + js) * AMX_ROWS < nv ? (j0 + js) * AMX_ROWS : nv;
+                for (int64_t v = j0 * AMX_ROWS; v < end; v++) {
+                    const __m512 dots = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + (v - j0 * AMX_ROWS) * 16));
+                    const __m512 sc = _mm512_mul_ps(_mm512_sub_ps(dots, _mm512_set1_ps(qoff[v])),
+                                                    _mm512_mul_ps(_mm512_set1_ps(qs[v]), ks));
+                    _mm512_storeu_ps(scores + v * L + t0 + u, sc);
+                }
+            }
+        }
+    }
+    for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
+    memset(acc, 0, sizeof(float) * (size_t)(nv * D));
+    for (int64_t t0 = 0; t0 < ctx_last; t0 += block_size) {
+        const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx_last - t0 < block_size ? ctx_last - t0 : block_size;
+        prefetch_next_block(values + head, table, t0, ctx_last, block_size, slot_bytes, row);
+        for (int64_t u = 0; u < n; u += 16) {  // each weight times its value row's scale, as attend_group8
+            const __m512 vs = _mm512_i32gather_ps(at, vb + u * slot_bytes + D, 1);
+            for (int64_t v = 0; v < nv; v++) {
+                float* p = scores + v * L + t0 + u;
+                _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), vs));
+            }
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t i = 0; i < D; i += 16)
+                _mm512_storeu_ps(vf + t * D + i, load16(vb + t * slot_bytes + i, KV_INT8));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t m = ctx0 + r - t0 < n ? ctx0 + r - t0 : n;  // the row's keys in this block
+            for (int64_t g = 0; g < group && m > 0; g += 3)
+                for (int64_t i0 = 0; i0 < D; i0 += 64) {
+                    float* a = acc + (r * group + g) * D;
+                    const float* p = scores + (r * group + g) * L + t0;
+                    if (group - g >= 3)
+                        chunk_values64(a, p, L, vf, m, D, i0, 3);
+                    else if (group - g == 2)
+                        chunk_values64(a, p, L, vf, m, D, i0, 2);
+                    else
+                        chunk_values64(a, p, L, vf, m, D, i0, 1);
+                }
+        }
+    }
+    for (int64_t v = 0; v < nv; v++) {
+        const float inv = 1.f / sums[v];
+        const int64_t s = s0 + v / group, g = v % group;
+        for (int64_t i = 0; i < D; i++) store_f(out, (s * H + kvh * group + g) * D + i, acc[v * D + i] * inv, q_bf16);
+    }
+}
+#endif
+
 // The longest of the S contexts, or -1 when a context length or a block table entry it covers is out of range
 // (lengths in [1, table_width x block_size], entries in [0, num_blocks)).
 static int64_t checked_max_context(const int32_t* tables, int64_t table_width, const int32_t* lens, int64_t S,
@@ -1907,6 +2098,23 @@ static int64_t checked_max_context(const int32_t* tables, int64_t table_width, c
     return longest;
 }
 
+// Rows that attend together: runs of up to `most` consecutive rows of one prompt (the same blocks, contexts c,
+// c + 1, ...), run u from row first[u], count[u] rows. Returns the number of runs.
+static int64_t row_runs(const int32_t* tables, int64_t width, const int32_t* lens, int64_t S, int64_t block_size,
+                        int64_t most, int64_t* first, int64_t* count) {
+    int64_t runs = 0;
+    for (int64_t s = 0; s < S; s++) {
+        if (runs && count[runs - 1] < most && lens[s] == lens[s - 1] + 1 &&
+            !memcmp(tables + s * width, tables + first[runs - 1] * width,
+                    sizeof(int32_t) * (size_t)((lens[s] + block_size - 1) / block_size))) {
+            count[runs - 1]++;
+            continue;
+        }
+        first[runs] = s, count[runs] = 1, runs++;
+    }
+    return runs;
+}
+
 int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
@@ -1917,37 +2125,54 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
     const int64_t slot_bytes = kv_heads * (kv8 ? D + KVD_KV8_SCALE_BYTES : D * (bf16 ? 2 : 4));
     const char* keys = pool;
     const char* values = keys + num_blocks * block_size * slot_bytes;
+    int64_t* first = malloc(sizeof(int64_t) * (size_t)(2 * S));
+    if (!first) return KVD_OUT_OF_MEMORY;
+    int64_t *count = first + S, most = 1;
+#if KVD_AMX
+    if (kv8 && D % 64 == 0 && D <= 256 && block_size % 16 == 0 && amx_permitted()) most = CHUNK_ROWS;
+#endif
+    const int64_t units = row_runs(block_tables, table_width, context_lens, S, block_size, most, first, count);
+    size_t work_bytes = sizeof(float) * (size_t)(group * (longest + 2 * D + 1));
+#if KVD_AMX
+    if (units < S && (size_t)chunk_work_bytes(group, D, longest, block_size) > work_bytes)
+        work_bytes = (size_t)chunk_work_bytes(group, D, longest, block_size);
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
         // One work area per thread, for the longest context: no allocation per (sequence, head).
-        float* work = malloc(sizeof(float) * (size_t)(group * (longest + 2 * D + 1)));
+        float* work = malloc(work_bytes);
         failed |= !work;
-        // A sequence's kv heads in one item, so one thread reads its blocks (each slot holds every kv head) while
-        // they are in its cache; a head to an item where there are too few sequences to keep every thread busy.
+#if KVD_AMX
+        if (units < S) chunk_tiles_configure();
+#endif
+        // A unit's kv heads in one item, so one thread reads its blocks (each slot holds every kv head) while
+        // they are in its cache; a head to an item where there are too few units to keep every thread busy.
         // Round robin: a prompt's rows have contexts 1, 2, ..., so contiguous halves would split the work 1:3.
-        const int64_t per_item = S >= 4 * nthreads ? kv_heads : 1;
+        const int64_t per_item = units >= 4 * nthreads ? kv_heads : 1;
 #ifdef _OPENMP
         const int64_t team = omp_get_num_threads();
 #else
         const int64_t team = 1;
 #endif
 #pragma omp for schedule(static, 1)
-        for (int64_t item = 0; item < S * kv_heads / per_item; item++) {
+        for (int64_t item = 0; item < units * kv_heads / per_item; item++) {
             // A thread's next item is `team` on (schedule static, 1). Rows of one prompt (prefill) share their
             // first block, and those blocks are in the cache already.
             kv_stream streams[2], *st = NULL;
-            if (per_item == kv_heads && item + team < S) {
-                const int32_t *now = block_tables + item * table_width, *next = now + team * table_width;
+            if (per_item == kv_heads && item + team < units && count[item] == 1) {
+                const int32_t *now = block_tables + first[item] * table_width;
+                const int32_t* next = block_tables + first[item + team] * table_width;
                 if (next[0] != now[0]) {
-                    kv_streams(streams, keys, values, next, context_lens[item + team],
-                               (context_lens[item] + block_size - 1) / block_size, kv_heads, block_size,
+                    kv_streams(streams, keys, values, next,
+                               context_lens[first[item + team] + count[item + team] - 1],
+                               (context_lens[first[item]] + block_size - 1) / block_size, kv_heads, block_size,
                                block_size * slot_bytes);
                     st = streams;
                 }
             }
             for (int64_t j = item * per_item; j < (item + 1) * per_item; j++) {
-                const int64_t s = j / kv_heads, kvh = j % kv_heads;
+                const int64_t u = j / kv_heads, s = first[u], kvh = j % kv_heads;
                 if (!work) continue;
                 const int32_t* table = block_tables + s * table_width;
                 // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
@@ -1957,6 +2182,18 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 #define ATTEND8(HEAD_DIM, BF16)                                                                        \
     attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
                   table, context_lens[s], scale, work, st)
+#define ATTEND_CHUNK8(HEAD_DIM, BF16)                                                                          \
+    attend_chunk8(q, out, keys, values, BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size,    \
+                  slot_bytes, table, context_lens[s], scale, (char*)work)
+#if KVD_AMX
+                if (count[u] > 1 && D == 64)
+                    bf16 ? ATTEND_CHUNK8(64, 1) : ATTEND_CHUNK8(64, 0);
+                else if (count[u] > 1 && D == 128)
+                    bf16 ? ATTEND_CHUNK8(128, 1) : ATTEND_CHUNK8(128, 0);
+                else if (count[u] > 1)
+                    ATTEND_CHUNK8(D, bf16);
+                else
+#endif
                 if (kv8 && D == 64)
                     bf16 ? ATTEND8(64, 1) : ATTEND8(64, 0);
                 else if (kv8 && D == 128)
@@ -1971,10 +2208,15 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
                     ATTEND(D, bf16);
 #undef ATTEND
 #undef ATTEND8
+#undef ATTEND_CHUNK8
             }
         }
+#if KVD_AMX
+        if (units < S) _tile_release();
+#endif
         free(work);
     }
+    free(first);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 

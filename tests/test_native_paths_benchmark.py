@@ -13,6 +13,7 @@ from kvd.kernels import cpu_native
 from kvd.kernels.native_build import native_isa
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels cannot be built here")
+ATTENTION = {"attention 64x64 a layer", "prefill attention 4x40 bf16", "prefill attention 4x40 kv8"}
 
 
 def test_times_every_case_on_the_host_build_and_a_portable_one():
@@ -24,7 +25,7 @@ def test_times_every_case_on_the_host_build_and_a_portable_one():
         for n, k in ((3072, 576), (576, 1536)) + (((49152, 576),) if mode == "int8" else ())
         for m in (4, 16)
     }
-    assert set(result["cases"]) == want | {"attention 64x64 a layer"}
+    assert set(result["cases"]) == want | ATTENTION
     for case in result["cases"].values():
         assert case["host_us"] > 0 and case["alt_us"] > 0
         assert case["ratio"] == pytest.approx(case["alt_us"] / case["host_us"], rel=0.01)
@@ -50,9 +51,10 @@ def test_times_bf16_weights_against_the_kernels_of_a_commit():
         "bf16",
     )
     assert result["alt_commit"] == "HEAD" and result["isa"]["alt"] == result["isa"]["host"] == native_isa()
-    assert set(result["cases"]) == {
-        f"bf16 {n}x{k} rows {m}" for n, k in ((3072, 576), (576, 1536)) for m in (4, 16)
-    } | {"attention 64x64 a layer"}
+    assert (
+        set(result["cases"])
+        == {f"bf16 {n}x{k} rows {m}" for n, k in ((3072, 576), (576, 1536)) for m in (4, 16)} | ATTENTION
+    )
     assert all(case["host_us"] > 0 and case["alt_us"] > 0 for case in result["cases"].values())
     assert "kernels at HEAD" in out
 
