@@ -1900,17 +1900,20 @@ static inline __attribute__((always_inline)) void attend_group8(
 }
 
 #if KVD_AMX
-// ---- prefill attention over the 8-bit pool in AMX tiles --------------------------------------------------------
+// ---- attention in AMX tiles ------------------------------------------------------------------------------------
 //
-// Rows of one prompt (one table, contexts c, c + 1, ...) attend in chunks of up to CHUNK_ROWS: every query head
-// of the chunk against 16 keys at a time in int8 tiles, whose exact integer dots then take int8_scores' float
-// steps; a row's softmax and value sums are attend_group8's, with a block's values widened to floats once for
-// the whole chunk. So a row's output has the same bits in a chunk as alone.
+// Rows of one prompt (one table, contexts c, c + 1, ...) attend in chunks of up to CHUNK_ROWS, every query head of
+// the chunk (head v = row x group + its head in the group) against 16 keys at a time in tiles. Over the 8-bit pool
+// the tiles' dots are exact integers that then take int8_scores' float steps, and a single row (decode) keeps
+// attend_group8; over a bf16 pool every row's scores come from bf16 tiles (decode too, so the same dot whatever
+// the chunk). A row's softmax and value sums are those of a row alone, with a block's values widened to floats
+// once for the whole chunk: a row's output has the same bits in a chunk as alone.
 
 #define CHUNK_ROWS 16
 
-// Tiles: 0 = A (16 query heads' codes, 64 of them), 1 = B (64 codes of 16 keys, in groups of 4), 2-4 = C (the
-// int32 dots of up to three sets of 16 query heads).
+// Tiles: 0 = A, 1 = B, 2-4 = C (up to three sets of 16 query heads at a time), all 16 rows of 64 bytes. 8-bit
+// pool: A = 16 query heads' codes, B = 16 keys' codes in groups of 4; bf16 pool: A = 16 keys in place, B = 16
+// query heads in pairs.
 static void chunk_tiles_configure(void) {
     tile_config cfg = {0};
     cfg.palette = 1;
@@ -1918,11 +1921,11 @@ static void chunk_tiles_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-// out[d][j] = the d-th 4 bytes of key row j (16 rows `stride` apart, 64 bytes each): B's layout. A 16 x 16
-// transpose of 32-bit words: interleaves of 32 and 64 bits, then 128-bit lanes twice.
-static inline void keys_to_tile(const char* k, int64_t stride, int32_t* out) {
+// out[d][j] = the d-th 4 bytes of row j of 16 rows `stride` apart (64 bytes each): a 16 x 16 transpose of 32-bit
+// words (interleaves of 32 and 64 bits, then 128-bit lanes twice), the layout of a B tile.
+static inline void transpose16(const char* rows, int64_t stride, int32_t* out) {
     __m512i r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(k + i * stride);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(rows + i * stride);
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
@@ -1942,6 +1945,11 @@ static inline void keys_to_tile(const char* k, int64_t stride, int32_t* out) {
         _mm512_storeu_si512(out + (4 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0x88));
         _mm512_storeu_si512(out + (12 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0xdd));
     }
+}
+
+// The lanes of 16 keys from key u of a block of n that are in it.
+static inline __mmask16 live_keys(int64_t n, int64_t u) {
+    return n - u >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - u)) - 1);
 }
 
 // a[g] += sum over t < n of p[g][t] x vf[t] (columns i0 .. i0 + 63 of D) for GN heads whose weights lie
@@ -1968,48 +1976,26 @@ static inline __attribute__((always_inline)) void chunk_values64(float* a, const
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
 }
 
-// Bytes of chunk work for contexts up to `longest`.
-static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64_t block_size) {
-    const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, L = (longest + 15) / 16 * 16;
-    return 4 * (nv * (L + D + 3) + block_size * D) + sets * AMX_ROWS * D + (D / 64 + 3) * 1024 + 64;
-}
-
-// attend_group8 for `rows` consecutive rows from s0 (contexts ctx0, ctx0 + 1, ...) of one table and kv head kvh:
-// query heads v = row x group + head, in sets of 16 (A tiles).
-static inline __attribute__((always_inline)) void attend_chunk8(
-    const void* q, void* out, const char* keys, const char* values, int q_bf16, int64_t s0, int64_t rows,
-    int64_t kvh, int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size,
-    int64_t slot_bytes, const int32_t* table, int64_t ctx0, float scale, char* work) {
-    const int64_t nv = rows * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ctx_last = ctx0 + rows - 1;
-    const int64_t L = (ctx_last + 15) / 16 * 16;  // a head's scores from one 16-key tile to the next
-    const int64_t row = D + KVD_KV8_SCALE_BYTES, head = kvh * row;
-    int32_t* ct = (int32_t*)(((uintptr_t)work + 63) & ~(uintptr_t)63);  // [3][16][16] C tiles' dots
-    int32_t* bt = ct + 3 * 256;                                           // [D / 64][16][16] B tiles
-    float* scores = (float*)(bt + D / 64 * 256);                          // [nv][L]
-    float* acc = scores + nv * L;                                         // [nv][D]
-    float *qs = acc + nv * D, *qoff = qs + nv, *sums = qoff + nv;         // [nv] each
-    float* vf = sums + nv;                                                // [block_size][D]: a block's values
-    int8_t* qc = (int8_t*)(vf + block_size * D);                          // [sets x 16][D] query codes
-    memset(qc + nv * D, 0, (size_t)((sets * AMX_ROWS - nv) * D));
-    for (int64_t v = 0; v < nv; v++) {
-        const int64_t s = s0 + v / group, g = v % group;
-        const char* qh = (const char*)q + (s * q_stride + (kvh * group + g) * D) * (q_bf16 ? 2 : 4);
-        qs[v] = quantize_row8(qh, q_bf16, D, qc + v * D) * scale;
-        int32_t qsum = 0;
-        for (int64_t i = 0; i < D; i++) qsum += qc[v * D + i];
-        qoff[v] = 128.f * (float)qsum;
-    }
+// The 8-bit pool's scores of nv query heads (codes qc [sets x 16][D], zero rows past nv; scales qs, offsets qoff =
+// 128 x their codes' sum) over keys t < ctx, into scores [nv][ctx]: int8 tiles of 16 query heads x 16 keys (B
+// from bt, transposed keys), then (dot - qoff) x (qs x the key's scale) as int8_scores.
+static inline __attribute__((always_inline)) void chunk_scores8(const int8_t* qc, const float* qs, const float* qoff,
+                                                                int64_t nv, const char* keys, int64_t head,
+                                                                const int32_t* table, int64_t ctx, int64_t block_size,
+                                                                int64_t slot_bytes, const int64_t D, float* scores,
+                                                                int64_t stride, int32_t* ct, int32_t* bt) {
+    const int64_t sets = (nv + AMX_ROWS - 1) / AMX_ROWS;
     const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                           _mm512_set1_epi32((int)slot_bytes));
-    // Scores, 16 keys at a time (the keys of a block past the context are read but never weigh).
-    for (int64_t t0 = 0; t0 < ctx_last; t0 += block_size) {
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
-        const int64_t n = ctx_last - t0 < block_size ? ctx_last - t0 : block_size;
-        prefetch_next_block(keys + head, table, t0, ctx_last, block_size, slot_bytes, row);
-        for (int64_t u = 0; u < n; u += 16) {
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D + KVD_KV8_SCALE_BYTES);
+        for (int64_t u = 0; u < n; u += 16) {  // the keys of a block past n are read, never stored
             const char* ku = k + u * slot_bytes;
-            for (int64_t kk = 0; kk < D / 64; kk++) keys_to_tile(ku + kk * 64, slot_bytes, bt + kk * 256);
+            for (int64_t kk = 0; kk < D / 64; kk++) transpose16(ku + kk * 64, slot_bytes, bt + kk * 256);
             const __m512 ks = _mm512_i32gather_ps(at, ku + D, 1);
+            const __mmask16 live = live_keys(n, u);
             for (int64_t j0 = 0; j0 < sets; j0 += 3) {
                 const int64_t js = sets - j0 < 3 ? sets - j0 : 3;
                 const int8_t* a = qc + j0 * AMX_ROWS * D;
@@ -2037,40 +2023,155 @@ static inline __attribute__((always_inline)) void attend_chunk8(
                     const __m512 dots = _mm512_cvtepi32_ps(_mm512_loadu_si512(ct + (v - j0 * AMX_ROWS) * 16));
                     const __m512 sc = _mm512_mul_ps(_mm512_sub_ps(dots, _mm512_set1_ps(qoff[v])),
                                                     _mm512_mul_ps(_mm512_set1_ps(qs[v]), ks));
-                    _mm512_storeu_ps(scores + v * L + t0 + u, sc);
+                    _mm512_mask_storeu_ps(scores + v * stride + t0 + u, live, sc);
                 }
             }
         }
     }
-    for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
-    memset(acc, 0, sizeof(float) * (size_t)(nv * D));
-    for (int64_t t0 = 0; t0 < ctx_last; t0 += block_size) {
-        const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
-        const int64_t n = ctx_last - t0 < block_size ? ctx_last - t0 : block_size;
-        prefetch_next_block(values + head, table, t0, ctx_last, block_size, slot_bytes, row);
-        for (int64_t u = 0; u < n; u += 16) {  // each weight times its value row's scale, as attend_group8
-            const __m512 vs = _mm512_i32gather_ps(at, vb + u * slot_bytes + D, 1);
-            for (int64_t v = 0; v < nv; v++) {
-                float* p = scores + v * L + t0 + u;
-                _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), vs));
+}
+
+#if KVD_AMX_BF16
+// A bf16 pool's scores: scale x (query head v . key t) for nv query heads (bq: B tiles [sets][D / 32] of 16 heads'
+// pairs) over keys t < ctx, into scores [nv][stride]. A tile product of 16 keys (A, in place in the pool) x 16 heads,
+// D / 32 of them summed in the tile in order, then turned to [head][key]: a query's dot with a key depends on
+// the two alone.
+static inline __attribute__((always_inline)) void chunk_scores16(const int32_t* bq, int64_t nv, const char* keys,
+                                                                 int64_t head, const int32_t* table, int64_t ctx,
+                                                                 int64_t block_size, int64_t slot_bytes,
+                                                                 const int64_t D, float scale, float* scores,
+                                                                 int64_t stride, int32_t* ct, kv_stream* st) {
+    const int64_t sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ksteps = D / 32;
+    const __m512 sv = _mm512_set1_ps(scale);
+    int32_t* tr = ct + 3 * 256;
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(keys + head, table, t0, ctx, block_size, slot_bytes, D * 2);
+        kv_stream_step(st);
+        for (int64_t u = 0; u < n; u += 16) {
+            const __mmask16 live = live_keys(n, u);
+            for (int64_t j0 = 0; j0 < sets; j0 += 3) {
+                const int64_t js = sets - j0 < 3 ? sets - j0 : 3;
+                _tile_zero(2);
+                if (js > 1) _tile_zero(3);
+                if (js > 2) _tile_zero(4);
+                for (int64_t kk = 0; kk < ksteps; kk++) {
+                    _tile_loadd(0, k + u * slot_bytes + kk * 64, slot_bytes);
+                    _tile_loadd(1, bq + (j0 * ksteps + kk) * 256, 64);
+                    _tile_dpbf16ps(2, 0, 1);
+                    if (js > 1) {
+                        _tile_loadd(1, bq + ((j0 + 1) * ksteps + kk) * 256, 64);
+                        _tile_dpbf16ps(3, 0, 1);
+                    }
+                    if (js > 2) {
+                        _tile_loadd(1, bq + ((j0 + 2) * ksteps + kk) * 256, 64);
+                        _tile_dpbf16ps(4, 0, 1);
+                    }
+                }
+                _tile_stored(2, ct, 64);
+                if (js > 1) _tile_stored(3, ct + 256, 64);
+                if (js > 2) _tile_stored(4, ct + 512, 64);
+                for (int64_t j = 0; j < js; j++) {
+                    transpose16((const char*)(ct + j * 256), 64, tr);
+                    const int64_t v0 = (j0 + j) * AMX_ROWS, lanes = nv - v0 < AMX_ROWS ? nv - v0 : AMX_ROWS;
+                    for (int64_t i = 0; i < lanes; i++)
+                        _mm512_mask_storeu_ps(scores + (v0 + i) * stride + t0 + u, live,
+                                              _mm512_mul_ps(_mm512_castsi512_ps(_mm512_loadu_si512(tr + i * 16)), sv));
+                }
             }
         }
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t i = 0; i < D; i += 16)
-                _mm512_storeu_ps(vf + t * D + i, load16(vb + t * slot_bytes + i, KV_INT8));
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t m = ctx0 + r - t0 < n ? ctx0 + r - t0 : n;  // the row's keys in this block
-            for (int64_t g = 0; g < group && m > 0; g += 3)
-                for (int64_t i0 = 0; i0 < D; i0 += 64) {
-                    float* a = acc + (r * group + g) * D;
-                    const float* p = scores + (r * group + g) * L + t0;
-                    if (group - g >= 3)
-                        chunk_values64(a, p, L, vf, m, D, i0, 3);
-                    else if (group - g == 2)
-                        chunk_values64(a, p, L, vf, m, D, i0, 2);
-                    else
-                        chunk_values64(a, p, L, vf, m, D, i0, 1);
+    }
+}
+#endif
+
+// Bytes of chunk work for contexts up to `longest`.
+static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64_t block_size) {
+    const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS;
+    return 4 * (nv * (longest + 15 + D + 3) + block_size * D) + sets * AMX_ROWS * D * 2 + (sets * D / 32 + 4) * 1024 + 64;
+}
+
+// attend_group (kind 1: bf16 q and pool) or attend_group8 (KV_INT8, q in q_bf16's dtype) for `rows` consecutive
+// rows from s0 (contexts ctx0, ctx0 + 1, ...) of one table and kv head kvh.
+static inline __attribute__((always_inline)) void attend_chunk(
+    const void* q, void* out, const char* keys, const char* values, int kind, int q_bf16, int64_t s0, int64_t rows,
+    int64_t kvh, int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size,
+    int64_t slot_bytes, const int32_t* table, int64_t ctx0, float scale, char* work, kv_stream* st) {
+    const int64_t nv = rows * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ctx = ctx0 + rows - 1;
+    const int64_t row = kind == KV_INT8 ? D + KVD_KV8_SCALE_BYTES : D * 2, head = kvh * row;
+    const int64_t L = rows == 1 ? ctx : (ctx + 15) / 16 * 16;  // from one head's scores to the next
+    int32_t* ct = (int32_t*)(((uintptr_t)work + 63) & ~(uintptr_t)63);  // [4][16][16]: C tiles, a transpose
+    int32_t* bt = ct + 4 * 256;                                           // B tiles: [sets][D / 32][16][16]
+    float* scores = (float*)(bt + sets * D / 32 * 256);                   // [nv][L]
+    float* acc = scores + nv * L;                                         // [nv][D]
+    float *qs = acc + nv * D, *qoff = qs + nv, *sums = qoff + nv;         // [nv] each
+    float* vf = sums + nv;                                                // [block_size][D]: a block's values
+    char* qc = (char*)(vf + block_size * D);                              // [sets x 16][D]: query heads
+    const int64_t q_elem = q_bf16 ? 2 : 4, code_bytes = kind == KV_INT8 ? 1 : 2;
+    memset(qc + nv * D * code_bytes, 0, (size_t)((sets * AMX_ROWS - nv) * D * code_bytes));
+    for (int64_t v = 0; v < nv; v++) {
+        const char* qh = (const char*)q + ((s0 + v / group) * q_stride + (kvh * group + v % group) * D) * q_elem;
+        if (kind != KV_INT8) {
+            memcpy(qc + v * D * 2, qh, (size_t)(D * 2));
+            continue;
+        }
+        int8_t* codes = (int8_t*)qc + v * D;
+        qs[v] = quantize_row8(qh, q_bf16, D, codes) * scale;
+        int32_t qsum = 0;
+        for (int64_t i = 0; i < D; i++) qsum += codes[i];
+        qoff[v] = 128.f * (float)qsum;
+    }
+    if (kind == KV_INT8) chunk_scores8((const int8_t*)qc, qs, qoff, nv, keys, head, table, ctx, block_size,
+                                       slot_bytes, D, scores, L, ct, bt);
+#if KVD_AMX_BF16
+    else {
+        for (int64_t j = 0; j < sets; j++)
+            for (int64_t kk = 0; kk < D / 32; kk++)
+                transpose16(qc + (j * AMX_ROWS * D + kk * 32) * 2, D * 2, bt + (j * D / 32 + kk) * 256);
+        chunk_scores16(bt, nv, keys, head, table, ctx, block_size, slot_bytes, D, scale, scores, L, ct, st);
+    }
+#endif
+    for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
+    if (kind == KV_INT8) {  // each weight times its value row's scale, as attend_group8
+        const __m512i at = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)slot_bytes));
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + D;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t u = 0; u < n; u += 16) {
+                const __m512 vs = _mm512_i32gather_ps(at, vb + u * slot_bytes, 1);
+                const __mmask16 live = live_keys(n, u);
+                for (int64_t v = 0; v < nv; v++) {
+                    float* p = scores + v * L + t0 + u;
+                    _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), vs));
                 }
+            }
+        }
+    }
+    if (rows == 1) {  // a row alone: attend_group's pass over the values, streaming the next sequence
+        group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, kind, group, D, st ? st + 1 : NULL);
+    } else {
+        memset(acc, 0, sizeof(float) * (size_t)(nv * D));
+        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+            const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
+            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            prefetch_next_block(values + head, table, t0, ctx, block_size, slot_bytes, row);
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t i = 0; i < D; i += 16)
+                    _mm512_storeu_ps(vf + t * D + i, load16(vb + t * slot_bytes + i * code_bytes, kind));
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t m = ctx0 + r - t0 < n ? ctx0 + r - t0 : n;  // the row's keys in this block
+                for (int64_t g = 0; g < group && m > 0; g += 3)
+                    for (int64_t i0 = 0; i0 < D; i0 += 64) {
+                        float* a = acc + (r * group + g) * D;
+                        const float* p = scores + (r * group + g) * L + t0;
+                        if (group - g >= 3)
+                            chunk_values64(a, p, L, vf, m, D, i0, 3);
+                        else if (group - g == 2)
+                            chunk_values64(a, p, L, vf, m, D, i0, 2);
+                        else
+                            chunk_values64(a, p, L, vf, m, D, i0, 1);
+                    }
+            }
         }
     }
     for (int64_t v = 0; v < nv; v++) {
@@ -2128,13 +2229,17 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
     int64_t* first = malloc(sizeof(int64_t) * (size_t)(2 * S));
     if (!first) return KVD_OUT_OF_MEMORY;
     int64_t *count = first + S, most = 1;
+    // Tiles (attend_chunk): over the 8-bit pool for chunks of a prompt's rows, over a bf16 pool for every row.
+    int tiles = 0;
 #if KVD_AMX
-    if (kv8 && D % 64 == 0 && D <= 256 && block_size % 16 == 0 && amx_permitted()) most = CHUNK_ROWS;
+    tiles = D % 64 == 0 && block_size % 16 == 0 && (kv8 ? D <= 256 : bf16 && KVD_AMX_BF16) && amx_permitted();
+    if (tiles) most = CHUNK_ROWS;
 #endif
     const int64_t units = row_runs(block_tables, table_width, context_lens, S, block_size, most, first, count);
+    tiles &= units < S || !kv8;
     size_t work_bytes = sizeof(float) * (size_t)(group * (longest + 2 * D + 1));
 #if KVD_AMX
-    if (units < S && (size_t)chunk_work_bytes(group, D, longest, block_size) > work_bytes)
+    if (tiles && (size_t)chunk_work_bytes(group, D, longest, block_size) > work_bytes)
         work_bytes = (size_t)chunk_work_bytes(group, D, longest, block_size);
 #endif
     int failed = 0;
@@ -2144,7 +2249,7 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
         float* work = malloc(work_bytes);
         failed |= !work;
 #if KVD_AMX
-        if (units < S) chunk_tiles_configure();
+        if (tiles) chunk_tiles_configure();
 #endif
         // A unit's kv heads in one item, so one thread reads its blocks (each slot holds every kv head) while
         // they are in its cache; a head to an item where there are too few units to keep every thread busy.
@@ -2182,16 +2287,22 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 #define ATTEND8(HEAD_DIM, BF16)                                                                        \
     attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
                   table, context_lens[s], scale, work, st)
-#define ATTEND_CHUNK8(HEAD_DIM, BF16)                                                                          \
-    attend_chunk8(q, out, keys, values, BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size,    \
-                  slot_bytes, table, context_lens[s], scale, (char*)work)
+#define ATTEND_CHUNK(HEAD_DIM, KIND, Q_BF16)                                                                  \
+    attend_chunk(q, out, keys, values, KIND, Q_BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size, \
+                 slot_bytes, table, context_lens[s], scale, (char*)work, st)
 #if KVD_AMX
-                if (count[u] > 1 && D == 64)
-                    bf16 ? ATTEND_CHUNK8(64, 1) : ATTEND_CHUNK8(64, 0);
-                else if (count[u] > 1 && D == 128)
-                    bf16 ? ATTEND_CHUNK8(128, 1) : ATTEND_CHUNK8(128, 0);
-                else if (count[u] > 1)
-                    ATTEND_CHUNK8(D, bf16);
+                if (tiles && !kv8 && D == 64)
+                    ATTEND_CHUNK(64, 1, 1);
+                else if (tiles && !kv8 && D == 128)
+                    ATTEND_CHUNK(128, 1, 1);
+                else if (tiles && !kv8)
+                    ATTEND_CHUNK(D, 1, 1);
+                else if (tiles && count[u] > 1 && D == 64)
+                    bf16 ? ATTEND_CHUNK(64, KV_INT8, 1) : ATTEND_CHUNK(64, KV_INT8, 0);
+                else if (tiles && count[u] > 1 && D == 128)
+                    bf16 ? ATTEND_CHUNK(128, KV_INT8, 1) : ATTEND_CHUNK(128, KV_INT8, 0);
+                else if (tiles && count[u] > 1)
+                    ATTEND_CHUNK(D, KV_INT8, bf16);
                 else
 #endif
                 if (kv8 && D == 64)
@@ -2208,11 +2319,11 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
                     ATTEND(D, bf16);
 #undef ATTEND
 #undef ATTEND8
-#undef ATTEND_CHUNK8
+#undef ATTEND_CHUNK
             }
         }
 #if KVD_AMX
-        if (units < S) _tile_release();
+        if (tiles) _tile_release();
 #endif
         free(work);
     }

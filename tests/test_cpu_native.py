@@ -70,6 +70,32 @@ def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_di
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16)]
+)
+def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_dim, block_size):
+    """A prompt's rows (contexts 1 .. 40) and a later chunk of another prompt (21 .. 45) among decode rows: on a
+    CPU with AMX, a bf16 pool's rows take bf16 tiles (a prompt's rows in chunks of up to 16, 7 query heads a kv
+    head: several sets of 16). Every row matches the reference and has the same bits alone."""
+    torch.manual_seed(heads + head_dim)
+    num_blocks = 24
+    tables = torch.randperm(num_blocks).to(torch.int32)[:15].view(5, 3)
+    tables = tables.repeat_interleave(torch.tensor([40, 25, 1, 1, 1]), dim=0)
+    lens = torch.tensor([*range(1, 41), *range(21, 46), 48, 17, 33], dtype=torch.int32)
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    for s in range(len(lens)):
+        alone = cpu_native.paged_attention(
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
+        )
+        assert torch.equal(alone, got[s : s + 1]), s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_writes_rows_of_their_own_strides_and_skips_minus_one(dtype):
     """k normalized apart (contiguous) while v is still a view of the projection: each has its own stride."""
     _, k, v = _qkv_views(5, 4, 2, 8, dtype)
