@@ -5,7 +5,8 @@
 //   block to int8 (exact integer block sums by SIMD, VNNI or AMX int8 tiles, then one float chain); float32
 //   weights in panels of 16 outputs (one FMA chain each) or rows; bf16 weights in AMX tiles, AVX-512 BF16 pairs or rows.
 //   Dequantization for the float GEMMs of prefill without batch invariance.
-// - Attention over the paged KV pool in place, one query per row: no gather of K/V into a workspace.
+// - Attention over the paged KV pool in place, one query per row: no gather of K/V into a workspace; on AMX, scores
+//   in tiles (a bf16 pool's every row, a prompt's rows in chunks of 16 over the 8-bit pool).
 // - K/V store, rotary embedding, RMSNorm (with the residual add fused), SiLU-and-multiply, and a decode step
 //   through every layer (the same kernels in the same order as the model's Python layer loop).
 // Activations and the KV pool are float32 or bfloat16. Without AVX2 the
