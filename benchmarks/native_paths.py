@@ -2,6 +2,7 @@
 
     python -m benchmarks.native_paths --cflags=-mno-amx-int8 [--rounds 6] [--rows 4,16,64,256,2048] [--json]
     python -m benchmarks.native_paths --alt-commit HEAD~1 --modes bf16,int4 [--cflags=...]
+    python -m benchmarks.native_paths --alt-commit HEAD~1 --engine int4 [--engine-requests 64]
 
 The host's build ("host") runs against one built with extra compiler flags ("alt": KVD_NATIVE_CFLAGS, compiled
 into its own cache folder), e.g. `-mno-amx-int8` (the 8-bit linears on AVX-512 VNNI instead of AMX int8 tiles) or
@@ -13,7 +14,9 @@ processes on a VM differ by up to 1.6x in the same code, one process does not. F
 microseconds, and alt / host (above 1: the host's build is faster). Shapes are SmolLM2-135M's gate_up (3072 x
 576), down (576 x 1536) and int8 output projection (49152 x 576), bf16 activations; attention is one decode
 step of 64 sequences over shuffled 16-token blocks, each of 30 layers' blocks distinct (so no cache holds a
-sweep); prefill attention is 4 prompts' rows over their causal contexts, in a bf16 and an 8-bit pool. With
+sweep); prefill attention is 4 prompts' rows over their causal contexts, in a bf16 and an 8-bit pool. --engine
+adds benchmarks.throughput's workload through one engine (bundled SmolLM2, one of benchmarks.vllm_peer's kvd
+modes) run on each build in turn: its output tok/s and how many requests got the same tokens on both. With
 `--cflags=` both sides are the host's build (the noise floor).
 """
 
@@ -62,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-tokens", type=int, default=512, help="rows of each of the 4 prompts' attention (0: none)"
     )
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="also the throughput workload through one engine on the bundled model, in a kvd mode of "
+        "benchmarks.vllm_peer (bf16, int4, bf16-kv8, int4-kv8): output tokens a second on each build",
+    )
+    p.add_argument("--engine-requests", type=int, default=64, help="requests of the engine's workload")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two rounds, small sizes (a smoke run)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -110,11 +120,12 @@ def using(lib: object) -> Iterator[None]:
         cpu_native.library = loaded
 
 
-def mean_seconds(fn: Callable[[], object], reps: int) -> float:
+def mean_seconds(fn: Callable[[], object], reps: int) -> tuple[float, object]:
+    """(seconds a call, averaged over reps calls; the last call's result)."""
     started = time.perf_counter()
     for _ in range(reps):
-        fn()
-    return (time.perf_counter() - started) / reps
+        result = fn()
+    return (time.perf_counter() - started) / reps, result
 
 
 def bf16_linear(n: int, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -154,6 +165,31 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object],
         )
     if args.prefill_tokens:
         yield from prefill_cases(args.prefill_tokens)
+    if args.engine:
+        yield engine_case(args.engine, args.engine_requests)
+
+
+def engine_case(mode: str, requests: int) -> tuple[str, Callable[[], object], int]:
+    """benchmarks.throughput's workload (inputs 64-512, outputs 32-256) through one engine, from an empty prefix
+    cache each time; the call returns the token ids, which the two builds print as equal or not."""
+    from benchmarks.host import bundled_gguf
+    from benchmarks.throughput import make_workload
+    from benchmarks.vllm_peer import KVD_MODES
+    from kvd import LLM, SamplingParams
+
+    quantization, dtype, kv_cache_dtype = KVD_MODES[mode]
+    llm = LLM(
+        bundled_gguf(), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_num_seqs=64
+    )
+    workload = make_workload(requests, llm.engine.config.vocab_size, "64,512", "32,256", 0)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
+
+    def call() -> list[list[int]]:
+        llm.engine.block_manager.reset_prefix_cache()
+        outs = llm.generate([prompt for prompt, _ in workload], params, use_tqdm=False)
+        return [out.token_ids for out in outs]
+
+    return f"engine {mode} {requests} requests", call, 1
 
 
 def prefill_cases(rows: int) -> Iterator[tuple[str, Callable[[], object], int]]:
@@ -203,15 +239,29 @@ def main(argv: list[str] | None = None) -> dict:
     results = {}
     for name, call, reps in cases(args):
         best = {"host": float("inf"), "alt": float("inf")}
+        outputs = {}
         for round_ in range(args.rounds + 1):  # round 0 warms both up
             for side in ("host", "alt") if round_ % 2 == 0 else ("alt", "host"):
                 with using(libs[side]):
-                    seconds = mean_seconds(call, reps)
+                    seconds, outputs[side] = mean_seconds(call, reps)
                 if round_:
                     best[side] = min(best[side], seconds)
         host, alt = best["host"] * 1e6, best["alt"] * 1e6
         results[name] = {"host_us": round(host, 1), "alt_us": round(alt, 1), "ratio": round(alt / host, 3)}
         print(f"{name:<34} {host:>10.1f} {alt:>10.1f} {alt / host:>9.2f}", flush=True)
+        if name.startswith("engine"):  # the calls' results: every request's token ids
+            tokens = sum(len(ids) for ids in outputs["host"])
+            same = sum(a == b for a, b in zip(outputs["host"], outputs["alt"], strict=True))
+            results[name] |= {
+                "host_tok_s": round(tokens / best["host"], 1),
+                "alt_tok_s": round(tokens / best["alt"], 1),
+                "same_requests": same,
+            }
+            print(
+                f"  output tok/s: host {tokens / best['host']:.1f}, alt {tokens / best['alt']:.1f}; "
+                f"{same} of {len(outputs['host'])} requests the same tokens on both builds",
+                flush=True,
+            )
     result = {
         "cpu": cpu_name(),
         "isa": paths_isa,

@@ -59,6 +59,16 @@ def test_times_bf16_weights_against_the_kernels_of_a_commit():
     assert "kernels at HEAD" in out
 
 
+def test_the_engine_workload_runs_on_both_builds_and_compares_their_tokens():
+    """--engine: the throughput workload through one engine on each build; with `--cflags=` both sides are the
+    host's build, so every request has the same tokens."""
+    _, result = run_quick(
+        "benchmarks.native_paths", dict(os.environ), "--cflags=", "--engine", "int4", "--engine-requests", "3"
+    )
+    case = result["cases"]["engine int4 3 requests"]
+    assert case["same_requests"] == 3 and case["host_tok_s"] > 0 and case["alt_tok_s"] > 0
+
+
 def test_an_unknown_commit_is_refused_by_name():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.native_paths", "--alt-commit", "no-such-commit", "--quick"],
