@@ -2227,7 +2227,7 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
     const int64_t slot_bytes = kv_heads * (kv8 ? D + KVD_KV8_SCALE_BYTES : D * (bf16 ? 2 : 4));
     const char* keys = pool;
     const char* values = keys + num_blocks * block_size * slot_bytes;
-    int64_t* first = malloc(sizeof(int64_t) * (size_t)(2 * S));
+    int64_t* first = malloc(sizeof(int64_t) * (size_t)(2 * S + 1));  // + 1: never malloc(0)
     if (!first) return KVD_OUT_OF_MEMORY;
     int64_t *count = first + S, most = 1;
     // Tiles (attend_chunk): over the 8-bit pool for chunks of a prompt's rows, over a bf16 pool for every row.
