@@ -2088,7 +2088,8 @@ static inline __attribute__((always_inline)) void chunk_scores16(const int32_t* 
 // Bytes of chunk work for contexts up to `longest`.
 static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64_t block_size) {
     const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS;
-    return 4 * (nv * (longest + 15 + D + 3) + block_size * D) + sets * AMX_ROWS * D * 2 + (sets * D / 32 + 4) * 1024 + 64;
+    const int64_t floats = nv * (longest + 15 + D + 3) + block_size * D;  // scores, sums, scales, a block's values
+    return 4 * floats + sets * AMX_ROWS * D * 2 + (sets * D / 32 + 4) * 1024 + 64;
 }
 
 // attend_group (kind 1: bf16 q and pool) or attend_group8 (KV_INT8, q in q_bf16's dtype) for `rows` consecutive
@@ -2133,8 +2134,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #endif
     for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
     if (kind == KV_INT8) {  // each weight times its value row's scale, as attend_group8
-        const __m512i at = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)slot_bytes));
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32((int)slot_bytes));
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + D;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
