@@ -137,6 +137,13 @@ static inline __m512i bf16_bits16(__m512 v) {
 static inline void store_bf16x16(void* dst, __m512 v) {
     _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
 }
+
+// load8's sixteen.
+static inline __m512 load16(const char* p, int bf16) {
+    if (bf16 == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+    return _mm512_loadu_ps((const float*)p);
+}
 #endif
 
 static inline float load_f(const void* base, int64_t i, int bf16) {
@@ -163,7 +170,25 @@ static void quantize_rows(const void* x, int x_bf16, int64_t M, int64_t K, int8_
             int8_t* out = q + r * K + b * QBLOCK;
             float d;
             int sum = 0;
-#if KVD_AVX2
+#if KVD_AVX512
+            // The AVX2 steps 16 lanes at a time: the largest magnitude passes over NaN lanes as there (each max
+            // keeps its second operand when the first is NaN), the codes' low bytes are kept (vpmovdb), and the
+            // integer sum wraps as any order of int32 adds does.
+            const char* p = (const char*)x + (r * K + b * QBLOCK) * (x_bf16 ? 2 : 4);
+            const __m512 sign = _mm512_set1_ps(-0.f);
+            const __m512 v0 = load16(p, x_bf16), v1 = load16(p + 16 * (x_bf16 ? 2 : 4), x_bf16);
+            const __m512 amax = _mm512_max_ps(_mm512_andnot_ps(sign, v1),
+                                              _mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_setzero_ps()));
+            d = _mm512_reduce_max_ps(amax) / 127.f;
+            const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+            const __m512i c0 = _mm512_cvtps_epi32(
+                _mm512_roundscale_ps(_mm512_mul_ps(v0, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            const __m512i c1 = _mm512_cvtps_epi32(
+                _mm512_roundscale_ps(_mm512_mul_ps(v1, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(c0));
+            _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(c1));
+            sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#elif KVD_AVX2
             // The same values as the loop below: a maximum is one whatever the order (and max_ps, like the
             // comparison there, passes over NaN), and the rounding is the same nearest-even.
             const char* p = (const char*)x + (r * K + b * QBLOCK) * (x_bf16 ? 2 : 4);
@@ -1538,12 +1563,6 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
 #endif
 
 #if KVD_AVX512
-static inline __m512 load16(const char* p, int bf16) {
-    if (bf16 == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-    if (bf16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-    return _mm512_loadu_ps((const float*)p);
-}
-
 // values_tile with 64 columns in four 16-lane sums: the same fma chain per element, so the same results.
 static inline __attribute__((always_inline)) void values_tile64(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx, int64_t block_size,
