@@ -138,6 +138,12 @@ static inline void store_bf16x16(void* dst, __m512 v) {
     _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits16(v), 16)));
 }
 
+// Lane j = j x slot_bytes: the byte offsets of 16 consecutive slots' rows, for gathers of their scales.
+static inline __m512i slot_offsets16(int64_t slot_bytes) {
+    return _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                              _mm512_set1_epi32((int)slot_bytes));
+}
+
 // load8's sixteen.
 static inline __m512 load16(const char* p, int bf16) {
     if (bf16 == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
@@ -1836,8 +1842,7 @@ static inline __attribute__((always_inline)) void int8_scores(const int8_t* q, f
         __m512i qv[4];
         for (int64_t i = 0; i < D / 64; i++) qv[i] = _mm512_loadu_si512(q + i * 64);
         const __m512 off = _mm512_set1_ps(128.f * (float)qsum), qsv = _mm512_set1_ps(qs);
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)slot_bytes));
+        const __m512i at = slot_offsets16(slot_bytes);
         for (; t + 16 <= n; t += 16) {
             __m512i acc[16];
             for (int j = 0; j < 16; j++) {
@@ -1861,6 +1866,41 @@ static inline __attribute__((always_inline)) void int8_scores(const int8_t* q, f
     }
 }
 
+// A query head's codes (quantize_row8), their sum in *qsum; returns its scale times the attention's.
+static inline float quantize_query8(const void* qh, int q_bf16, int64_t D, float scale, int8_t* codes, int32_t* qsum) {
+    const float qs = quantize_row8(qh, q_bf16, D, codes) * scale;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < D; i++) sum += codes[i];
+    *qsum = sum;
+    return qs;
+}
+
+// Each softmax weight p[h][t] (nv heads, rows `stride` apart, t < ctx) times value row t's scale (at `scales` in
+// its slot, the pool's values + the kv head's row + D).
+static inline void value_scales8(float* p, int64_t stride, int64_t nv, const char* scales, const int32_t* table,
+                                 int64_t ctx, int64_t block_size, int64_t slot_bytes) {
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = scales + (int64_t)table[t0 / block_size] * block_size * slot_bytes;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        int64_t t = 0;
+#if KVD_AVX512
+        const __m512i at = slot_offsets16(slot_bytes);
+        for (; t + 16 <= n; t += 16) {
+            const __m512 vs = _mm512_i32gather_ps(at, v + t * slot_bytes, 1);
+            for (int64_t h = 0; h < nv; h++) {
+                float* ph = p + h * stride + t0 + t;
+                _mm512_storeu_ps(ph, _mm512_mul_ps(_mm512_loadu_ps(ph), vs));
+            }
+        }
+#endif
+        for (; t < n; t++) {
+            float vs;
+            memcpy(&vs, v + t * slot_bytes, sizeof vs);
+            for (int64_t h = 0; h < nv; h++) p[h * stride + t0 + t] *= vs;
+        }
+    }
+}
+
 // attend_group over an 8-bit pool (q and out in the model's dtype, q_bf16): quantized query heads, integer
 // scores, the softmax, then each weight times its value row's scale before the same weighted sums as a float
 // pool's (8-bit codes read as floats).
@@ -1877,9 +1917,7 @@ static inline __attribute__((always_inline)) void attend_group8(
     const int64_t row = D + KVD_KV8_SCALE_BYTES, head = kvh * row;
     for (int64_t g = 0; g < group; g++) {
         const char* qh = (const char*)q + (s * q_stride + (kvh * group + g) * D) * (q_bf16 ? 2 : 4);
-        qs[g] = quantize_row8(qh, q_bf16, D, qc + g * D) * scale;
-        qsum[g] = 0;
-        for (int64_t i = 0; i < D; i++) qsum[g] += qc[g * D + i];
+        qs[g] = quantize_query8(qh, q_bf16, D, scale, qc + g * D, &qsum[g]);
     }
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
@@ -1890,27 +1928,7 @@ static inline __attribute__((always_inline)) void attend_group8(
     }
     float* sums = acc + group * D;  // [group]
     for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + D;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        int64_t t = 0;
-#if KVD_AVX512
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)slot_bytes));
-        for (; t + 16 <= n; t += 16) {
-            const __m512 vs = _mm512_i32gather_ps(at, v + t * slot_bytes, 1);
-            for (int64_t g = 0; g < group; g++) {
-                float* p = scores + g * ctx + t0 + t;
-                _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), vs));
-            }
-        }
-#endif
-        for (; t < n; t++) {
-            float vs;
-            memcpy(&vs, v + t * slot_bytes, sizeof vs);
-            for (int64_t g = 0; g < group; g++) scores[g * ctx + t0 + t] *= vs;
-        }
-    }
+    value_scales8(scores, ctx, group, values + head + D, table, ctx, block_size, slot_bytes);
     group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, KV_INT8, group, D, st ? st + 1 : NULL);
     for (int64_t g = 0; g < group; g++) {
         const float inv = 1.f / sums[g];
@@ -2005,8 +2023,7 @@ static inline __attribute__((always_inline)) void chunk_scores8(const int8_t* qc
                                                                 int64_t slot_bytes, const int64_t D, float* scores,
                                                                 int64_t stride, int32_t* ct, int32_t* bt) {
     const int64_t sets = (nv + AMX_ROWS - 1) / AMX_ROWS;
-    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32((int)slot_bytes));
+    const __m512i at = slot_offsets16(slot_bytes);
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
         const char* k = keys + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head;
         const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
@@ -2135,10 +2152,8 @@ static inline __attribute__((always_inline)) void attend_chunk(
             memcpy(qc + v * D * 2, qh, (size_t)(D * 2));
             continue;
         }
-        int8_t* codes = (int8_t*)qc + v * D;
-        qs[v] = quantize_row8(qh, q_bf16, D, codes) * scale;
-        int32_t qsum = 0;
-        for (int64_t i = 0; i < D; i++) qsum += codes[i];
+        int32_t qsum;
+        qs[v] = quantize_query8(qh, q_bf16, D, scale, (int8_t*)qc + v * D, &qsum);
         qoff[v] = 128.f * (float)qsum;
     }
     if (kind == KV_INT8) chunk_scores8((const int8_t*)qc, qs, qoff, nv, keys, head, table, ctx, block_size,
@@ -2152,22 +2167,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 #endif
     for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
-    if (kind == KV_INT8) {  // each weight times its value row's scale, as attend_group8
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32((int)slot_bytes));
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const char* vb = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + D;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t u = 0; u < n; u += 16) {
-                const __m512 vs = _mm512_i32gather_ps(at, vb + u * slot_bytes, 1);
-                const __mmask16 live = live_keys(n, u);
-                for (int64_t v = 0; v < nv; v++) {
-                    float* p = scores + v * L + t0 + u;
-                    _mm512_mask_storeu_ps(p, live, _mm512_mul_ps(_mm512_maskz_loadu_ps(live, p), vs));
-                }
-            }
-        }
-    }
+    if (kind == KV_INT8) value_scales8(scores, L, nv, values + head + D, table, ctx, block_size, slot_bytes);
     if (rows == 1) {  // a row alone: attend_group's pass over the values, streaming the next sequence
         group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, kind, group, D, st ? st + 1 : NULL);
     } else {
