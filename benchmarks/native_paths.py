@@ -2,7 +2,7 @@
 
     python -m benchmarks.native_paths --cflags=-mno-amx-int8 [--rounds 6] [--rows 4,16,64,256,2048] [--json]
     python -m benchmarks.native_paths --alt-commit HEAD~1 --modes bf16,int4 [--cflags=...]
-    python -m benchmarks.native_paths --alt-commit HEAD~1 --engine int4 [--engine-requests 64]
+    python -m benchmarks.native_paths --alt-commit HEAD~1 --engine int4 [--engine-requests 64 | --engine-prompt-tokens 2048]
 
 The host's build ("host") runs against one built with extra compiler flags ("alt": KVD_NATIVE_CFLAGS, compiled
 into its own cache folder), e.g. `-mno-amx-int8` (the 8-bit linears on AVX-512 VNNI instead of AMX int8 tiles) or
@@ -16,8 +16,9 @@ microseconds, and alt / host (above 1: the host's build is faster). Shapes are S
 step of 64 sequences over shuffled 16-token blocks, each of 30 layers' blocks distinct (so no cache holds a
 sweep); prefill attention is 4 prompts' rows over their causal contexts, in a bf16 and an 8-bit pool. --engine
 adds benchmarks.throughput's workload through one engine (bundled SmolLM2, one of benchmarks.vllm_peer's kvd
-modes) run on each build in turn: its output tok/s and how many requests got the same tokens on both. With
-`--cflags=` both sides are the host's build (the noise floor).
+modes) run on each build in turn: its output tok/s and how many requests got the same tokens on both;
+--engine-prompt-tokens N times a prefill instead (4 prompts of N tokens, one output token each: prompt tok/s).
+With `--cflags=` both sides are the host's build (the noise floor).
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "benchmarks.vllm_peer (bf16, int4, bf16-kv8, int4-kv8): output tokens a second on each build",
     )
     p.add_argument("--engine-requests", type=int, default=64, help="requests of the engine's workload")
+    p.add_argument(
+        "--engine-prompt-tokens",
+        type=int,
+        default=0,
+        help="instead of the throughput workload, 4 prompts of this many tokens and one output token each "
+        "(prefill): prompt tokens a second on each build",
+    )
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all cores)")
     p.add_argument("--quick", action="store_true", help="two rounds, small sizes (a smoke run)")
     p.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -166,12 +174,13 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object],
     if args.prefill_tokens:
         yield from prefill_cases(args.prefill_tokens)
     if args.engine:
-        yield engine_case(args.engine, args.engine_requests)
+        yield engine_case(args.engine, args.engine_requests, args.engine_prompt_tokens)
 
 
-def engine_case(mode: str, requests: int) -> tuple[str, Callable[[], object], int]:
-    """benchmarks.throughput's workload (inputs 64-512, outputs 32-256) through one engine, from an empty prefix
-    cache each time; the call returns the token ids, which the two builds print as equal or not."""
+def engine_case(mode: str, requests: int, prompt_tokens: int = 0) -> tuple[str, Callable[[], object], int]:
+    """benchmarks.throughput's workload (inputs 64-512, outputs 32-256), or 4 prompts of prompt_tokens with one
+    output token each, through one engine, from an empty prefix cache each time; the call returns the token ids
+    (which the two builds print as equal or not) and the count of tokens its speed is reported in."""
     from benchmarks.host import bundled_gguf
     from benchmarks.throughput import make_workload
     from benchmarks.vllm_peer import KVD_MODES
@@ -179,17 +188,28 @@ def engine_case(mode: str, requests: int) -> tuple[str, Callable[[], object], in
 
     quantization, dtype, kv_cache_dtype = KVD_MODES[mode]
     llm = LLM(
-        bundled_gguf(), dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype, max_num_seqs=64
+        bundled_gguf(),
+        dtype=dtype,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=64,
+        max_model_len=max(2048, prompt_tokens + 1),
     )
-    workload = make_workload(requests, llm.engine.config.vocab_size, "64,512", "32,256", 0)
+    vocab = llm.engine.config.vocab_size
+    if prompt_tokens:
+        workload = make_workload(4, vocab, f"{prompt_tokens},{prompt_tokens}", "1,1", 0)
+        name, counted = f"engine {mode} prefill 4x{prompt_tokens}", 4 * prompt_tokens
+    else:
+        workload = make_workload(requests, vocab, "64,512", "32,256", 0)
+        name, counted = f"engine {mode} {requests} requests", sum(n for _, n in workload)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
 
-    def call() -> list[list[int]]:
+    def call() -> tuple[list[list[int]], int]:
         llm.engine.block_manager.reset_prefix_cache()
         outs = llm.generate([prompt for prompt, _ in workload], params, use_tqdm=False)
-        return [out.token_ids for out in outs]
+        return [out.token_ids for out in outs], counted
 
-    return f"engine {mode} {requests} requests", call, 1
+    return name, call, 1
 
 
 def prefill_cases(rows: int) -> Iterator[tuple[str, Callable[[], object], int]]:
@@ -249,17 +269,17 @@ def main(argv: list[str] | None = None) -> dict:
         host, alt = best["host"] * 1e6, best["alt"] * 1e6
         results[name] = {"host_us": round(host, 1), "alt_us": round(alt, 1), "ratio": round(alt / host, 3)}
         print(f"{name:<34} {host:>10.1f} {alt:>10.1f} {alt / host:>9.2f}", flush=True)
-        if name.startswith("engine"):  # the calls' results: every request's token ids
-            tokens = sum(len(ids) for ids in outputs["host"])
-            same = sum(a == b for a, b in zip(outputs["host"], outputs["alt"], strict=True))
+        if name.startswith("engine"):  # the calls' results: every request's token ids, the tokens counted
+            (host_ids, tokens), (alt_ids, _) = outputs["host"], outputs["alt"]
+            same = sum(a == b for a, b in zip(host_ids, alt_ids, strict=True))
             results[name] |= {
                 "host_tok_s": round(tokens / best["host"], 1),
                 "alt_tok_s": round(tokens / best["alt"], 1),
                 "same_requests": same,
             }
             print(
-                f"  output tok/s: host {tokens / best['host']:.1f}, alt {tokens / best['alt']:.1f}; "
-                f"{same} of {len(outputs['host'])} requests the same tokens on both builds",
+                f"  {'prompt' if 'prefill' in name else 'output'} tok/s: host {tokens / best['host']:.1f}, "
+                f"alt {tokens / best['alt']:.1f}; {same} of {len(host_ids)} requests the same tokens on both builds",
                 flush=True,
             )
     result = {

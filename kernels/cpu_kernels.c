@@ -1569,6 +1569,16 @@ static inline __attribute__((always_inline)) void values_tile(float* a, const fl
 #endif
 
 #if KVD_AVX512
+// Columns 0-31 of a row back in order from the sums of its bf16 values as unpacklo / unpackhi_epi16 interleave them
+// (x: columns 0-3, 8-11, 16-19, 24-27; y: 4-7, 12-15, ...): 128-bit quarters alternate between the two.
+static inline void unpacked_order(__m512* x, __m512* y) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 a = *x, b = *y;
+    *x = _mm512_permutex2var_ps(a, first, b);
+    *y = _mm512_permutex2var_ps(a, second, b);
+}
+
 // values_tile with 64 columns in four 16-lane sums: the same fma chain per element, so the same results.
 static inline __attribute__((always_inline)) void values_tile64(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx, int64_t block_size,
@@ -1607,16 +1617,9 @@ static inline __attribute__((always_inline)) void values_tile64(float* a, const 
             }
         }
     }
-    if (bf16 == 1) {  // the columns back in order: 128-bit quarters alternate between the pair of sums
-        const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-        const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    if (bf16 == 1)
         for (int g = 0; g < GN; g++)
-            for (int h = 0; h < 4; h += 2) {
-                const __m512 x = acc[g][h], y = acc[g][h + 1];
-                acc[g][h] = _mm512_permutex2var_ps(x, first, y);
-                acc[g][h + 1] = _mm512_permutex2var_ps(x, second, y);
-            }
-    }
+            for (int h = 0; h < 4; h += 2) unpacked_order(&acc[g][h], &acc[g][h + 1]);
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
 }
@@ -2121,11 +2124,99 @@ static inline __attribute__((always_inline)) void chunk_scores16(const int32_t* 
 }
 #endif
 
+#define KVD_TILE_VALUES (KVD_AMX_BF16 && KVD_AVX512_BF16)
+#if KVD_TILE_VALUES
+// acc [nv][D] = P x V over a bf16 pool in tiles, for nv query heads (row v's context ctx0 + v / group, weights
+// p [nv][stride] for its keys, the rest ignored): A = 16 heads' weights rounded to bf16 (pa [sets x 16][lp], zero
+// past each context), B = 32 keys x 16 columns in pairs (vb [lp / 32][D / 16][512], zero past ctx), each sum one
+// tile accumulation over the keys in order, whatever the other rows (batch invariance). A decode row alone takes
+// this path too, so a key's weight is rounded the same way in every chunk.
+static inline __attribute__((always_inline)) void chunk_values16(float* acc, const float* p, int64_t stride,
+                                                                 int64_t nv, int64_t group, int64_t ctx0,
+                                                                 const char* values, int64_t head,
+                                                                 const int32_t* table, int64_t ctx,
+                                                                 int64_t block_size, int64_t slot_bytes,
+                                                                 const int64_t D, uint16_t* pa, uint16_t* vb,
+                                                                 float* ct, kv_stream* st) {
+    const int64_t sets = (nv + AMX_ROWS - 1) / AMX_ROWS, lp = (ctx + 31) / 32 * 32, slices = D / 16;
+    for (int64_t v = 0; v < sets * AMX_ROWS; v++) {
+        const int64_t n = v < nv ? ctx0 + v / group : 0;
+        for (int64_t t = 0; t < lp; t += 16) {
+            const __mmask16 live = t >= n ? 0 : live_keys(n, t);
+            _mm256_storeu_si256((__m256i*)(pa + v * lp + t), (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + v * stride + t)));
+        }
+    }
+    // A pair of keys' rows interleaved, 32 columns at a time: unpacklo gives slice 2 z, unpackhi slice 2 z + 1.
+    for (int64_t t0 = 0; t0 < lp; t0 += block_size) {
+        const char* vblock = values + (int64_t)table[t0 / block_size < (ctx + block_size - 1) / block_size ? t0 / block_size : 0] * block_size * slot_bytes + head;
+        prefetch_next_block(values + head, table, t0, ctx, block_size, slot_bytes, D * 2);
+        kv_stream_step(st);
+        for (int64_t t = t0; t < t0 + block_size && t < lp; t += 2) {
+            uint16_t* row = vb + (t / 32 * slices * 16 + t % 32 / 2) * 32;
+            for (int64_t z = 0; z < D / 32; z++) {
+                const __m512i a = t < ctx ? _mm512_loadu_si512(vblock + (t - t0) * slot_bytes + z * 64) : _mm512_setzero_si512();
+                const __m512i b = t + 1 < ctx ? _mm512_loadu_si512(vblock + (t + 1 - t0) * slot_bytes + z * 64) : _mm512_setzero_si512();
+                _mm512_storeu_si512(row + 2 * z * 512, _mm512_unpacklo_epi16(a, b));
+                _mm512_storeu_si512(row + (2 * z + 1) * 512, _mm512_unpackhi_epi16(a, b));
+            }
+        }
+    }
+    for (int64_t c = 0; c < slices; c++)
+        for (int64_t j0 = 0; j0 < sets; j0 += 3) {
+            const int64_t js = sets - j0 < 3 ? sets - j0 : 3;
+            _tile_zero(2);
+            if (js > 1) _tile_zero(3);
+            if (js > 2) _tile_zero(4);
+            for (int64_t kt = 0; kt < lp / 32; kt++) {
+                _tile_loadd(1, vb + (kt * slices + c) * 512, 64);
+                _tile_loadd(0, pa + j0 * AMX_ROWS * lp + kt * 32, lp * 2);
+                _tile_dpbf16ps(2, 0, 1);
+                if (js > 1) {
+                    _tile_loadd(0, pa + (j0 + 1) * AMX_ROWS * lp + kt * 32, lp * 2);
+                    _tile_dpbf16ps(3, 0, 1);
+                }
+                if (js > 2) {
+                    _tile_loadd(0, pa + (j0 + 2) * AMX_ROWS * lp + kt * 32, lp * 2);
+                    _tile_dpbf16ps(4, 0, 1);
+                }
+            }
+            _tile_stored(2, ct, 64);
+            if (js > 1) _tile_stored(3, ct + 256, 64);
+            if (js > 2) _tile_stored(4, ct + 512, 64);
+            for (int64_t j = 0; j < js; j++)
+                for (int64_t r = 0; r < AMX_ROWS && (j0 + j) * AMX_ROWS + r < nv; r++)
+                    memcpy(acc + ((j0 + j) * AMX_ROWS + r) * D + c * 16, ct + j * 256 + r * 16, 64);
+        }
+    for (int64_t v = 0; v < nv; v++)
+        for (int64_t i0 = 0; i0 < D; i0 += 32) {
+            __m512 x = _mm512_loadu_ps(acc + v * D + i0), y = _mm512_loadu_ps(acc + v * D + i0 + 16);
+            unpacked_order(&x, &y);
+            _mm512_storeu_ps(acc + v * D + i0, x);
+            _mm512_storeu_ps(acc + v * D + i0 + 16, y);
+        }
+}
+
+// Whether the bf16 values of keys [from, to) (one kv head) are all finite: a chunk's rows share value tiles, and a
+// row's zero weight times a later row's infinite value would be NaN where the row alone never reads that key.
+static inline int values_finite(const char* values, int64_t head, const int32_t* table, int64_t from, int64_t to,
+                                int64_t block_size, int64_t slot_bytes, const int64_t D) {
+    const __m512i exponent = _mm512_set1_epi16(0x7f80);  // all ones: infinity or NaN
+    __mmask32 bad = 0;
+    for (int64_t t = from; t < to; t++) {
+        const char* row = values + ((int64_t)table[t / block_size] * block_size + t % block_size) * slot_bytes + head;
+        for (int64_t i = 0; i < D; i += 32)
+            bad |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(row + i * 2), exponent), exponent);
+    }
+    return !bad;
+}
+#endif
+
 // Bytes of chunk work for contexts up to `longest`.
 static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64_t block_size) {
-    const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS;
+    const int64_t nv = CHUNK_ROWS * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, lp = (longest + 31) / 32 * 32;
     const int64_t floats = nv * (longest + 15 + D + 3) + block_size * D;  // scores, sums, scales, a block's values
-    return 4 * floats + sets * AMX_ROWS * D * 2 + (sets * D / 32 + 4) * 1024 + 64;
+    const int64_t tiles = sets * AMX_ROWS * lp * 2 + lp * D * 2;          // P and V in bf16 tiles
+    return 4 * floats + sets * AMX_ROWS * D * 2 + (sets * D / 32 + 4) * 1024 + tiles + 128;
 }
 
 // attend_group (kind 1: bf16 q and pool) or attend_group8 (KV_INT8, q in q_bf16's dtype) for `rows` consecutive
@@ -2168,6 +2259,19 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #endif
     for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
     if (kind == KV_INT8) value_scales8(scores, L, nv, values + head + D, table, ctx, block_size, slot_bytes);
+#if KVD_TILE_VALUES
+    if (kind != KV_INT8) {
+        uint16_t* pa = (uint16_t*)(((uintptr_t)(qc + sets * AMX_ROWS * D * 2) + 63) & ~(uintptr_t)63);
+        uint16_t* vb = pa + sets * AMX_ROWS * ((ctx + 31) / 32 * 32);
+        if (values_finite(values, head, table, ctx0, ctx, block_size, slot_bytes, D))
+            chunk_values16(acc, scores, L, nv, group, ctx0, values, head, table, ctx, block_size, slot_bytes, D, pa,
+                           vb, (float*)ct, st ? st + 1 : NULL);
+        else  // row by row, as each would be alone
+            for (int64_t r = 0; r < rows; r++)
+                chunk_values16(acc + r * group * D, scores + r * group * L, L, group, group, ctx0 + r, values, head,
+                               table, ctx0 + r, block_size, slot_bytes, D, pa, vb, (float*)ct, NULL);
+    } else
+#endif
     if (rows == 1) {  // a row alone: attend_group's pass over the values, streaming the next sequence
         group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, kind, group, D, st ? st + 1 : NULL);
     } else {

@@ -95,6 +95,26 @@ def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_di
         assert torch.equal(alone, got[s : s + 1]), s
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_later_rows_non_finite_value_leaves_the_earlier_rows_as_alone(bad):
+    """A prompt's rows share value tiles on a CPU with AMX: an infinite or NaN value of row 10's own key (outside
+    rows 0-9's contexts) must not reach them (a zero weight times infinity is NaN), while rows 10 on see it."""
+    torch.manual_seed(5)
+    block_size, kv_heads, head_dim = 16, 3, 64
+    pool = torch.randn(2, 4, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    tables = torch.tensor([[2, 0, 3]], dtype=torch.int32).repeat(20, 1)
+    lens = torch.arange(21, 41, dtype=torch.int32)  # rows of one prompt: contexts 21 .. 40
+    pool[1, 0, 30 - block_size, 1, 7] = bad  # key 30 (block 0 of the table's second entry), kv head 1
+    q = _qkv_views(len(lens), 9, kv_heads, head_dim, torch.bfloat16)[0]
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
+    assert got[:10].isfinite().all() and not got[10:, 3:6].isfinite().all()
+    for s in range(len(lens)):
+        alone = cpu_native.paged_attention(
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
+        )
+        torch.testing.assert_close(alone, got[s : s + 1], rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_writes_rows_of_their_own_strides_and_skips_minus_one(dtype):
     """k normalized apart (contiguous) while v is still a view of the projection: each has its own stride."""

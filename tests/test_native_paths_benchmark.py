@@ -69,6 +69,23 @@ def test_the_engine_workload_runs_on_both_builds_and_compares_their_tokens():
     assert case["same_requests"] == 3 and case["host_tok_s"] > 0 and case["alt_tok_s"] > 0
 
 
+def test_the_engine_prefill_counts_prompt_tokens():
+    """--engine-prompt-tokens: 4 prompts of that many tokens and one output token each, in prompt tok/s."""
+    out, result = run_quick(
+        "benchmarks.native_paths",
+        dict(os.environ),
+        "--cflags=",
+        "--engine",
+        "int4",
+        "--engine-prompt-tokens",
+        "96",
+    )
+    case = result["cases"]["engine int4 prefill 4x96"]
+    assert case["same_requests"] == 4 and "prompt tok/s" in out
+    # 384 prompt tokens a call, against the one output token each of the 4 requests
+    assert case["host_tok_s"] == pytest.approx(384 / (case["host_us"] / 1e6), rel=0.01)
+
+
 def test_an_unknown_commit_is_refused_by_name():
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.native_paths", "--alt-commit", "no-such-commit", "--quick"],
