@@ -41,6 +41,7 @@ import torch
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
 from kvd.kernels.native_build import HEADER, compile_source, ffi, isa, library_path
+from kvd.model.layers.kv_cache import pool_zeros
 from kvd.model.layers.quantized_linear import linear_class
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +162,11 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object],
     if tokens:
         seqs, heads, kv_heads, dim, block, layers = 64, 9, 3, 64, 16, 30
         per_seq = tokens // block
-        pool = torch.randn(2, seqs * per_seq * layers, block, kv_heads, dim).to(torch.bfloat16)
+        # Allocated as the engine's pool is (2 MiB pages where Linux grants them), then filled.
+        pool = pool_zeros(
+            (2, seqs * per_seq * layers, block, kv_heads, dim), torch.bfloat16, torch.device("cpu")
+        )
+        pool.copy_(torch.randn(pool.shape))
         tables = torch.randperm(pool.shape[1]).to(torch.int32).view(layers, seqs, per_seq)
         q = torch.randn(seqs, heads, dim).to(torch.bfloat16)
         lens = torch.full((seqs,), tokens, dtype=torch.int32)

@@ -30,14 +30,14 @@ def allocate_kv_cache(
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, pool_row(config, dtype))
-    return [_zeros(shape, dtype, torch.device(device)) for _ in range(config.num_hidden_layers)]
+    return [pool_zeros(shape, dtype, torch.device(device)) for _ in range(config.num_hidden_layers)]
 
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor; on a Linux CPU one whose pages may be 2 MiB (transparent huge pages in "madvise" mode):
     a decode step reads blocks scattered across the pool, and with 4 KiB pages nearly every block costs a TLB
     miss. The advice comes before the first touch, so the zeroing faults huge pages in."""
