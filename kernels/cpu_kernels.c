@@ -589,6 +589,7 @@ static inline __attribute__((always_inline)) void group_rows(int bits, const kvd
 static void simd_rows(const kvd_weight* w, int64_t first, const quantized_rows* x, void* y, int y_bf16,
                       int nthreads) {
     const int64_t groups = (w->n - first + NR - 1) / NR;
+    if (groups <= 0) return;  // no parallel region to fork and join for nothing (the usual case after the tiles)
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = first + g * NR, rows = w->n - n0 < NR ? w->n - n0 : NR;
@@ -1673,15 +1674,87 @@ static inline __attribute__((always_inline)) void bf16_scores(const uint16_t* q,
         sc[t] = _mm512_reduce_add_ps(acc) * scale;
     }
 }
+// Numerators p[0 .. n) rounded to bf16 in place: the bf16 of p[t] at ((uint16_t*)p)[t] (each store lands on floats
+// already read).
+static inline void numerators_bf16(float* p, int64_t n) {
+    uint16_t* h = (uint16_t*)p;
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        _mm256_mask_storeu_epi16(h + t, live, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + t)));
+    }
+}
+
+// values_tile64 over a bf16 pool by pair products: keys t and t + 1 of a block interleaved column by column (as
+// the AMX path's value tiles hold them), their weights rounded to bf16 (pb: numerators_bf16 of each head's row,
+// heads ctx floats apart), one vdpbf16ps per 16 columns and pair. A block's odd last key pairs with zeros. Half
+// the multiply-adds of the float32 sums; a row's sums depend only on its own weights and keys.
+static inline __attribute__((always_inline)) void values_pairs64(float* a, const uint16_t* pb, const char* values,
+                                                                 const int32_t* table, int64_t ctx,
+                                                                 int64_t block_size, int64_t slot_bytes, int64_t head,
+                                                                 int64_t D, int64_t i0, const int GN, kv_stream* st) {
+    __m512 acc[3][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const char* v = values + (int64_t)table[t0 / block_size] * block_size * slot_bytes + head + i0 * 2;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        prefetch_next_block(values + head + i0 * 2, table, t0, ctx, block_size, slot_bytes, 128);
+        kv_stream_step(st);
+        for (int64_t t = 0; t < n; t += 2) {
+            if (t == n / 4 * 2) kv_stream_step(st);
+            const char* row = v + t * slot_bytes;
+            const int two = t + 1 < n;
+            const __m512i zero = _mm512_setzero_si512();
+            const __m512i lo0 = _mm512_loadu_si512(row), hi0 = _mm512_loadu_si512(row + 64);
+            const __m512i lo1 = two ? _mm512_loadu_si512(row + slot_bytes) : zero;
+            const __m512i hi1 = two ? _mm512_loadu_si512(row + slot_bytes + 64) : zero;
+            // Columns 0-3, 8-11, ... (x) and 4-7, 12-15, ... (y) of 0-31, then of 32-63: unpacked_order's.
+            const __m512bh v0 = (__m512bh)_mm512_unpacklo_epi16(lo0, lo1), v1 = (__m512bh)_mm512_unpackhi_epi16(lo0, lo1);
+            const __m512bh v2 = (__m512bh)_mm512_unpacklo_epi16(hi0, hi1), v3 = (__m512bh)_mm512_unpackhi_epi16(hi0, hi1);
+            for (int g = 0; g < GN; g++) {
+                const uint16_t* w = pb + 2 * g * ctx + t0 + t;
+                const __m512bh pw = (__m512bh)_mm512_set1_epi32(two ? (int)(w[0] | (uint32_t)w[1] << 16) : w[0]);
+                acc[g][0] = _mm512_dpbf16_ps(acc[g][0], pw, v0);
+                acc[g][1] = _mm512_dpbf16_ps(acc[g][1], pw, v1);
+                acc[g][2] = _mm512_dpbf16_ps(acc[g][2], pw, v2);
+                acc[g][3] = _mm512_dpbf16_ps(acc[g][3], pw, v3);
+            }
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int h = 0; h < 4; h += 2) unpacked_order(&acc[g][h], &acc[g][h + 1]);
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
+}
+
 #endif
 
 // a[g] = the weighted value sum of head g, for the group's heads: three heads per pass over the values where
-// SIMD runs and D is a multiple of 32 (the same arithmetic as weighted_values, head by head, otherwise).
-static inline __attribute__((always_inline)) void group_values(float* a, const float* p, const char* values,
+// SIMD runs and D is a multiple of 32 (the same arithmetic as weighted_values, head by head, otherwise); over a
+// bf16 pool with AVX-512 BF16, by bf16 pair products (the weights p rounded in place).
+static inline __attribute__((always_inline)) void group_values(float* a, float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx,
                                                                 int64_t block_size, int64_t slot_bytes, int64_t head,
                                                                 int bf16, int64_t group, const int64_t D,
                                                                 kv_stream* st) {
+#if KVD_AVX512_BF16
+    if (D % 64 == 0 && bf16 == 1) {
+        for (int64_t g = 0; g < group; g++) numerators_bf16(p + g * ctx, ctx);
+        for (int64_t g = 0; g < group; g += 3)
+            for (int64_t i0 = 0; i0 < D; i0 += 64) {
+                float* ag = a + g * D;
+                const uint16_t* pg = (const uint16_t*)(p + g * ctx);
+                kv_stream* first = g == 0 && i0 == 0 ? st : NULL;  // one stream step per block of the context
+                if (group - g >= 3)
+                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 3, first);
+                else if (group - g == 2)
+                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 2, first);
+                else
+                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 1, first);
+            }
+        return;
+    }
+#endif
 #if KVD_AVX512
     if (D % 64 == 0) {
         for (int64_t g = 0; g < group; g += 3)

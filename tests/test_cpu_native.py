@@ -70,6 +70,34 @@ def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_di
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [5, 7, 2])
+def test_odd_blocks_and_contexts_pair_their_last_key_with_nothing(dtype, block_size):
+    """With AVX-512 BF16 a bf16 pool's values are summed by key pairs within a block: a block of odd size, or a
+    context ending inside a pair, leaves its last key alone (zero weight and values beside it, never the next
+    slot's, which holds a NaN here). Every row matches the reference and has the same bits alone."""
+    torch.manual_seed(block_size)
+    heads, kv_heads, head_dim = 9, 3, 64
+    lens = torch.tensor([1, 2, 3, block_size, block_size + 1, 2 * block_size - 1, 33, 34], dtype=torch.int32)
+    width = -(-34 // block_size)
+    num_blocks = len(lens) * width
+    pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    tables = torch.randperm(num_blocks).to(torch.int32).view(len(lens), width)
+    for s, ctx in enumerate(lens.tolist()):  # the slot after each context: a NaN value no row may read
+        if ctx % block_size:
+            pool[1, tables[s, ctx // block_size], ctx % block_size] = float("nan")
+    q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    for s in range(len(lens)):
+        alone = cpu_native.paged_attention(
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
+        )
+        assert torch.equal(alone, got[s : s + 1]), s
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16)]
 )
