@@ -38,6 +38,18 @@ def _attention_reference(q, pool, tables, lens, scale):
     return torch.stack(out)
 
 
+def _assert_matches_reference_and_alone(q, pool, tables, lens):
+    """The native attention of every row against the torch reference, and bit for bit the same row alone."""
+    scale = q.shape[-1] ** -0.5
+    got = cpu_native.paged_attention(q, pool, tables, lens, scale)
+    tolerance = 1e-5 if q.dtype == torch.float32 else 1e-2
+    want = _attention_reference(q, pool, tables, lens, scale)
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    for s in range(len(lens)):
+        alone = cpu_native.paged_attention(q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], scale)
+        assert torch.equal(alone, got[s : s + 1]), s
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 8), (6, 1, 12)])
 @pytest.mark.parametrize("lens", [[1, 16, 17, 100, 37], [1, 16, 17, 100, 37, 5, 64, 33, 90, 2, 48, 71]])
@@ -86,15 +98,7 @@ def test_odd_blocks_and_contexts_pair_their_last_key_with_nothing(dtype, block_s
         if ctx % block_size:
             pool[1, tables[s, ctx // block_size], ctx % block_size] = float("nan")
     q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
-    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
-    for s in range(len(lens)):
-        alone = cpu_native.paged_attention(
-            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
-        )
-        assert torch.equal(alone, got[s : s + 1]), s
+    _assert_matches_reference_and_alone(q, pool, tables, lens)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,15 +116,7 @@ def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_di
     lens = torch.tensor([*range(1, 41), *range(21, 46), 48, 17, 33], dtype=torch.int32)
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
-    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
-    for s in range(len(lens)):
-        alone = cpu_native.paged_attention(
-            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
-        )
-        assert torch.equal(alone, got[s : s + 1]), s
+    _assert_matches_reference_and_alone(q, pool, tables, lens)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
