@@ -1674,6 +1674,7 @@ static inline __attribute__((always_inline)) void bf16_scores(const uint16_t* q,
         sc[t] = _mm512_reduce_add_ps(acc) * scale;
     }
 }
+
 // Numerators p[0 .. n) rounded to bf16 in place: the bf16 of p[t] at ((uint16_t*)p)[t] (each store lands on floats
 // already read).
 static inline void numerators_bf16(float* p, int64_t n) {
@@ -1726,7 +1727,6 @@ static inline __attribute__((always_inline)) void values_pairs64(float* a, const
     for (int g = 0; g < GN; g++)
         for (int i = 0; i < 4; i++) _mm512_storeu_ps(a + g * D + i0 + i * 16, acc[g][i]);
 }
-
 #endif
 
 // a[g] = the weighted value sum of head g, for the group's heads: three heads per pass over the values where
