@@ -1586,6 +1586,11 @@ static inline void unpacked_order(__m512* x, __m512* y) {
     *y = _mm512_permutex2var_ps(a, second, b);
 }
 
+// The lanes of 16 keys from key u of a block of n that are in it.
+static inline __mmask16 live_keys(int64_t n, int64_t u) {
+    return n - u >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - u)) - 1);
+}
+
 // values_tile with 64 columns in four 16-lane sums: the same fma chain per element, so the same results.
 static inline __attribute__((always_inline)) void values_tile64(float* a, const float* p, const char* values,
                                                                 const int32_t* table, int64_t ctx, int64_t block_size,
@@ -1680,7 +1685,7 @@ static inline __attribute__((always_inline)) void bf16_scores(const uint16_t* q,
 static inline void numerators_bf16(float* p, int64_t n) {
     uint16_t* h = (uint16_t*)p;
     for (int64_t t = 0; t < n; t += 16) {
-        const __mmask16 live = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 live = live_keys(n, t);
         _mm256_mask_storeu_epi16(h + t, live, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, p + t)));
     }
 }
@@ -1729,6 +1734,22 @@ static inline __attribute__((always_inline)) void values_pairs64(float* a, const
 }
 #endif
 
+#if KVD_AVX512
+// values_tile64, or over a bf16 pool with AVX-512 BF16 values_pairs64 (p already rounded by numerators_bf16).
+static inline __attribute__((always_inline)) void values64(float* a, const float* p, const char* values,
+                                                           const int32_t* table, int64_t ctx, int64_t block_size,
+                                                           int64_t slot_bytes, int64_t head, int bf16, int64_t D,
+                                                           int64_t i0, const int GN, kv_stream* st) {
+#if KVD_AVX512_BF16
+    if (bf16 == 1) {
+        values_pairs64(a, (const uint16_t*)p, values, table, ctx, block_size, slot_bytes, head, D, i0, GN, st);
+        return;
+    }
+#endif
+    values_tile64(a, p, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, GN, st);
+}
+#endif
+
 // a[g] = the weighted value sum of head g, for the group's heads: three heads per pass over the values where
 // SIMD runs and D is a multiple of 32 (the same arithmetic as weighted_values, head by head, otherwise); over a
 // bf16 pool with AVX-512 BF16, by bf16 pair products (the weights p rounded in place).
@@ -1737,37 +1758,23 @@ static inline __attribute__((always_inline)) void group_values(float* a, float* 
                                                                 int64_t block_size, int64_t slot_bytes, int64_t head,
                                                                 int bf16, int64_t group, const int64_t D,
                                                                 kv_stream* st) {
-#if KVD_AVX512_BF16
-    if (D % 64 == 0 && bf16 == 1) {
-        for (int64_t g = 0; g < group; g++) numerators_bf16(p + g * ctx, ctx);
-        for (int64_t g = 0; g < group; g += 3)
-            for (int64_t i0 = 0; i0 < D; i0 += 64) {
-                float* ag = a + g * D;
-                const uint16_t* pg = (const uint16_t*)(p + g * ctx);
-                kv_stream* first = g == 0 && i0 == 0 ? st : NULL;  // one stream step per block of the context
-                if (group - g >= 3)
-                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 3, first);
-                else if (group - g == 2)
-                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 2, first);
-                else
-                    values_pairs64(ag, pg, values, table, ctx, block_size, slot_bytes, head, D, i0, 1, first);
-            }
-        return;
-    }
-#endif
 #if KVD_AVX512
     if (D % 64 == 0) {
+#if KVD_AVX512_BF16
+        if (bf16 == 1)
+            for (int64_t g = 0; g < group; g++) numerators_bf16(p + g * ctx, ctx);
+#endif
         for (int64_t g = 0; g < group; g += 3)
             for (int64_t i0 = 0; i0 < D; i0 += 64) {
                 float* ag = a + g * D;
                 const float* pg = p + g * ctx;
                 kv_stream* first = g == 0 && i0 == 0 ? st : NULL;  // one stream step per block of the context
                 if (group - g >= 3)
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3, first);
+                    values64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 3, first);
                 else if (group - g == 2)
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2, first);
+                    values64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 2, first);
                 else
-                    values_tile64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1, first);
+                    values64(ag, pg, values, table, ctx, block_size, slot_bytes, head, bf16, D, i0, 1, first);
             }
         return;
     }
@@ -2073,11 +2080,6 @@ static inline void transpose16(const char* rows, int64_t stride, int32_t* out) {
         _mm512_storeu_si512(out + (4 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0x88));
         _mm512_storeu_si512(out + (12 + c) * 16, _mm512_shuffle_i32x4(w, w2, 0xdd));
     }
-}
-
-// The lanes of 16 keys from key u of a block of n that are in it.
-static inline __mmask16 live_keys(int64_t n, int64_t u) {
-    return n - u >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - u)) - 1);
 }
 
 // a[g] += sum over t < n of p[g][t] x vf[t] (columns i0 .. i0 + 63 of D) for GN heads whose weights lie
