@@ -27,10 +27,15 @@ PY=${PYTHON:-python3}
 WHEELS=build/gpu-wheels
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
-  # The H200 image runs Python 3.12; gguf is pure Python, pyzmq ships manylinux wheels.
+  # The H200 image runs Python 3.12 and lacks what kvd's engine imports besides torch and transformers:
+  # gguf, pyzmq, llguidance, jsonschema (and its own needs), cffi; its transformers is older than pyproject's
+  # and its setuptools may be too old for pyproject's license string (the editable install below).
   "$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$WHEELS" gguf==0.19.0 pyzmq==27.3.0 transformers==5.24.0
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" \
+    gguf==0.19.0 pyzmq==27.3.0 transformers==5.24.0 llguidance==1.9.1 jsonschema==4.26.0 \
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 cffi==2.1.1 pycparser==3.12 \
+    setuptools==84.2.1 wheel==0.48.0
   exit 0
 fi
 
