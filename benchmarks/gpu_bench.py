@@ -126,10 +126,11 @@ def make_llm(folder: Path, device: str, dtype: str, backend: str, mode: str, **e
     )
 
 
-def release(llm: LLM) -> None:
-    """Drop an engine (its pool, graphs and compiled code's buffers) before the next one sizes its pool."""
-    del llm
+def free_engine_memory() -> None:
+    """Return a dropped engine's memory (its pool, graphs, compiled code) before the next one sizes its pool:
+    the caller deletes its last reference first, since on CUDA the next pool is sized from free memory."""
     gc.collect()
+    torch._dynamo.reset()  # compiled code keeps the model it traced alive
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -189,7 +190,8 @@ def parity(args: argparse.Namespace, workdir: Path) -> dict:
             llm = make_llm(folder, args.device, name, backend, mode, max_num_seqs=8, kv_cache_memory=2**28)
             got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             steps = step_counts(llm)
-            release(llm)
+            del llm
+            free_engine_memory()
             prefixes = [shared_prefix(g, e) for g, e in zip(got, expected, strict=True)]
             exact = sum(p == new_tokens for p in prefixes)
             if dtype == torch.float32:
@@ -275,7 +277,8 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
                 **steps,
             }
         )
-        release(llm)
+        del llm
+        free_engine_memory()
         print(
             f"throughput {mode:6s} {info['attention_backend']:10s} {tokens} tokens in {elapsed:.1f} s: "
             f"{tokens / elapsed:.1f} output tok/s (startup {startup_s:.0f} s, {info['num_blocks']} blocks "

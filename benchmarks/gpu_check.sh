@@ -85,7 +85,7 @@ check() {  # check SECONDS NAME COMMAND...
 if [[ $DEVICE == cuda ]]; then
   # The CPU smoke run of gpu_bench is left out: the real runs follow.
   check 150 "kernel and backend tests on CUDA" \
-    "$PY" -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_backends.py -k "not smoke_run"
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_backends.py -k "not smoke_run"
 fi
 check 100 "greedy parity against transformers (float32 identical, bfloat16 by threshold)" \
   "$PY" -m benchmarks.gpu_bench parity --device "$DEVICE" "${BENCH_ARGS[@]}"

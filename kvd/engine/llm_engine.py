@@ -194,7 +194,8 @@ class LLMEngine:
         if num_blocks < 2:
             raise RequestRejectedError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-                "raise kv_cache_memory (on CUDA: gpu_memory_utilization)"
+                "raise kv_cache_memory (on CUDA: gpu_memory_utilization, or free the device memory that "
+                "another engine or process holds)"
             )
         return num_blocks
 

@@ -167,7 +167,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = None if bias is None else bias[rows]
             chunks.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask, scale=scale))
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        return out.view(n, num_heads, head_dim)
+        # reshape: CUDA's SDPA kernels may return the heads' rows strided, where a view cannot merge them.
+        return out.reshape(n, num_heads, head_dim)
 
     def _prefill(
         self,
