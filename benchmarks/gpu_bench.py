@@ -11,6 +11,11 @@ transformers in bfloat16, where rounding may part the two after a while: every p
 agree (on a GPU), and the tokens before the first difference must be at least BF16_MIN_SHARED of all. With graphs, the
 decode steps replay captured graphs between eager prefill steps: the run must have done both.
 
+invariance: measured, not asserted (docs/architecture.md, Determinism: on CUDA the linears and prefill attention
+choose their blocking by shape). 8 prompts of a small random Qwen3 each generated alone, then together with 24
+others, greedy, 32 tokens, float32 and bfloat16, with graphs + compile and eager: how many kept their tokens, and
+their logprobs bit for bit. On a CPU with kvd's native kernels every one must (tests/test_batch_invariance.py).
+
 throughput: nano-vllm's benchmark workload (256 sequences, prompt and output lengths uniform in 100..1024,
 temperature 0.6, ignore_eos) on a random-weight model with Qwen3-0.6B's config (weights do not change the
 speed), in bfloat16: output tokens/s with CUDA graphs + torch.compile, then with --enforce-eager, one after the
@@ -69,7 +74,7 @@ BF16_MIN_SHARED = 0.5
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("parts", nargs="+", choices=["parity", "throughput"])
+    p.add_argument("parts", nargs="+", choices=["parity", "invariance", "throughput"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny model and workload: a smoke run")
     p.add_argument("--attention-backend", default="auto", help="throughput: auto|torch|triton|flash-attn")
@@ -224,6 +229,44 @@ def parity(args: argparse.Namespace, workdir: Path) -> dict:
     return {"parity": rows, "ok": all(r["ok"] for r in rows)}
 
 
+def invariance(args: argparse.Namespace, workdir: Path) -> dict:
+    folder = save_random_qwen3(workdir / "tiny-qwen3-invariance", TINY_QWEN3, torch.float32, "cpu")
+    rng = random.Random(args.seed + 1)
+    prompts = [
+        [rng.randrange(2, TINY_QWEN3["vocab_size"]) for _ in range(rng.randint(5, 300))] for _ in range(32)
+    ]
+    probes = prompts[:8]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        for mode in parity_modes(args.device):
+            llm = make_llm(
+                folder,
+                args.device,
+                dtype,
+                args.attention_backend,
+                mode,
+                max_num_seqs=32,
+                kv_cache_memory=2**28,
+            )
+            alone = [llm.generate([p], params, use_tqdm=False)[0] for p in probes]
+            batched = llm.generate(prompts, params, use_tqdm=False)[: len(probes)]
+            del llm
+            free_engine_memory()
+            tokens = sum(a.token_ids == b.token_ids for a, b in zip(alone, batched, strict=True))
+            bits = sum(
+                [t.logprob for t in a.logprobs] == [t.logprob for t in b.logprobs]
+                for a, b in zip(alone, batched, strict=True)
+            )
+            rows.append({"dtype": dtype, "mode": mode, "same_tokens": tokens, "same_logprobs": bits})
+            print(
+                f"invariance {mode:6s} {dtype:8s} alone vs in a batch of 32: same tokens {tokens}/{len(probes)}, "
+                f"same logprobs {bits}/{len(probes)}",
+                flush=True,
+            )
+    return {"invariance": rows, "ok": True}
+
+
 def nano_vllm_workload(
     num_seqs: int, lo: int, hi: int, vocab_size: int, seed: int
 ) -> list[tuple[list[int], SamplingParams]]:
@@ -297,7 +340,7 @@ def throughput(args: argparse.Namespace, workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    parts = {"parity": parity, "throughput": throughput}
+    parts = {"parity": parity, "invariance": invariance, "throughput": throughput}
     result = {}
     with tempfile.TemporaryDirectory(prefix="kvd-gpu-bench-") as tmp:
         for part in args.parts:

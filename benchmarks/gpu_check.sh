@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The GPU check, for a CUDA host such as an H200, from the repository root. It fits one 8-minute device call:
-# every step, the install included, has a hard time limit (60 + 150 + 100 + 150 s, 460 s in all):
+# The GPU check, for a CUDA host such as an H200, from the repository root. It fits one 10-minute device call:
+# every step, the install included, has a hard time limit (60 + 150 + 100 + 60 + 150 s, 520 s in all; about 4
+# minutes on an H200):
 #   1. the kernel and backend tests on CUDA (tests/test_kernels.py, tests/test_backends.py): kernels against
 #      their torch references, backends against the torch backend, padded graph steps against eager ones;
 #   2. greedy parity against transformers on a small random Qwen3, every backend that runs there, float32
 #      (identical tokens) and bfloat16 (gpu_bench.BF16_MIN_SHARED), with real CUDA graphs replayed between eager
 #      prefill steps and torch.compile (Inductor), and with --enforce-eager;
-#   3. nano-vllm's throughput workload (256 sequences, 100-1024 tokens in and out) on a random Qwen3-0.6B:
+#   3. batch invariance, measured and printed (not a failure): 8 prompts alone and in a batch of 32, whether
+#      they keep their tokens and logprobs bit for bit;
+#   4. nano-vllm's throughput workload (256 sequences, 100-1024 tokens in and out) on a random Qwen3-0.6B:
 #      output tokens/s with graphs + compile, the --enforce-eager figure beside it, and the steps each replayed;
-#   4. on a host with two GPUs or more, a TP=2 run over NCCL (benchmarks/tensor_parallel.py --check), whose
+#   5. on a host with two GPUs or more, a TP=2 run over NCCL (benchmarks/tensor_parallel.py --check), whose
 #      greedy tokens must be TP=1's (120 s more); skipped with a message on one GPU.
 # It exits non-zero when any check fails.
 #
-#   benchmarks/gpu_check.sh                 run it (PYTHON=python3 by default; KVD_BACKEND=auto for step 3)
-#   benchmarks/gpu_check.sh --cpu           steps 2 and 3 on the CPU with a tiny model (checks the script;
+#   benchmarks/gpu_check.sh                 run it (PYTHON=python3 by default; KVD_BACKEND=auto for steps 3, 4)
+#   benchmarks/gpu_check.sh --cpu           steps 2-4 on the CPU with a tiny model (checks the script;
 #                                           step 1 runs in the ordinary test suite, in Triton's interpreter)
 #   benchmarks/gpu_check.sh --fetch-wheels  where pip can download: put the wheels the H200 image lacks
 #                                           (gguf, pyzmq, transformers 5.24) into build/gpu-wheels/
@@ -89,6 +92,8 @@ if [[ $DEVICE == cuda ]]; then
 fi
 check 100 "greedy parity against transformers (float32 identical, bfloat16 by threshold)" \
   "$PY" -m benchmarks.gpu_bench parity --device "$DEVICE" "${BENCH_ARGS[@]}"
+check 60 "batch invariance, measured: 8 prompts alone and in a batch of 32 (float32, bfloat16; graphs, eager)" \
+  "$PY" -m benchmarks.gpu_bench invariance --device "$DEVICE" --attention-backend "${KVD_BACKEND:-auto}" "${BENCH_ARGS[@]}"
 check 150 "throughput: nano-vllm workload (256 sequences, 100-1024 tokens in and out), random Qwen3-0.6B" \
   "$PY" -m benchmarks.gpu_bench throughput --device "$DEVICE" --attention-backend "${KVD_BACKEND:-auto}" "${BENCH_ARGS[@]}"
 if [[ $DEVICE == cuda ]]; then
