@@ -249,6 +249,7 @@ def invariance(args: argparse.Namespace, workdir: Path) -> dict:
                 max_num_seqs=32,
                 kv_cache_memory=2**28,
             )
+            backend = llm.engine.info()["attention_backend"]
             alone = [llm.generate([p], params, use_tqdm=False)[0] for p in probes]
             batched = llm.generate(prompts, params, use_tqdm=False)[: len(probes)]
             del llm
@@ -258,9 +259,18 @@ def invariance(args: argparse.Namespace, workdir: Path) -> dict:
                 [t.logprob for t in a.logprobs] == [t.logprob for t in b.logprobs]
                 for a, b in zip(alone, batched, strict=True)
             )
-            rows.append({"dtype": dtype, "mode": mode, "same_tokens": tokens, "same_logprobs": bits})
+            rows.append(
+                {
+                    "backend": backend,
+                    "dtype": dtype,
+                    "mode": mode,
+                    "same_tokens": tokens,
+                    "same_logprobs": bits,
+                }
+            )
             print(
-                f"invariance {mode:6s} {dtype:8s} alone vs in a batch of 32: same tokens {tokens}/{len(probes)}, "
+                f"invariance {backend:10s} {mode:6s} {dtype:8s} alone vs in a batch of 32: "
+                f"same tokens {tokens}/{len(probes)}, "
                 f"same logprobs {bits}/{len(probes)}",
                 flush=True,
             )

@@ -586,7 +586,7 @@ SMOKE_ARGS = ("--device", "cpu", "--tiny", "--backends", "torch", "--json")
 
 def test_gpu_bench_smoke_run_on_cpu():
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu_bench", "parity", "throughput", *SMOKE_ARGS],
+        [sys.executable, "-m", "benchmarks.gpu_bench", "parity", "invariance", "throughput", *SMOKE_ARGS],
         cwd=ROOT,
         env=os.environ | {"HF_HUB_OFFLINE": "1"},
         capture_output=True,
@@ -598,6 +598,11 @@ def test_gpu_bench_smoke_run_on_cpu():
     assert result["ok"]
     parity = [(r["backend"], r["dtype"], r["identical"], r["ok"]) for r in result["parity"]]
     assert parity[0] == ("torch", "float32", "4/4", True) and parity[1][:2] == ("torch", "bfloat16")
+    # The native backend's claim (tests/test_batch_invariance.py) holds in the benchmark's measure too.
+    invariance = result["invariance"]
+    assert [(r["dtype"], r["mode"]) for r in invariance] == [("float32", "eager"), ("bfloat16", "eager")]
+    if invariance[0]["backend"] == "native":
+        assert all(r["same_tokens"] == r["same_logprobs"] == 8 for r in invariance), invariance
     # Every request ran to its max_tokens (ignore_eos) in both modes; without CUDA no step replays a graph.
     rows = result["throughput"]
     # auto: the native backend on a CPU.
