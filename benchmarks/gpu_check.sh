@@ -19,7 +19,7 @@
 #   benchmarks/gpu_check.sh --cpu           steps 2-4 on the CPU with a tiny model (checks the script;
 #                                           step 1 runs in the ordinary test suite, in Triton's interpreter)
 #   benchmarks/gpu_check.sh --fetch-wheels  where pip can download: put the wheels the H200 image lacks
-#                                           (gguf, pyzmq, transformers 5.24) into build/gpu-wheels/
+#                                           (the list below) into build/gpu-wheels/
 #
 # The host needs torch with CUDA, triton, transformers, tokenizers, safetensors, numpy, xxhash, msgpack, tqdm,
 # pytest and hypothesis; flash-attn is optional (without it, auto picks triton). No network is used: wheels

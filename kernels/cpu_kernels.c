@@ -627,9 +627,10 @@ static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b,
 }
 
 // Bytes ahead of the unpack that each of its two groups' streams asks for while it unpacks, when the linear has
-// few activation rows. With few rows the products between unpacks are short, so the burst for the next pair
-// (prefetch_rows16) arrives late; 8 KiB ahead paid for the bundled model's 4 and 16-row linears on Zen 4: the
-// 8-bit output projection 1.13-1.23x, the 16-request workload 1.07x; at 64 rows it did not (0.98).
+// few activation rows (past the weight's end a prefetch is a no-op, never a fault). With few rows the products
+// between unpacks are short, so the burst for the next pair (prefetch_rows16) arrives late; on Zen 4 8 KiB ahead
+// made the 8-bit output projection 1.10-1.16x faster at 4 and 16 rows and the 16 and 64-request workloads 1.05x
+// and 1.07x; streaming at every row count, the 64-request workload was 0.98x.
 #define UNPACK_AHEAD 8192
 #define UNPACK_STREAM_ROWS 32  // activation rows up to which the unpack streams ahead
 
