@@ -41,7 +41,7 @@ import torch
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
 from kvd.kernels.native_build import HEADER, compile_source, ffi, isa, library_path
-from kvd.model.layers.kv_cache import pool_zeros
+from kvd.model.huge_pages import pool_zeros
 from kvd.model.layers.quantized_linear import linear_class
 
 ROOT = Path(__file__).resolve().parents[1]

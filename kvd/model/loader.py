@@ -27,6 +27,7 @@ from kvd.model.gguf_loader import (
     native_quantization,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
+from kvd.model.huge_pages import pack_weights
 from kvd.model.layers.quantized_linear import (
     QUANTIZATIONS,
     QuantizationError,
@@ -144,6 +145,8 @@ def load_model(
     quantize_model(causal_lm, quantization)
     set_batch_invariant(causal_lm, batch_invariant)
     causal_lm.eval()
+    if device.type == "cpu":
+        pack_weights(causal_lm)
     return LoadedModel(
         causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization
     )

@@ -3,13 +3,11 @@ values of the model's dtype, or in an int8 pool head_dim codes and their scale (
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from kvd.kernels import cpu_native
 from kvd.model.config import ModelConfig
+from kvd.model.huge_pages import pool_zeros
 
 
 def pool_row(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -31,23 +29,3 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, pool_row(config, dtype))
     return [pool_zeros(shape, dtype, torch.device(device)) for _ in range(config.num_hidden_layers)]
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on a Linux CPU one whose pages may be 2 MiB (transparent huge pages in "madvise" mode):
-    a decode step reads blocks scattered across the pool, and with 4 KiB pages nearly every block costs a TLB
-    miss. The advice comes before the first touch, so the zeroing faults huge pages in."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform == "linux":
-        begin = t.data_ptr()
-        start = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
-        end = (begin + t.numel() * t.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-        if end > start:  # advice only: a kernel without transparent huge pages ignores it
-            ctypes.CDLL(None, use_errno=True).madvise(
-                ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE
-            )
-    return t.zero_()

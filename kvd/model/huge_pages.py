@@ -1,0 +1,89 @@
+"""2 MiB pages for the large CPU tensors that every step reads: the KV pool and the weights.
+
+With 4 KiB pages nearly every block a decode step reads from the pool, and every few weight rows a linear
+streams, costs a TLB miss. Linux grants 2 MiB pages (transparent huge pages) where a range is advised with
+madvise(MADV_HUGEPAGE) before its first touch, in its "madvise" and "always" modes; elsewhere the advice is
+ignored and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+from torch import nn
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+ARENA_BYTES = 64 << 20  # weights are packed into arenas of this size: the copy's transient overhead
+
+
+def _advised() -> bool:
+    return sys.platform == "linux"
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Advise the whole 2 MiB pages inside t's memory (advice only: a kernel without them ignores it)."""
+    begin = t.data_ptr()
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
+    end = (begin + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        ctypes.CDLL(None, use_errno=True).madvise(
+            ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE
+        )
+
+
+def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor, on a Linux CPU in 2 MiB pages where the kernel grants them (advised before the zeroing
+    faults its pages in)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu" and _advised():
+        advise_huge_pages(t)
+    return t.zero_()
+
+
+def _own_storage(t: torch.Tensor) -> bool:
+    """Whether t is the whole of its storage (a view of a larger tensor keeps its place)."""
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def pack_weights(module: nn.Module) -> int:
+    """Move module's CPU parameters and buffers into arenas of 2 MiB pages (Linux only); returns the bytes moved.
+
+    A tensor registered twice (tied embeddings) stays one tensor; one that is a view of another stays where it is.
+    Arenas are ARENA_BYTES (or one tensor's size when larger), so loading holds at most one arena more than the
+    weights. Call it before anything keeps a weight's address (the native layer loop takes them on first use)."""
+    if not _advised():
+        return 0
+    slots = [(m._parameters, name) for m in module.modules() for name in m._parameters]
+    slots += [(m._buffers, name) for m in module.modules() for name in m._buffers]
+    moved: dict[int, torch.Tensor] = {}
+    arena, free, total = None, 0, 0
+    for table, name in slots:
+        t = table[name]
+        if t is None or not _own_storage(t) or t.numel() == 0:
+            continue
+        if id(t) not in moved:
+            nbytes = -(-t.numel() * t.element_size() // 64) * 64
+            if arena is None or nbytes > arena.numel() - free:
+                size = max(ARENA_BYTES, nbytes)
+                arena = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)
+                free = -arena.data_ptr() % HUGE_PAGE
+                advise_huge_pages(arena)
+            home = arena[free : free + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            home.copy_(t)
+            free += nbytes
+            total += nbytes
+            if isinstance(t, nn.Parameter):
+                t.data = home
+                moved[id(t)] = t
+            else:
+                moved[id(t)] = home
+        table[name] = moved[id(t)]
+    return total
