@@ -1,6 +1,7 @@
 """Weights and the KV pool in 2 MiB pages (kvd.model.huge_pages): same values, tied weights tied, advised memory."""
 
 import itertools
+import mmap
 import os
 import re
 import sys
@@ -89,7 +90,9 @@ def test_pack_keeps_values_ties_and_views():
 )
 def test_packed_weights_and_pool_are_advised_for_huge_pages():
     module = Tied()
-    plain = torch.empty(8 << 20, dtype=torch.uint8)
+    # A mapping of its own, never advised (heap memory may lie where an earlier test advised it).
+    mapping = mmap.mmap(-1, 8 << 20)
+    plain = torch.frombuffer(mapping, dtype=torch.uint8)
     pack_weights(module)
     pool = pool_zeros((2, 64, 16, 4, 64), torch.float32, torch.device("cpu"))  # 2 MiB: holds a page at most
     assert thp_eligible(advised_inside(module.embed.weight))
