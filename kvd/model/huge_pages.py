@@ -58,7 +58,8 @@ def pack_weights(module: nn.Module) -> int:
 
     A tensor registered twice (tied embeddings) stays one tensor; one that is a view of another stays where it is.
     Arenas are ARENA_BYTES (or one tensor's size when larger), so loading holds at most one arena more than the
-    weights; an arena's unused end is never touched, so it costs address space, not memory. Call it before anything keeps a weight's address (the native layer loop takes them on first use)."""
+    weights; an arena's unused end is never touched, so it costs address space, not memory. Call it before
+    anything keeps a weight's address (the native layer loop takes them on first use)."""
     if not _advised():
         return 0
     slots = [(m._parameters, name) for m in module.modules() for name in m._parameters]
