@@ -21,31 +21,27 @@ from torch import nn
 
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
+from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.huge_pages import pack_weights
+from kvd.model.layers.linear import Linear
 from kvd.model.layers.quantized_linear import linear_class
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 
 
-class TileLinear(nn.Module):
-    """A bf16 weight in its kernel's tile order, as batch-invariant bf16 models keep theirs."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("tiles", cpu_native.pack(weight.to(torch.bfloat16)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_native.linear(x, cpu_native.linear_weight(16, self.tiles, tiles=True))
-
-
 def decoder_linears(mode: str, seed: int) -> nn.ModuleList:
-    """Every linear of LAYERS layers, in the order a decode step runs them."""
+    """Every linear of LAYERS layers, in the order a decode step runs them; bf16 ones as a batch-invariant model
+    keeps them (kvd.model.batch_invariance: in their kernel's tile order)."""
     gen = torch.Generator().manual_seed(seed)
-    make = TileLinear if mode == "bf16" else linear_class(mode)
-    return nn.ModuleList(
-        make(torch.randn(n, k, generator=gen) * 0.05) for _ in range(LAYERS) for n, k in SHAPES
-    )
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for _ in range(LAYERS) for n, k in SHAPES]
+    if mode != "bf16":
+        return nn.ModuleList(linear_class(mode)(w) for w in weights)
+    linears = nn.ModuleList(Linear(w.shape[1], w.shape[0], bias=False) for w in weights)
+    for linear, w in zip(linears, weights, strict=True):
+        linear.weight.data = w.to(torch.bfloat16)
+    set_batch_invariant(linears, True)
+    return linears
 
 
 def sweep_seconds(linears: nn.ModuleList, rows: int) -> float:

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from quick_benchmark import run_quick
 from torch import nn
 
+from kvd.kernels import cpu_native
 from kvd.model.huge_pages import ARENA_BYTES, HUGE_PAGE, pack_weights, pool_zeros
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="the 2 MiB page advice is Linux's madvise")
 
 
 def thp_mode() -> str | None:
@@ -102,6 +105,7 @@ def test_packed_weights_and_pool_are_advised_for_huge_pages():
         assert not thp_eligible(advised_inside(plain))
 
 
+@linux_only
 def test_arenas_bound_the_extra_memory():
     """A tensor larger than an arena gets one of its own size (and a page to align it); smaller ones share."""
     module = nn.Module()
@@ -109,32 +113,24 @@ def test_arenas_bound_the_extra_memory():
     module.register_buffer("small_a", torch.ones(1000))
     module.register_buffer("small_b", torch.ones(1000))
     pack_weights(module)
-    if sys.platform != "linux":
-        return
     large, a, b = module.large, module.small_a, module.small_b
     assert large.untyped_storage().nbytes() < ARENA_BYTES + 1024 * 4 + 2 * HUGE_PAGE
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     assert large.sum() == large.numel() and a.sum() == 1000 and b.sum() == 1000
 
 
+@linux_only
 def test_loaded_cpu_model_is_packed(tiny_checkpoint):
     from kvd.model.loader import load_model
 
     model = load_model(tiny_checkpoint("qwen3"), dtype=torch.float32).model
     weights = [t for t in list(model.parameters()) + list(model.buffers()) if t.numel() > 0]
-    if sys.platform != "linux":
-        return
     arenas = {t.untyped_storage().data_ptr() for t in weights}
     assert len(arenas) < len(weights) // 4  # shared arenas, not a storage per tensor
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="the native kernels cannot be built here")
 def test_benchmark_times_both_placements_of_the_same_weights():
-    from quick_benchmark import run_quick
-
-    from kvd.kernels import cpu_native
-
-    if not cpu_native.available():
-        pytest.skip("the native kernels cannot be built here")
     out, result = run_quick("benchmarks.huge_pages", dict(os.environ), "--modes", "int4,bf16")
     modes = ["int4"] + ([] if "bf16" in result["skipped"] else ["bf16"])
     assert set(result["cases"]) == {f"{mode} rows 4" for mode in modes}

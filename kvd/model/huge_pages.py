@@ -17,10 +17,7 @@ from torch import nn
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 ARENA_BYTES = 64 << 20  # weights are packed into arenas of this size: the copy's transient overhead
-
-
-def _advised() -> bool:
-    return sys.platform == "linux"
+_LINUX = sys.platform == "linux"  # madvise and transparent huge pages
 
 
 def advise_huge_pages(t: torch.Tensor) -> None:
@@ -38,7 +35,7 @@ def pool_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     """A zeroed tensor, on a Linux CPU in 2 MiB pages where the kernel grants them (advised before the zeroing
     faults its pages in)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and _advised():
+    if device.type == "cpu" and _LINUX:
         advise_huge_pages(t)
     return t.zero_()
 
@@ -60,7 +57,7 @@ def pack_weights(module: nn.Module) -> int:
     Arenas are ARENA_BYTES (or one tensor's size when larger), so loading holds at most one arena more than the
     weights; an arena's unused end is never touched, so it costs address space, not memory. Call it before
     anything keeps a weight's address (the native layer loop takes them on first use)."""
-    if not _advised():
+    if not _LINUX:
         return 0
     slots = [(m._parameters, name) for m in module.modules() for name in m._parameters]
     slots += [(m._buffers, name) for m in module.modules() for name in m._buffers]
