@@ -413,6 +413,44 @@ def test_protocol_errors_are_replies(limited: DaemonProcess):
         assert info.value.field == "text"
 
 
+def test_msgpack_that_strict_reading_refuses_is_answered_with_its_id_and_field(tiny_daemon: DaemonProcess):
+    """Python packs {2: -100} with an integer key; a C or JavaScript client can send bytes that are no UTF-8. The
+    reply must reach the request that sent it (a reply without its id leaves that client waiting)."""
+    sock = raw_socket(tiny_daemon.endpoint)
+
+    def ask(frame: bytes) -> tuple:
+        sock.send(frame)
+        reply = recv_reply(sock)
+        return reply["id"], reply["code"], reply["field"]
+
+    bias = {"v": 1, "id": 1, "op": "generate", "prompt": "Hi", "logit_bias": {2: -100.0}}
+    assert ask(msgpack.packb(bias)) == (1, "bad_request", "logit_bias")
+    text = {"v": 1, "id": "two", "op": "chat", "messages": [{"role": "user", "content": "XXXX"}]}
+    frame = msgpack.packb(text).replace(b"XXXX", b"\xff\xfe\xfd\xfc")
+    assert ask(frame) == ("two", "bad_request", "messages[0].content")
+    properties = {f"p{i}": {"type": "integer"} for i in range(600)}
+    schema = {"v": 1, "id": 3, "op": "generate", "prompt": "Hi", "json_schema": {"properties": properties}}
+    assert ask(msgpack.packb(schema)) == (3, "bad_request", "json_schema.properties")
+    sock.close()
+    with tiny_daemon.client() as client:
+        banned = client.generate("Hi", max_tokens=1, temperature=0).token_ids[0]
+        # The client sends integer keys as the decimal strings the protocol takes.
+        assert client.generate("Hi", max_tokens=1, temperature=0, logit_bias={banned: -100}).token_ids != [
+            banned
+        ]
+        for fields, field in [
+            ({"seed": 2**64}, "seed"),
+            ({"stop": ["ok", "\ud800"]}, "stop[1]"),
+            ({"stop": {"a"}}, "stop"),
+        ]:
+            with pytest.raises(BadRequestError) as info:
+                client.generate("Hi", **fields)
+            assert info.value.field == field
+        with pytest.raises(BadRequestError) as info:
+            client.chat([{"role": "user", "content": "\udc80"}])
+        assert info.value.field == "messages[0].content"
+
+
 # Startup: where the daemon refuses to listen (fast: it checks before loading the model).
 
 

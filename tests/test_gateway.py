@@ -3,6 +3,7 @@ disconnects, errors and /metrics. The reference for every output is the daemon i
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import socket
@@ -16,6 +17,8 @@ from daemon_fixtures import REPO, DaemonProcess, daemon_env
 from gateway_fixtures import daemon_fixture, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.gateway.metrics import GatewayMetrics
+from kvd.gateway.outcome import answer
 from kvd_client import Client
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -136,6 +139,12 @@ def test_completion_logprobs_have_offsets_into_the_text(oai: openai.OpenAI, mode
         ({"frobnicate": 1}, 400, "frobnicate"),  # unknown fields are rejected, not ignored
         ({"n": 0}, 400, "n"),
         ({"model": "gpt-4"}, 404, "model"),
+        # Values JSON carries but msgpack cannot: refused with the field named, not a 500.
+        ({"seed": 2**64}, 400, "seed"),
+        ({"max_tokens": 10**30}, 400, "max_tokens"),
+        ({"prompt": "a\udc00b"}, 400, "prompt"),
+        ({"stop": ["x", "\ud800"]}, 400, "stop[1]"),
+        ({"stream": True, "seed": 2**64}, 400, "seed"),
     ],
 )
 def test_errors_have_openai_shape_and_status(
@@ -146,6 +155,27 @@ def test_errors_have_openai_shape_and_status(
     error = json.loads(text)["error"]
     assert code == status and error["param"] == param and error["message"], text
     assert error["type"] == "invalid_request_error"
+
+
+def test_an_unexpected_failure_is_a_counted_server_error():
+    metrics = GatewayMetrics()
+
+    async def broken() -> dict:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(answer(metrics, "/v1/completions", {}, broken()))
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition(None).decode())
+        for s in family.samples
+    }
+    assert (
+        scraped[
+            ("kvd_gateway_requests_total", (("endpoint", "/v1/completions"), ("outcome", "server_error")))
+        ]
+        == 1
+    )
 
 
 def test_the_openai_client_raises_its_typed_errors(oai: openai.OpenAI, model: str):

@@ -469,6 +469,31 @@ def test_parser_whole_and_at_every_cut(template, text, content, calls):
         assert content.startswith("".join(emitted[:step]))
 
 
+CUT_CASES = [
+    (HERMES, '<tool_call>\n{"name": "get_weather", "argu', "", []),
+    (
+        HERMES,
+        f'Sure. <tool_call>{CITY}</tool_call>\n<tool_call>\n{{"na',
+        "Sure.",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (HERMES, f"<tool_call>{CITY}\n", "", [("get_weather", {"city": "Paris"})]),  # whole but for </tool_call>
+    (HERMES, "plain text, cut", "plain text, cut", []),
+    (LLAMA3, f'{CITY}; {{"name": "add", "parameters": {{"a": 1', "", [("get_weather", {"city": "Paris"})]),
+    # Not one whole call: JSON content or a call, no telling, so the text stays content.
+    (LLAMA3, '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
+]
+
+
+@pytest.mark.parametrize(("template", "text", "content", "calls"), CUT_CASES)
+def test_a_call_cut_by_max_tokens_is_not_content(template, text, content, calls):
+    for cut in range(len(text) + 1):
+        parser = ToolCallParser(template, TOOLS)
+        emitted = parser.feed(text[:cut]) + parser.feed(text[cut:])
+        rest, parsed = parser.finish(cut=True)
+        assert (emitted + rest, _calls(parsed)) == (content, calls), cut
+
+
 def test_parser_streams_plain_text_without_delay():
     parser = ToolCallParser(HERMES, TOOLS)
     assert parser.feed("Hello") == "Hello"

@@ -85,6 +85,19 @@ def test_streamed_calls_come_whole_in_the_final_reply(tiny_daemon: DaemonProcess
     assert sum(len(c.token_ids) for c in chunks) == whole.usage.completion_tokens
 
 
+def test_a_call_cut_by_max_tokens_ends_with_length_and_no_markup(tiny_daemon: DaemonProcess):
+    single = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}
+    with tiny_daemon.client() as client:
+        whole = client.chat(ASK, max_tokens=200, **single)
+        assert whole.finish_reason == "tool_calls" and len(whole.tool_calls) == 1
+        half = whole.usage.completion_tokens // 2
+        cut = client.chat(ASK, max_tokens=half, **single)
+        chunks = list(client.stream_chat(ASK, max_tokens=half, **single))
+    assert (cut.finish_reason, cut.text, cut.tool_calls) == ("length", "", [])
+    assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "length"
+    assert chunks[-1].tool_calls == [] and sum(len(c.token_ids) for c in chunks) == half
+
+
 def test_a_two_turn_tool_conversation(tiny_daemon: DaemonProcess, qwen_daemon: DaemonProcess):
     for daemon in (tiny_daemon, qwen_daemon):
         with daemon.client() as client:

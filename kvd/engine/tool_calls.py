@@ -482,10 +482,13 @@ class _Hermes:
         tail = _HERMES_CLOSE if closed else ""
         return f"{self.before}{_HERMES_OPEN}{block}{tail}"
 
-    def finish(self) -> str:
+    def finish(self, cut: bool) -> str:
         if self.in_call:
             block, self.buffer = self.buffer, ""
-            return self._close(block, closed=False)
+            content = self._close(block, closed=False)
+            return (
+                "" if cut else content
+            )  # a block cut short by max_tokens is an unfinished call, not content
         rest, self.buffer = self.buffer, ""
         return rest
 
@@ -539,18 +542,20 @@ class _Llama3:
         out, self.buffer = self.buffer, ""
         return out
 
-    def finish(self) -> str:
+    def finish(self, cut: bool) -> str:
         text, self.buffer = self.buffer, ""
         if self.mode != "call":
             return text
-        calls = _llama3_calls(text, self.names)
+        calls = _llama3_calls(text, self.names, cut)
         if calls is None:
             return text
         self.calls.extend(calls)
         return ""
 
 
-def _llama3_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+def _llama3_calls(text: str, names: set[str], cut: bool) -> list[ToolCall] | None:
+    """The calls `text` holds, or None if it is not calls alone; when `cut` (by max_tokens), whole calls
+    followed by the start of another are the whole ones."""
     rest = text.strip()
     if rest.startswith(_PYTHON_TAG):
         rest = rest[len(_PYTHON_TAG) :].lstrip()
@@ -560,7 +565,7 @@ def _llama3_calls(text: str, names: set[str]) -> list[ToolCall] | None:
         try:
             value, end = decoder.raw_decode(rest)
         except json.JSONDecodeError:
-            return None
+            return calls if cut and calls else None
         call = _as_call(value, names)
         if call is None:
             return None
@@ -586,6 +591,7 @@ class ToolCallParser:
         """The content text that is safe to emit now (never a prefix of a tool-call marker, never inside a call)."""
         return self._impl.feed(text)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest of the content, and the calls parsed."""
-        return self._impl.finish(), self._impl.calls
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest of the content, and the calls parsed. `cut`: the output ended at max_tokens, so an unfinished
+        call is dropped rather than returned as content."""
+        return self._impl.finish(cut), self._impl.calls

@@ -117,6 +117,13 @@ def install_handlers(app: FastAPI) -> None:
         error = invalid_fields([(p or "body", reason) for p, reason in problems])
         return error_response(request, error)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        # A bug of the gateway's: answered in the API's error shape rather than as plain text (the server still
+        # logs the traceback: Starlette re-raises after this reply).
+        error = ApiError(500, f"internal error of the gateway: {type(e).__name__}", "server_error")
+        return error_response(request, error)
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> JSONResponse:
         type_ = "invalid_request_error" if e.status_code < 500 else "server_error"

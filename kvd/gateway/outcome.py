@@ -20,7 +20,8 @@ async def answer(
 ) -> Response:
     """Await `reply` and count its outcome. A whole reply (a JSON body) is a success; a stream counts its own
     outcome when it ends. A client that went away gets a 499; API and daemon errors are raised as HTTP errors
-    (the daemon's fields named by `param_names`), client or server errors by their status."""
+    (the daemon's fields named by `param_names`), client or server errors by their status; anything else is a
+    server error, answered by the app's handler."""
     try:
         result = await reply
     except ClientDisconnected:
@@ -30,6 +31,9 @@ async def answer(
         error = e if isinstance(e, ApiError) else from_kvd_error(e, param_names)
         metrics.request_done(endpoint, "client_error" if error.status < 500 else "server_error")
         raise error from None
+    except Exception:
+        metrics.request_done(endpoint, "server_error")
+        raise
     if isinstance(result, StreamingResponse):
         return result
     metrics.request_done(endpoint, "success")

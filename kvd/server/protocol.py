@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,9 +161,60 @@ def _unpack(frame: bytes) -> Any:
         # Every length is also bounded by the frame size; ext types (timestamps included) are not part of it.
         return msgpack.unpackb(frame, raw=False, strict_map_key=True, max_map_len=MAX_MAP_LEN, max_ext_len=0)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
-        raise ProtocolError(
-            BAD_REQUEST, f"the message is not valid msgpack ({type(e).__name__}: {e})"
-        ) from None
+        raise _undecodable(frame, e) from None
+
+
+def _undecodable(frame: bytes, e: Exception) -> ProtocolError:
+    """The error for a frame that is no request map of text keys and UTF-8 strings: where the frame is msgpack
+    all the same (read leniently, strings as bytes), it names the request id and the field at fault, so the
+    reply reaches the call that sent it."""
+    error = ProtocolError(BAD_REQUEST, f"the message is not valid msgpack ({type(e).__name__}: {e})")
+    try:
+        # No map bound here: the frame's size bounds the work, and a map over the bound is named below.
+        msg = msgpack.unpackb(frame, raw=True, strict_map_key=False, use_list=False, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return error
+    if not isinstance(msg, dict):
+        return error
+    request_id = msg.get(b"id")
+    if isinstance(request_id, bytes):
+        request_id = request_id.decode("utf-8", "replace")
+    with contextlib.suppress(ProtocolError):
+        error.request_id = _as_id(request_id, "id")
+    try:
+        fault = _fault(msg, "")
+    except RecursionError:  # nested deeper than any request: the plain message says enough
+        fault = None
+    if fault is not None:
+        error.field, error.message = fault
+    return error
+
+
+def _fault(value: Any, path: str) -> tuple[str, str] | None:
+    """The first place in a leniently read message that strict reading refuses: a map key that is not text, a
+    map of more than MAX_MAP_LEN entries, or a string that is not UTF-8."""
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return path, "is not valid UTF-8 text"
+    elif isinstance(value, dict):
+        if len(value) > MAX_MAP_LEN:
+            return path, f"has {len(value)} entries; a map in a request holds at most {MAX_MAP_LEN}"
+        for key, item in value.items():
+            if not isinstance(key, bytes):
+                return path, f"map keys must be strings, got {_type_name(key)} {key!r:.40}"
+            name = key.decode("utf-8", "replace")
+            where = f"{path}.{name}" if path else name
+            fault = _fault(key, where) or _fault(item, where)
+            if fault is not None:
+                return fault
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            fault = _fault(item, f"{path}[{i}]")
+            if fault is not None:
+                return fault
+    return None
 
 
 def _peek_id(frame: bytes) -> RequestId | None:

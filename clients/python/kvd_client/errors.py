@@ -41,6 +41,9 @@ class DaemonError(KvdError):
 
 
 class BadRequestError(DaemonError):
+    """A request field the daemon refuses; also raised before sending for a value no request can carry (an
+    integer beyond 64 bits, text with a lone surrogate)."""
+
     code = "bad_request"
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgpack
 
-from kvd_client.errors import ProtocolMismatchError, error_from_reply
+from kvd_client.errors import BadRequestError, ProtocolMismatchError, error_from_reply
 
 PROTOCOL_VERSION = 1
 
@@ -91,10 +91,49 @@ class Completion:
 
 
 def pack_request(op: str, request_id: RequestId, fields: dict[str, Any]) -> bytes:
-    """One request map; fields set to None are left out, so the daemon applies its defaults."""
+    """One request map; fields set to None are left out, so the daemon applies its defaults. A value msgpack
+    cannot carry raises BadRequestError naming its field, as the daemon would for a value out of range."""
     message = {"v": PROTOCOL_VERSION, "id": request_id, "op": op}
     message.update((k, v) for k, v in fields.items() if v is not None)
-    return msgpack.packb(message)
+    if isinstance(message.get("logit_bias"), dict):  # token ids go over the wire as decimal strings
+        message["logit_bias"] = {_token_key(k): v for k, v in message["logit_bias"].items()}
+    try:
+        return msgpack.packb(message)
+    except (TypeError, ValueError, OverflowError) as e:  # UnicodeEncodeError is a ValueError
+        field, reason = _unpackable(message, "") or (None, f"cannot be sent ({e})")
+        raise BadRequestError(reason, field, request_id) from None
+
+
+def _token_key(key: object) -> object:
+    return str(key) if isinstance(key, int) and not isinstance(key, bool) else key
+
+
+def _unpackable(value: object, path: str) -> tuple[str, str] | None:
+    """The first value in a request that msgpack cannot carry: (its field path, why)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return path, f"is not valid text: {value[e.start]!r} at {e.start} is a lone surrogate"
+    elif isinstance(value, bool | float | bytes) or value is None:
+        pass
+    elif isinstance(value, int):
+        if not -(2**63) <= value < 2**64:
+            return path, f"{value} is beyond the 64-bit integers a request can carry"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            fault = _unpackable(key, where) or _unpackable(item, where)
+            if fault is not None:
+                return fault
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            fault = _unpackable(item, f"{path}[{i}]")
+            if fault is not None:
+                return fault
+    else:
+        return path, f"a {type(value).__name__} cannot be sent"
+    return None
 
 
 def prompt_fields(prompt: str | Sequence[int], params: dict[str, Any]) -> dict[str, Any]:
