@@ -11,6 +11,7 @@ import pytest
 import zmq
 from daemon_fixtures import DaemonProcess, raw_socket, start_daemon
 
+from kvd.server.daemon import IDLE_POLL_MS
 from kvd.server.fairness import FairQueue
 from kvd.server.sessions import ClientSession, Generation
 
@@ -44,7 +45,7 @@ def send_generate(sock: zmq.Socket, request_id: int, prompt: str) -> None:
 def max_concurrent(events: list[tuple], client: str) -> int:
     """The most requests of `client` between their first chunk and their final at any point."""
     running = most = 0
-    for who, kind, _ in events:
+    for who, kind, *_ in events:
         if who == client:
             running += 1 if kind == "first" else -1
             most = max(most, running)
@@ -52,7 +53,8 @@ def max_concurrent(events: list[tuple], client: str) -> int:
 
 
 def record_events(sockets: dict[str, zmq.Socket], expected_finals: int, timeout: float = 60) -> list[tuple]:
-    """(client, "first" or "final", request id) in arrival order, until `expected_finals` finals came."""
+    """(client, "first" or "final", request id, time.monotonic()) in arrival order, until `expected_finals` finals
+    came."""
     poller = zmq.Poller()
     for sock in sockets.values():
         poller.register(sock, zmq.POLLIN)
@@ -68,10 +70,10 @@ def record_events(sockets: dict[str, zmq.Socket], expected_finals: int, timeout:
                 assert reply["type"] in ("chunk", "final", "heartbeat"), reply
                 if reply["type"] != "heartbeat" and key not in started:
                     started.add(key)
-                    events.append((names[sock], "first", reply["id"]))
+                    events.append((names[sock], "first", reply["id"], time.monotonic()))
                 if reply["type"] == "final":
                     finals += 1
-                    events.append((names[sock], "final", reply["id"]))
+                    events.append((names[sock], "final", reply["id"], time.monotonic()))
     return events
 
 
@@ -91,7 +93,7 @@ def test_a_flooding_client_does_not_delay_a_single_request_beyond_one_round(daem
     finally:
         for sock in (flood_a, flood_b, single):
             sock.close()
-    firsts = [client for client, kind, _ in events if kind == "first"]
+    firsts = [client for client, kind, *_ in events if kind == "first"]
     # One round admits at most MAX_NUM_SEQS requests: the single one starts within the second round, not after
     # the 40 queued before it (first-come-first-served would put it last).
     assert firsts.index("single") < 2 * MAX_NUM_SEQS, firsts
@@ -123,6 +125,11 @@ def test_a_client_at_its_kv_block_cap_waits_for_its_own_requests(daemon: DaemonP
     finally:
         sock.close()
     assert max_concurrent(events, "long") == 1, events
+    # Each next request starts in the loop turn that freed its room, not after the daemon's idle poll.
+    kinds = [kind for _, kind, *_ in events]
+    assert kinds == ["first", "final"] * 3, events
+    gaps = [events[i + 1][3] - events[i][3] for i in (1, 3)]
+    assert max(gaps) < IDLE_POLL_MS / 1000 / 2, gaps
 
 
 def test_the_fair_queue_takes_turns_and_skips_clients_at_their_cap():

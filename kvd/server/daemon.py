@@ -85,6 +85,9 @@ class Daemon:
                     self.admission.admit()
                     if self.engine.has_unfinished():
                         self._step()
+                        # What the step's finished requests made room for (a client's cap), so that it runs
+                        # next turn instead of waiting out the idle poll.
+                        self.admission.admit()
                     self._check_workers()
                     self.router.outbox.service()
                     self._tell_manager()
