@@ -610,6 +610,19 @@ def test_grammar_keeps_the_refs_of_a_schema(ll_tokenizer, hf_tokenizer):
     )
 
 
+def test_forced_arguments_take_only_the_listed_properties_unless_the_schema_opens_them(
+    ll_tokenizer, hf_tokenizer
+):
+    """As json_schema's objects: a small model would otherwise invent keys until max_tokens."""
+    listed = {"type": "object", "properties": {"tz": {"type": "string"}}}
+    for parameters, extra_allowed in [(listed, False), ({**listed, "additionalProperties": True}, True)]:
+        tools = parse_tools(_function("get_time", parameters=parameters))
+        grammar = tool_call_grammar(tools, ToolChoice("required"), HERMES, parallel=False)
+        assert _accepts(ll_tokenizer, hf_tokenizer, grammar, _call_text(HERMES, "get_time", {"tz": "UTC"}))
+        extra = _call_text(HERMES, "get_time", {"tz": "UTC", "date": "today"})
+        assert _accepts(ll_tokenizer, hf_tokenizer, grammar, extra) == extra_allowed
+
+
 @pytest.mark.parametrize("template", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
 def test_text_the_grammar_accepts_parses_into_the_calls(ll_tokenizer, hf_tokenizer, template):
     grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel=True)

@@ -11,6 +11,7 @@ import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kvd.engine.json_schema import closed_schema
 from kvd.engine.sampling_params import SamplingParams
 
 # JSON in one canonical, terminating shape: `{"a": 1, "b": [2, 3]}`. Flexible whitespace would let a model pad
@@ -105,71 +106,12 @@ def _grammar(name: str, text: str) -> str:
             raise ValueError(f"not valid JSON: {e}") from None
         if not isinstance(schema, dict | bool):
             raise ValueError("a JSON schema is an object (or true/false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(_closed(schema), defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed_schema(schema), defaults=JSON_OPTIONS)
     if name == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if name == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     return llguidance.LLMatcher.grammar_from_lark(text)
-
-
-# Keywords whose values are subschemas (a schema, a list of them, or a map of names to them).
-_SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "additionalItems")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_EXTRA_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-
-
-def _closed(schema: object, close: bool = True) -> object:
-    """The schema with every object that lists `properties` and says nothing of others closed to them.
-
-    As in OpenAI's strict structured outputs (and vLLM's default): JSON Schema's own default lets a model invent
-    keys until max_tokens, which small models do. `"additionalProperties": true` keeps an object open. The parts
-    of an allOf are left open at their top (each lists only some of the properties the whole has)."""
-    if not isinstance(schema, dict):
-        return schema
-    out = _merged_all_of(schema)
-    if close and "properties" in out and not any(k in out for k in _EXTRA_KEYS) and "allOf" not in out:
-        out["additionalProperties"] = False
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(s) for s in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [_closed(s, close=False) for s in out["allOf"]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(s) for name, s in out[key].items()}
-    return out
-
-
-_PLAIN_OBJECT = {"type", "properties", "required", "description", "title"}
-
-
-def _merged_all_of(schema: dict) -> dict:
-    """An allOf of plain objects (properties and required only) as the one object it describes, which can then
-    be closed; any other allOf is kept as it is."""
-    parts = schema.get("allOf")
-    plain = (
-        isinstance(parts, list)
-        and parts
-        and all(
-            isinstance(p, dict) and set(p) <= _PLAIN_OBJECT and p.get("type", "object") == "object"
-            for p in parts
-        )
-    )
-    names = [name for p in parts for name in p.get("properties", {})] if plain else []
-    if not plain or len(set(names)) < len(names) or any(k in schema for k in ("properties", *_EXTRA_KEYS)):
-        return dict(schema)  # a property in two parts must meet both: not a plain union
-    out = {k: v for k, v in schema.items() if k != "allOf"}
-    out["type"] = "object"
-    out["properties"] = {name: s for p in parts for name, s in p.get("properties", {}).items()}
-    out["required"] = list(
-        dict.fromkeys([*schema.get("required", []), *(r for p in parts for r in p.get("required", []))])
-    )
-    return out
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> torch.Tensor:

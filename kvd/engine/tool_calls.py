@@ -15,6 +15,8 @@ from typing import Any
 
 import jsonschema
 
+from kvd.engine.json_schema import closed_schema
+
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMETERS: dict = {"type": "object", "properties": {}}
@@ -373,7 +375,9 @@ def _calls_schema(tools: list[Tool], key: str) -> dict:
     defs: dict[str, dict] = {}
     options = []
     for i, tool in enumerate(tools):
-        arguments = tool.parameters
+        arguments = closed_schema(
+            tool.parameters
+        )  # as json_schema's: a small model would invent keys forever
         if _has_local_ref(arguments):
             # "#..." refs point into the tool's own schema: keep it whole under $defs and re-root them there.
             defs[f"tool_{i}"] = _reroot_refs(arguments, f"#/$defs/tool_{i}")
