@@ -114,6 +114,9 @@ def test_parse_tools_reads_the_openai_list():
             _function(parameters={"type": "object", "properties": {"a": {"minimum": "zero"}}}),
             "tools[0].function.parameters",
         ),
+        # Unknown fields are refused, never ignored.
+        ([{**WEATHER, "extra": 1}], "tools[0].extra"),
+        (_function(bogus=1), "tools[0].function.bogus"),
     ],
 )
 def test_parse_tools_refuses(value, field):
@@ -160,6 +163,12 @@ def test_parse_tool_choice(value, tools, expected):
         ({"function": {"name": "add"}}, TOOLS, "tool_choice"),
         ("any", TOOLS, "tool_choice"),
         (1, TOOLS, "tool_choice"),
+        ({"type": "function", "function": {"name": "add"}, "x": 1}, TOOLS, "tool_choice.x"),
+        (
+            {"type": "function", "function": {"name": "add", "strict": True}},
+            TOOLS,
+            "tool_choice.function.strict",
+        ),
     ],
 )
 def test_parse_tool_choice_refuses(value, tools, field):
@@ -225,6 +234,11 @@ def _broken(index: int, **changes: object) -> list[dict]:
         (
             _broken(2, tool_calls=[_call("call_1", "get_weather", "{}"), _call("call_1", "add", "{}")]),
             "messages[2].tool_calls[1].id",
+        ),
+        (_broken(2, tool_calls=[{**_call("call_1", "add", "{}"), "zz": 1}]), "messages[2].tool_calls[0].zz"),
+        (
+            _broken(2, tool_calls=[{"id": "c", "function": {"name": "f", "arguments": "{}", "index": 0}}]),
+            "messages[2].tool_calls[0].function.index",
         ),
         (
             _broken(2, tool_calls=[{"type": "function", "function": {"name": "f", "arguments": "{}"}}]),

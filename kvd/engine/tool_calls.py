@@ -83,6 +83,7 @@ def parse_tools(value: object) -> list[Tool]:
         where = f"tools[{i}]"
         if not isinstance(entry, dict):
             raise ToolError(where, "must be an object")
+        _known_keys(entry, ("type", "function"), where)
         if entry.get("type") != "function":
             raise ToolError(f"{where}.type", f'must be "function", got {entry.get("type")!r}')
         function = entry.get("function")
@@ -97,6 +98,7 @@ def parse_tools(value: object) -> list[Tool]:
 
 
 def _parse_function(function: dict, where: str) -> Tool:
+    _known_keys(function, ("name", "description", "parameters", "strict"), where)
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ToolError(
@@ -140,6 +142,8 @@ def parse_tool_choice(value: object, tools: list[Tool]) -> ToolChoice:
         function = value.get("function")
         if value.get("type") != "function" or not isinstance(function, dict):
             raise ToolError("tool_choice", 'must be {"type": "function", "function": {"name": ...}}')
+        _known_keys(value, ("type", "function"), "tool_choice")
+        _known_keys(function, ("name",), "tool_choice.function")
         name = function.get("name")
         if not tools:
             raise ToolError("tool_choice", "names a function but the request has no tools")
@@ -186,6 +190,7 @@ def _check_call(call: object, where: str) -> str:
     """The id of a valid history tool call."""
     if not isinstance(call, dict):
         raise ToolError(where, "must be an object")
+    _known_keys(call, ("id", "type", "function"), where)
     call_id = call.get("id")
     if not isinstance(call_id, str) or not call_id:
         raise ToolError(f"{where}.id", "must be a non-empty string")
@@ -194,10 +199,18 @@ def _check_call(call: object, where: str) -> str:
     function = call.get("function")
     if not isinstance(function, dict):
         raise ToolError(f"{where}.function", "must be an object")
+    _known_keys(function, ("name", "arguments"), f"{where}.function")
     if not isinstance(function.get("name"), str) or not function["name"]:
         raise ToolError(f"{where}.function.name", "must be a non-empty string")
     _arguments_object(function.get("arguments"), f"{where}.function.arguments")
     return call_id
+
+
+def _known_keys(value: dict, known: tuple[str, ...], where: str) -> None:
+    """Unknown fields are refused, never ignored (as everywhere in the protocol)."""
+    for key in value:
+        if key not in known:
+            raise ToolError(f"{where}.{key}", f"not a supported field (one of: {', '.join(known)})")
 
 
 def _arguments_object(arguments: object, where: str) -> dict:
