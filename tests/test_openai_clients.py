@@ -83,6 +83,16 @@ def test_json_schema_replies_validate_streamed_or_not(oai: openai.OpenAI, model:
         c.choices[0].delta.content or "" for c in oai.chat.completions.create(**params, stream=True)
     )
     assert streamed == reply.choices[0].message.content  # the same seed: the same text
+    # /v1/completions takes response_format too (the openai client passes it in extra_body).
+    completion = oai.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=200,
+        seed=seed,
+        extra_body={"response_format": _json_schema(PERSON)},
+    )
+    assert completion.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
 
 
 def test_json_object_regex_and_grammar(oai: openai.OpenAI, model: str):

@@ -126,6 +126,7 @@ class _Request(Strict):
     cache_salt: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -153,6 +154,8 @@ class _Request(Strict):
         if self.seed is not None:
             # n choices with one seed would be n copies of the same text.
             fields["seed"] = self.seed + choice
+        if self.response_format is not None:
+            fields.update(self.response_format.daemon_fields())
         return fields
 
     def refusals(self) -> list[tuple[str, str]]:
@@ -164,7 +167,13 @@ class _Request(Strict):
 
     def param_names(self) -> dict[str, str]:
         """The request's name for each daemon field whose name differs, for the daemon's errors."""
-        return {"max_tokens": self.max_tokens_param, "prompt_token_ids": "prompt", "input": "prompt"}
+        return {
+            "max_tokens": self.max_tokens_param,
+            "prompt_token_ids": "prompt",
+            "input": "prompt",
+            "json_schema": "response_format.json_schema.schema",
+            "json_object": "response_format",
+        }
 
     @property
     def num_logprobs(self) -> int | None:
@@ -236,7 +245,6 @@ class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None  # without tools it changes nothing
@@ -252,8 +260,6 @@ class ChatCompletionRequest(_Request):
 
     def daemon_fields(self, max_tokens: int, choice: int) -> dict[str, Any]:
         fields = super().daemon_fields(max_tokens, choice)
-        if self.response_format is not None:
-            fields.update(self.response_format.daemon_fields())
         if self.tools:
             fields["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
             fields["parallel_tool_calls"] = self.parallel_tool_calls
@@ -277,9 +283,4 @@ class ChatCompletionRequest(_Request):
         return refused
 
     def param_names(self) -> dict[str, str]:
-        return {
-            **super().param_names(),
-            "logprobs": "top_logprobs",
-            "json_schema": "response_format.json_schema.schema",
-            "json_object": "response_format",
-        }
+        return {**super().param_names(), "logprobs": "top_logprobs"}
