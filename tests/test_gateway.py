@@ -157,6 +157,29 @@ def test_errors_have_openai_shape_and_status(
     assert error["type"] == "invalid_request_error"
 
 
+def test_null_is_the_default_and_errors_name_the_request_field_once(daemon: DaemonProcess, model: str):
+    nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "stop": None, "seed": None}
+    code, text = _post(
+        daemon.base_url, "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2, **nulls}
+    )
+    assert code == 200 and len(json.loads(text)["choices"]) == 1, text
+    chat = {"model": model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    code, text = _post(
+        daemon.base_url, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 50}
+    )
+    error = json.loads(text)["error"]
+    assert (code, error["param"]) == (400, "top_logprobs") and error["message"].startswith(
+        "top_logprobs: must"
+    )
+    assert "logprobs:" not in error["message"].removeprefix("top_logprobs:"), error
+    # Choice j samples with seed + j: a seed that would overflow for the last choice is refused up front.
+    code, text = _post(
+        daemon.base_url, "/v1/completions", {"model": model, "prompt": PROMPT, "n": 2, "seed": 2**63 - 1}
+    )
+    error = json.loads(text)["error"]
+    assert (code, error["param"]) == (400, "seed") and str(2**63 - 2) in error["message"], error
+
+
 def test_an_unexpected_failure_is_a_counted_server_error():
     metrics = GatewayMetrics()
 

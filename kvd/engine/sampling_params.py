@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 512  # entries; OpenAI's own limit is lower
 LOGIT_BIAS_RANGE = 100.0
@@ -58,7 +59,7 @@ class SamplingParams:
         _integer("top_k", self.top_k, 0, 2**31 - 1)
         _number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _integer("seed", self.seed, 0, 2**63 - 1)
+            _integer("seed", self.seed, 0, MAX_SEED)
         _integer("max_tokens", self.max_tokens, 1, 2**31 - 1)
         for s in self.stop:
             if not isinstance(s, str) or not s:

@@ -57,7 +57,9 @@ def from_kvd_error(e: KvdError, param_names: Mapping[str, str] | None = None) ->
     if isinstance(e, DaemonError):
         status, type_ = _DAEMON_CODES.get(e.code, (500, "server_error"))
         param = _rename(e.field, param_names or {})
-        message = f"{param}: {e.message}" if param and param != e.field else e.message
+        message = e.message
+        if param and param != e.field:  # the request's name for the field, in place of the daemon's
+            message = f"{param}: {message.removeprefix(f'{e.field}: ')}"
         return ApiError(status, message, type_, param, e.code)
     return ApiError(503, f"the kvd daemon is not available: {e}", "server_error", code="daemon_unavailable")
 

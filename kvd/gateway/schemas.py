@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvd.engine.sampling_params import MAX_SEED
+
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 16
@@ -31,9 +33,17 @@ _PASSED_THROUGH = {
 
 class Strict(BaseModel):
     """Unknown fields are rejected, as the daemon rejects them: a setting silently ignored would give results
-    the caller did not ask for."""
+    the caller did not ask for. A field sent as null takes its default, as OpenAI's API reads it (its clients
+    send null for what they leave unset)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class StreamOptions(Strict):
@@ -163,6 +173,13 @@ class _Request(Strict):
         refused = []
         if self.requested_max_tokens == 0:
             refused.append((self.max_tokens_param, "must be at least 1 (0 only with echo)"))
+        if self.seed is not None and self.seed <= MAX_SEED < self.seed + self.n - 1:
+            refused.append(
+                (
+                    "seed",
+                    f"choice j takes seed + j: with n = {self.n}, seed must be at most {MAX_SEED - self.n + 1}",
+                )
+            )
         return refused
 
     def param_names(self) -> dict[str, str]:
