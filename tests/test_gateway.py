@@ -30,6 +30,9 @@ LONG_PROMPT = "Once upon a time in a land far away there lived a king who had th
 def test_models_and_health(oai: openai.OpenAI, kvd: Client, daemon: DaemonProcess):
     (card,) = oai.models.list().data
     assert card.id == kvd.info()["model"] and card.owned_by == "kvd"
+    assert oai.models.retrieve(card.id) == card
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        oai.models.retrieve("gpt-4")
     assert json.loads(http_get(daemon.base_url, "/health")[1]) == {"status": "ready"}
 
 

@@ -88,6 +88,10 @@ def test_sampling_options_reach_the_daemon(api: ollama.Client, kvd: Client, mode
     stop = expected.text[2:5]
     cut = api.chat(model=model, messages=HI, options={**options, "stop": [stop]})
     assert stop not in cut.message.content and cut.done_reason == "stop"
+    # Seed -1 is Ollama's "random": unseeded, so two replies differ where seeded ones repeat.
+    unseeded = {**options, "seed": -1, "temperature": 1.5, "top_k": 0, "min_p": 0.0, "num_predict": 24}
+    replies = {api.chat(model=model, messages=HI, options=unseeded).message.content for _ in range(3)}
+    assert len(replies) > 1
 
 
 def test_logprobs_in_ollamas_shape(api: ollama.Client, kvd: Client, model: str):

@@ -118,7 +118,7 @@ def test_penalties_follow_their_definitions():
     [
         ("temperature", -0.1),
         ("top_p", 0.0),
-        ("top_k", -1),
+        ("top_k", -2),
         ("min_p", 1.5),
         ("max_tokens", 0),
         ("stop", [""]),
@@ -126,12 +126,18 @@ def test_penalties_follow_their_definitions():
         ("repetition_penalty", 0.0),
         ("temperature", "hot"),
         ("seed", True),
+        ("stop", 5),
+        ("stop_token_ids", 5),
     ],
 )
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(**{field: value})
     assert info.value.field == field
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0
 
 
 def _kept_by_top_p(logits: torch.Tensor, top_p: float) -> int:

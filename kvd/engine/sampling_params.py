@@ -29,7 +29,7 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = disabled
+    top_k: int = 0  # 0 = disabled (-1, vLLM's word for it, is taken as 0)
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
@@ -52,11 +52,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), list | tuple):
+                raise SamplingParamsError(name, f"must be a list, got {type(getattr(self, name)).__name__}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         _number("temperature", self.temperature, 0.0, 100.0)
         _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _integer("top_k", self.top_k, 0, 2**31 - 1)
+        _integer("top_k", self.top_k, -1, 2**31 - 1)
+        self.top_k = max(self.top_k, 0)
         _number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _integer("seed", self.seed, 0, MAX_SEED)

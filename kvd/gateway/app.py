@@ -74,18 +74,25 @@ def create_app(
             stats = None  # kvd_daemon_up 0; the gateway's own metrics still count
         return Response(gateway.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        gateway = gateway_of(request)
+    async def model_card(gateway: Gateway) -> dict:
         info = await gateway.model_info()
-        card = {
+        return {
             "id": await gateway.model_name(),
             "object": "model",
             "created": gateway.started,
             "owned_by": "kvd",
             "max_model_len": info["max_model_len"],
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": [await model_card(gateway_of(request))]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, request: Request) -> dict:
+        gateway = gateway_of(request)
+        await gateway.check_model(model)  # 404 for any other name
+        return await model_card(gateway)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -29,7 +29,7 @@ class Options(Strict):
     top_p: float | None = None
     min_p: float | None = None
     num_predict: int | None = None  # -1 (infinite) and -2 (fill the context): up to the context's end
-    seed: int | None = None
+    seed: int | None = None  # -1: a random one, as Ollama reads it
     stop: str | list[str] | None = None
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
@@ -53,6 +53,8 @@ class Options(Strict):
             exclude_none=True,
         )
         fields = {_OPTION_FIELDS.get(k, k): v for k, v in sampling.items()}
+        if self.seed == -1:
+            del fields["seed"]
         predict = self.num_predict
         fields["max_tokens"] = max_model_len if predict is None or predict in (-1, -2) else predict
         return fields
