@@ -43,11 +43,11 @@ def _health_ok(base_url: str) -> bool:
 
 
 @contextmanager
-def gateway_daemon(model: Path, workdir: Path) -> Iterator[DaemonProcess]:
-    """`kvd serve --http` on a free port, with `base_url` set once the gateway answers; it must exit 0 at the
-    end and take the gateway with it."""
+def gateway_daemon(model: Path, workdir: Path, *args: str) -> Iterator[DaemonProcess]:
+    """`kvd serve --http` on a free port (and `args`), with `base_url` set once the gateway answers; it must
+    exit 0 at the end and take the gateway with it."""
     port = free_port()
-    proc = start_daemon(workdir, "--http", f"127.0.0.1:{port}", model=model)
+    proc = start_daemon(workdir, "--http", f"127.0.0.1:{port}", *args, model=model)
     proc.base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while not _health_ok(proc.base_url):

@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
 from daemon_fixtures import REPO, DaemonProcess, daemon_env
-from gateway_fixtures import daemon_fixture, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
+from gateway_fixtures import daemon_fixture, gateway_daemon, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.gateway.metrics import GatewayMetrics
@@ -183,6 +184,21 @@ def test_null_is_the_default_and_errors_name_the_request_field_once(daemon: Daem
     assert (code, error["param"]) == (400, "seed") and str(2**63 - 2) in error["message"], error
 
 
+def test_an_overloaded_daemon_is_a_429_with_retry_after(tiny_daemon_model: Path, tmp_path: Path):
+    with gateway_daemon(tiny_daemon_model, tmp_path, "--max-queued-per-client", "1") as proc:
+        with proc.client() as kvd:
+            model = kvd.info()["model"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+        holder = http.client.HTTPConnection(proc.base_url.removeprefix("http://"), timeout=30)
+        holder.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), JSON_HEADERS)
+        stream = holder.getresponse()
+        assert stream.status == 200 and stream.readline().startswith(b"data:")  # it holds the one slot
+        code, text = _post(proc.base_url, "/v1/completions", body, with_headers=True)
+        holder.close()
+    (status, retry_after), error = code, json.loads(text)["error"]
+    assert (status, retry_after, error["type"]) == (429, "1", "rate_limit_error"), error
+
+
 def test_an_unexpected_failure_is_a_counted_server_error():
     metrics = GatewayMetrics()
 
@@ -211,12 +227,17 @@ def test_the_openai_client_raises_its_typed_errors(oai: openai.OpenAI, model: st
         oai.completions.create(model="nope", prompt=PROMPT)
 
 
-def _post(base_url: str, path: str, body: dict) -> tuple[int, str]:
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def _post(base_url: str, path: str, body: dict, with_headers: bool = False) -> tuple:
+    """The status (with the Retry-After header if asked) and the body of a plain POST."""
     conn = http.client.HTTPConnection(base_url.removeprefix("http://"), timeout=30)
     try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), JSON_HEADERS)
         response = conn.getresponse()
-        return response.status, response.read().decode()
+        status = (response.status, response.getheader("Retry-After")) if with_headers else response.status
+        return status, response.read().decode()
     finally:
         conn.close()
 

@@ -98,9 +98,14 @@ def is_ollama(request: Request) -> bool:
     return request.url.path.startswith("/api/")
 
 
+# Seconds a client is asked to wait before retrying a 429 or 503: the daemon's queues drain within a few steps.
+RETRY_AFTER_S = 1
+
+
 def error_response(request: Request, error: ApiError) -> JSONResponse:
     body = {"error": error.message} if is_ollama(request) else error.body()
-    return JSONResponse(body, status_code=error.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def install_handlers(app: FastAPI) -> None:
