@@ -225,13 +225,22 @@ def test_stop_strings_and_stop_token_ids(tiny_llama_dir, prompts):
     )[0]
     assert by_text.finish_reason == "stop"
     assert by_text.text == text[: text.index(stop)]
-    streamed = "".join(
-        o.new_text
-        for _, o in llm.stream(
-            [prompts[4]], SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True)
+    # The tokens (and logprobs) handed out are the text's: those whose text begins before the cut.
+    starts = [
+        len(llm.engine.tokenizer.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids) + 1)
+    ]
+    kept = [t for t, start in zip(ids, starts, strict=False) if start < len(by_text.text)]
+    generated = next(j for j in range(len(ids)) if starts[j + 1] >= len(by_text.text) + len(stop)) + 1
+    assert by_text.token_ids == kept and len(kept) < generated  # the stop string's own tokens are not kept
+    stream = list(
+        llm.stream(
+            [prompts[4]],
+            SamplingParams(temperature=0.0, max_tokens=30, stop=[stop], ignore_eos=True, logprobs=0),
         )
     )
-    assert streamed == by_text.text
+    assert "".join(o.new_text for _, o in stream) == by_text.text
+    assert [t for _, o in stream for t in o.new_token_ids] == kept
+    assert [lp.token_id for _, o in stream for lp in o.logprobs or []] == kept
 
 
 def test_max_model_len_past_the_models_positions_is_capped(tiny_llama_dir, caplog):

@@ -134,6 +134,21 @@ def test_completion_logprobs_have_offsets_into_the_text(oai: openai.OpenAI, mode
     assert "".join(lp.tokens) == text and len(lp.token_logprobs) == 6
     assert [text[o : o + len(t)] for o, t in zip(lp.text_offset, lp.tokens, strict=True)] == lp.tokens
     assert all(len(top) <= 3 for top in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+    # Cut by a stop string in the middle of the output: the tokens are those whose text begins in the text
+    # (the last may run past the cut), streamed or not; the stop string's own tokens are gone.
+    stop = text[len(text) // 2 :][:2]
+    for stream in (False, True):
+        params = dict(model=model, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1, stop=[stop])
+        if stream:
+            chunks = list(oai.completions.create(**params, stream=True))
+            cut = "".join(c.choices[0].text for c in chunks)
+            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        else:
+            got = oai.completions.create(**params).choices[0]
+            cut, tokens = got.text, got.logprobs.tokens
+        joined = "".join(tokens)
+        assert cut == text[: text.index(stop)] and joined.startswith(cut), (stream, stop, tokens)
+        assert len(joined) - len(tokens[-1]) < len(cut) and len(tokens) < 6, (stream, stop, tokens)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Incremental detokenization with stop strings: streamed pieces concatenate to the full decoded text."""
+"""Incremental detokenization with stop strings: streamed pieces concatenate to the full decoded text, and the
+tokens handed out with them are those of that text."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.starts: list[int] = []  # where each generated token's text begins in `text`
+        self.released = 0  # generated tokens handed out (take_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> None:
         """Decode newly generated tokens; sets `stopped` and truncates `text` when a stop string appears."""
         if self.stopped:
             return
+        self.starts += [len(self.text)] * len(token_ids)
         self.token_ids.extend(token_ids)
         new_text = self._decode_new(final=False)
         if new_text:
@@ -50,6 +54,17 @@ class IncrementalDetokenizer:
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta
+
+    def take_tokens(self, finished: bool) -> int:
+        """How many more generated tokens go out with the text taken so far (call after take_delta). With stop
+        strings a token waits until its text starts going out, and one whose text begins inside the stop string
+        that ended the output never does: the tokens handed out are those of the text, as its logprobs must be."""
+        if not self.stop or (finished and not self.stopped):
+            end = len(self.starts)
+        else:
+            end = sum(start < self.emitted for start in self.starts)
+        count, self.released = end - self.released, end
+        return count
 
     def _decode_new(self, final: bool) -> str:
         decode = self.tokenizer.decode

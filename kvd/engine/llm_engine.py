@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -68,6 +68,9 @@ class EngineRequest:
     matcher: llguidance.LLMatcher | None = None  # structured output: the grammar's state after its tokens
     prompt_logprobs: PromptLogprobs | None = None
     embedding: EmbeddingState | None = None  # set for embed requests
+    pending: list[SampledToken] = field(
+        default_factory=list
+    )  # sampled, waiting for their text (stop strings)
 
 
 class LLMEngine:
@@ -403,16 +406,19 @@ class LLMEngine:
         if request.matcher is not None:
             request.matcher.consume_token(token.token_id)
         request.detokenizer.add_tokens([token.token_id])
+        request.pending.append(token)
         reason = self._stop_reason(request, token.token_id)
         if reason is not None:
             self._finish(request)
+        text = request.detokenizer.take_delta(finished=reason is not None)
+        tokens = self._released(request, finished=reason is not None)
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[token.token_id],
-            new_text=request.detokenizer.take_delta(finished=reason is not None),
+            new_token_ids=[t.token_id for t in tokens],
+            new_text=text,
             finished=reason is not None,
             finish_reason=reason,
-            logprobs=[token] if request.params.logprobs is not None else None,
+            logprobs=tokens if request.params.logprobs is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
@@ -439,16 +445,24 @@ class LLMEngine:
         del self.requests[request.request_id]
         del self._by_seq_id[request.seq.seq_id]
 
+    def _released(self, request: EngineRequest, finished: bool) -> list[SampledToken]:
+        """The pending tokens that go out with the text taken so far."""
+        count = request.detokenizer.take_tokens(finished)
+        tokens, request.pending = request.pending[:count], request.pending[count:]
+        return tokens
+
     def _finish_with(self, request: EngineRequest, reason: str) -> RequestOutput:
         self._finish(request)
         seq = request.seq
+        text = request.detokenizer.take_delta(finished=True) if request.detokenizer else ""
+        tokens = self._released(request, finished=True) if request.detokenizer else []
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=[],
-            new_text=request.detokenizer.take_delta(finished=True) if request.detokenizer else "",
+            new_token_ids=[t.token_id for t in tokens],
+            new_text=text,
             finished=True,
             finish_reason=reason,
-            logprobs=None,
+            logprobs=tokens if request.params.logprobs is not None and tokens else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
