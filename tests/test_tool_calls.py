@@ -466,7 +466,7 @@ def _calls(calls) -> list[tuple[str, dict]]:
 def _parse(template: ToolTemplate, chunks: list[str]) -> tuple[list[str], str, list[tuple[str, dict]]]:
     parser = ToolCallParser(template, TOOLS)
     emitted = [parser.feed(chunk) for chunk in chunks]
-    rest, calls = parser.finish()
+    rest, calls, _ = parser.finish("stop")
     return emitted, "".join(emitted) + rest, _calls(calls)
 
 
@@ -504,7 +504,8 @@ def test_a_call_cut_by_max_tokens_is_not_content(template, text, content, calls)
     for cut in range(len(text) + 1):
         parser = ToolCallParser(template, TOOLS)
         emitted = parser.feed(text[:cut]) + parser.feed(text[cut:])
-        rest, parsed = parser.finish(cut=True)
+        rest, parsed, reason = parser.finish("length")
+        assert reason == "length"
         assert (emitted + rest, _calls(parsed)) == (content, calls), cut
 
 
@@ -523,7 +524,7 @@ def test_parser_streams_plain_text_without_delay():
 def test_unicode_arguments_are_kept_as_text():
     parser = ToolCallParser(HERMES, TOOLS)
     parser.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "K\\u00f8benhavn"}}</tool_call>')
-    assert parser.finish()[1][0].arguments == '{"city": "København"}'
+    assert parser.finish("stop")[1][0].arguments == '{"city": "København"}'
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -658,8 +659,8 @@ def test_text_the_grammar_accepts_parses_into_the_calls(ll_tokenizer, hf_tokeniz
         if not text.endswith("\ufffd"):
             content += parser.feed(text[len(shown) :])
             shown = text
-    rest, calls = parser.finish()
-    assert content + rest == ""
+    rest, calls, reason = parser.finish("stop")
+    assert content + rest == "" and reason == "tool_calls"
     assert [(call.name, call.arguments) for call in calls] == [
         ("get_weather", '{"city": "Zürich", "unit": "c"}'),
         ("add", '{"a": -1, "b": 0}'),

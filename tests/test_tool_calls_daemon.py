@@ -98,6 +98,38 @@ def test_a_call_cut_by_max_tokens_ends_with_length_and_no_markup(tiny_daemon: Da
     assert chunks[-1].tool_calls == [] and sum(len(c.token_ids) for c in chunks) == half
 
 
+def test_the_in_process_chat_calls_tools_as_the_daemon_does(
+    tiny_daemon: DaemonProcess, tiny_daemon_model: Path
+):
+    import torch
+
+    from kvd import LLM, SamplingParams
+
+    threads = torch.get_num_threads()
+    llm = LLM(
+        str(tiny_daemon_model), dtype="float32", kv_cache_memory=64 << 20, num_threads=1
+    )  # as the daemon
+    try:
+        named = {"type": "function", "function": {"name": "get_time"}}
+        with tiny_daemon.client() as client:
+            for choice, max_tokens in [("required", 200), (named, 200), ("required", 8), ("auto", 24)]:
+                served = client.chat(
+                    ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=max_tokens
+                )
+                params = SamplingParams(temperature=0, max_tokens=max_tokens)
+                (local,) = llm.chat(ASK, params, use_tqdm=False, tools=TOOLS, tool_choice=choice)
+                assert (local.text, local.finish_reason) == (served.text, served.finish_reason), choice
+                assert [(c.name, c.arguments) for c in local.tool_calls] == [
+                    (c.name, c.arguments) for c in served.tool_calls
+                ]
+                assert bool(local.tool_calls) == (max_tokens == 200), choice  # whole calls, or a cut one
+            assert served.tool_calls == [] and local.tool_calls == []  # auto: the tiny model writes text
+        with pytest.raises(ValueError, match="tool_choice"):
+            llm.chat(ASK, tools=TOOLS, tool_choice="any")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_two_turn_tool_conversation(tiny_daemon: DaemonProcess, qwen_daemon: DaemonProcess):
     for daemon in (tiny_daemon, qwen_daemon):
         with daemon.client() as client:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -12,7 +13,14 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
 from kvd.engine.sampling_params import SamplingParams
-from kvd.engine.tool_calls import Tool
+from kvd.engine.tool_calls import (
+    Tool,
+    ToolCallParser,
+    check_history,
+    parse_tool_choice,
+    parse_tools,
+    tool_call_grammar,
+)
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -54,14 +62,38 @@ class LLM:
         conversations: Conversation | Sequence[Conversation],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        tools: list[Tool] | None = None,
+        tools: list[dict] | list[Tool] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[CompletionOutput]:
-        """Apply the tokenizer's chat template to each conversation (with `tools` rendered, see
-        kvd.engine.tool_calls.parse_tools) and generate the assistant's reply."""
+        """Apply the tokenizer's chat template to each conversation and generate the assistant's reply.
+
+        `tools` (OpenAI's form, [{"type": "function", "function": {...}}]), `tool_choice` and
+        `parallel_tool_calls` as in the protocol's chat: each output's calls are in its `tool_calls`, their text
+        is not in `text`, and "required" or a named function is enforced by a grammar."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.apply_chat_template(list(c), tools) for c in conversations]
-        return self.generate(prompts, params, use_tqdm)
+        if tools and not isinstance(tools[0], Tool):
+            tools = parse_tools(tools)
+        tools = tools or []
+        choice = parse_tool_choice(tool_choice, tools)
+        for conversation in conversations:
+            check_history(list(conversation))
+        prompts = [self.engine.apply_chat_template(list(c), tools or None) for c in conversations]
+        if choice.mode == "none":
+            return self.generate(prompts, params, use_tqdm)
+        grammar = tool_call_grammar(tools, choice, self.engine.tool_template, parallel_tool_calls)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if grammar is not None:
+            params = [replace(p, grammar=grammar) for p in params]
+        outputs = self.generate(prompts, params, use_tqdm)
+        for out in outputs:
+            parser = ToolCallParser(self.engine.tool_template, tools)
+            content = parser.feed(out.text)
+            rest, out.tool_calls, out.finish_reason = parser.finish(out.finish_reason)
+            out.text = content + rest
+        return outputs
 
     def embed(self, inputs: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[list[float]]:
         """One L2-normalised vector per input (text or token ids): the pooled final hidden states

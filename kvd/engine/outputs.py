@@ -6,6 +6,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from kvd.engine.sampler import SampledToken
+from kvd.engine.tool_calls import ToolCall
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CompletionOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[SampledToken | None] | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat with tools: the calls, not in `text`
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text

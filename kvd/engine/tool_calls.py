@@ -608,7 +608,9 @@ class ToolCallParser:
         """The content text that is safe to emit now (never a prefix of a tool-call marker, never inside a call)."""
         return self._impl.feed(text)
 
-    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
-        """The rest of the content, and the calls parsed. `cut`: the output ended at max_tokens, so an unfinished
-        call is dropped rather than returned as content."""
-        return self._impl.finish(cut), self._impl.calls
+    def finish(self, reason: str) -> tuple[str, list[ToolCall], str]:
+        """The rest of the content, the calls parsed, and the finish reason: "tool_calls" for an output with calls
+        that ended on its own; one cut by max_tokens ("length") drops an unfinished call rather than returning it
+        as content, and keeps its reason, as "abort" does."""
+        rest, calls = self._impl.finish(reason == "length"), self._impl.calls
+        return rest, calls, "tool_calls" if calls and reason == "stop" else reason

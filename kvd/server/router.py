@@ -122,12 +122,10 @@ class Router:
         )
         extra = {}
         if generation.tool_parser is not None:
-            rest, calls = generation.tool_parser.finish(cut=reason == "length")
+            rest, calls, reason = generation.tool_parser.finish(reason)
             text += rest
             if calls:
                 extra["tool_calls"] = protocol.tool_calls_payload(calls)
-                if reason == "stop":  # "length" and "abort" still say the output was cut
-                    reason = "tool_calls"
         if generation.prompt_logprobs is not None:
             extra["prompt_logprobs"] = generation.prompt_logprobs
         return protocol.final_reply(generation.id, text, token_ids or [], logprobs, reason, usage, extra)
