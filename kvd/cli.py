@@ -1,10 +1,11 @@
-"""The `kvd` command: serve, gateway, generate, chat, stats, top, tokenize. Only `serve` imports torch."""
+"""The `kvd` command: serve, gateway, generate, chat, info, stats, top, tokenize. Only `serve` imports torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,7 +15,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.gateway.server import DEFAULT_HTTP
 from kvd.server.config import ServerConfig
 from kvd.server.config_file import ConfigFileError, apply_config_file
-from kvd.settings import add_flags, from_flags, positive_int
+from kvd.settings import add_flags, from_flags, positive_float, positive_int
 from kvd_client import Client, KvdError
 from kvd_client.client import DEFAULT_TIMEOUT_S
 from kvd_client.endpoint import resolve_endpoint
@@ -41,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Streams were closed (and aborted in the daemon) on the way out.
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`kvd top | head`): stop quietly, with nothing left to flush to the pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", help="a system message that starts the conversation")
     _sampling_flags(chat, max_tokens_default="until the reply ends or the context is full")
     _client_flags(chat, _chat)
+
+    info = commands.add_parser("info", help="the model, dtype, device, CPU kernel paths and limits")
+    info.add_argument("--json", action="store_true", help="print the raw info map as JSON")
+    _client_flags(info, _info)
 
     stats = commands.add_parser("stats", help="KV usage, prefix hit rate, requests, tokens/s")
     stats.add_argument("--json", action="store_true", help="print the raw stats map as JSON")
@@ -148,7 +157,7 @@ def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
     p.add_argument("--endpoint", help="the daemon's endpoint (default: $KVD_ENDPOINT or per-user)")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_float,
         default=DEFAULT_TIMEOUT_S,
         help="seconds to wait on a silent daemon (%(default)s)",
     )
@@ -264,6 +273,34 @@ def _stream_reply(client: Client, history: list[dict[str, str]], args: argparse.
             print(" [stopped]", end="")
     print()
     return "".join(parts)
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        info = client.info()
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    weights = (
+        f"{info['quantization']} weights" if info["quantization"] not in (None, "none") else "float weights"
+    )
+    print(f"model         {info['model']} ({info['dtype']}, {weights}; kvd {info['kvd_version']})")
+    print(
+        f"device        {info['device']}, {info['threads']} threads; CPU kernels: {info['cpu_kernels'] or 'none'}"
+    )
+    print(
+        f"KV pool       {info['num_blocks']} blocks x {info['block_size']} tokens ({info['kv_cache_dtype']}); "
+        f"max_model_len {info['max_model_len']}; attention {info['attention_backend']}"
+    )
+    print(
+        f"batching      up to {info['max_num_seqs']} sequences, {info['max_num_batched_tokens']} tokens a step"
+    )
+    limits = info["limits"]
+    print(
+        f"limits        {limits['max_prompt_tokens']} prompt tokens, {limits['max_queued_per_client']} requests "
+        f"per client, {limits['max_queued']} in all"
+    )
+    return 0
 
 
 def _stats(args: argparse.Namespace) -> int:

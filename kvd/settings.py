@@ -39,6 +39,17 @@ def setting(default: Any, help: str, **flag: Any) -> Any:
     return dataclasses.field(default=default, metadata={"flag": Flag(help, **flag)})
 
 
+def positive_float(text: str) -> float:
+    """A number > 0, as an argparse type."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """A whole number >= 1, as an argparse type."""
     try:

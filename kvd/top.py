@@ -43,10 +43,12 @@ def render(stats: dict, info: dict) -> str:
     return "\n".join(lines)
 
 
-def run(client: Client, interval: float, once: bool, out: TextIO = sys.stdout) -> None:
-    """Print one screen, or redraw every `interval` seconds until q (or Ctrl-C)."""
+def run(client: Client, interval: float, once: bool, out: TextIO | None = None) -> None:
+    """Print one screen (`once`, or when `out` is no terminal), or redraw every `interval` seconds until q (or
+    Ctrl-C)."""
+    out = out or sys.stdout  # looked up now: a caller may have replaced it
     info = client.info()
-    if once:
+    if once or not out.isatty():  # into a pipe or a file: one screen, no terminal codes
         print(render(client.stats(), info), file=out)
         return
     with _keys(sys.stdin) as pressed:

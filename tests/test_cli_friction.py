@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from kvd.cli import _sampling, build_parser
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
 from kvd.model.gguf_loader import GGUFError, GGUFFile
 from kvd.model.hub import default_model_path
+from kvd.top import CLEAR
 
 GREEDY = ["--temperature", "0", "--max-tokens", "10"]
 
@@ -161,16 +163,37 @@ def test_top_shows_the_model_and_quits_on_q(daemon: DaemonProcess):
         model = client.info()["model"]
     leader, follower = pty.openpty()
     cmd = [sys.executable, "-m", "kvd.cli", "top", "--endpoint", daemon.endpoint, "--interval", "0.2"]
-    proc = subprocess.Popen(cmd, stdin=follower, stdout=subprocess.PIPE, cwd=REPO, env=daemon_env())
+    proc = subprocess.Popen(cmd, stdin=follower, stdout=follower, cwd=REPO, env=daemon_env())
     os.close(follower)
+    shown = b""
     try:
-        time.sleep(2.0)  # a few redraws (and the cbreak mode) first
+        deadline = time.monotonic() + 2.0  # a few redraws (and the cbreak mode) first
+        while time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.1)[0]:
+                shown += os.read(leader, 65536)
         os.write(leader, b"q")
         assert proc.wait(10) == 0
     finally:
         proc.kill()
         os.close(leader)
-    assert model in proc.stdout.read().decode()
+    assert model in shown.decode() and shown.count(CLEAR.encode()) >= 2  # redrawn in place
+    # Into a pipe: one screen without terminal codes, as --once.
+    piped = kvd_cli("top", "--endpoint", daemon.endpoint, timeout=30)
+    assert piped.returncode == 0 and model in piped.stdout and CLEAR not in piped.stdout
+
+
+def test_info_names_the_kernel_paths_and_timeouts_must_be_positive(daemon: DaemonProcess):
+    with daemon.client() as client:
+        info = client.info()
+    result = kvd_cli("info", "--endpoint", daemon.endpoint)
+    assert result.returncode == 0 and info["model"] in result.stdout
+    assert f"CPU kernels: {info['cpu_kernels'] or 'none'}" in result.stdout
+    assert json.loads(kvd_cli("info", "--json", "--endpoint", daemon.endpoint).stdout) == info
+    for bad in ("0", "-5", "nan"):
+        result = kvd_cli("stats", "--timeout", bad, "--endpoint", daemon.endpoint)
+        assert result.returncode == 2 and "--timeout" in result.stderr and "> 0" in result.stderr, (
+            result.stderr
+        )
 
 
 def test_generate_with_a_schema_a_regex_and_a_bad_schema(daemon: DaemonProcess, tmp_path: Path):
