@@ -98,6 +98,13 @@ def _assert_times_out(call: Callable[[], object], timeout: float) -> None:
     assert timeout <= time.monotonic() - started < timeout + 1.5
 
 
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan")])
+def test_a_timeout_must_be_positive(timeout: float):
+    for make in (Client, AsyncClient):
+        with pytest.raises(ValueError, match="timeout"):
+            make("ipc:///nonexistent/kvd.sock", timeout=timeout)
+
+
 def test_sync_calls_time_out_on_a_socket_nobody_answers(tmp_path: Path):
     with Client(stale_socket(tmp_path / "stale.sock"), timeout=0.4) as client:
         _assert_times_out(client.health, 0.4)
@@ -408,6 +415,7 @@ def test_embed_tool_calls_and_prompt_logprobs(client: Client):
     assert all(abs(sum(v * v for v in e) - 1) < 1e-4 and len(e) == out.dimensions for e in out.embeddings)
     ids = client.tokenize("Hello world")
     assert client.embed([ids]).embeddings[0] == pytest.approx(out.embeddings[0], abs=1e-5)
+    assert client.embed(ids).embeddings == client.embed([ids]).embeddings  # one token id list: one input
     assert len(client.embed("Hello world", dimensions=8).embeddings[0]) == 8
     tool = {
         "type": "function",

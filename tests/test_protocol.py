@@ -163,6 +163,8 @@ def test_other_ops_parse_to_their_requests():
         (generate(logit_bias=[1, 2]), "logit_bias"),
         (generate(logit_bias={"abc": 1.0}), "logit_bias"),
         (generate(logit_bias={"-1": 1.0}), "logit_bias"),
+        (generate(logit_bias={"\u0665": 1.0}), "logit_bias"),  # an Arabic-Indic five: int() would take it
+        (generate(logit_bias={"05": 1.0}), "logit_bias"),  # the same token as "5"
         (generate(logit_bias={"5": 200}), "logit_bias"),
         (generate(logit_bias={"5": "x"}), "logit_bias"),
         (generate(prompt_logprobs=21), "prompt_logprobs"),

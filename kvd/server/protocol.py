@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,6 +409,9 @@ def _sampling_params(fields: dict) -> SamplingParams:
         raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
 
 
+_DECIMAL = re.compile(r"0|[1-9][0-9]*")  # ASCII only: str.isdigit() and int() take every script's digits
+
+
 def _logit_bias(value: Any) -> dict[int, float]:
     """OpenAI's form, token ids as decimal strings (msgpack maps here have string keys), to ints."""
     if not isinstance(value, dict):
@@ -416,7 +420,7 @@ def _logit_bias(value: Any) -> dict[int, float]:
         )
     bias = {}
     for key, v in value.items():
-        if not isinstance(key, str) or not key.isdigit() or int(key) > MAX_TOKEN_ID:
+        if not isinstance(key, str) or not _DECIMAL.fullmatch(key) or int(key) > MAX_TOKEN_ID:
             raise ProtocolError(
                 BAD_REQUEST, f"logit_bias keys are token ids in decimal, got {key!r:.40}", "logit_bias"
             )

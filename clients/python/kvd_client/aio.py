@@ -44,6 +44,8 @@ class AsyncClient:
 
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.endpoint = resolve_endpoint(endpoint)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.timeout = timeout
         self._pid = os.getpid()
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
@@ -69,7 +71,7 @@ class AsyncClient:
 
     async def embed(
         self,
-        input: str | Sequence[str] | Sequence[Sequence[int]],
+        input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         dimensions: int | None = None,
         cache_salt: str | None = None,
     ) -> Embeddings:

@@ -48,6 +48,8 @@ class Client:
 
     def __init__(self, endpoint: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.endpoint = resolve_endpoint(endpoint)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.timeout = timeout
         self._pid = os.getpid()
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -74,11 +76,12 @@ class Client:
 
     def embed(
         self,
-        input: str | Sequence[str] | Sequence[Sequence[int]],
+        input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         dimensions: int | None = None,
         cache_salt: str | None = None,
     ) -> Embeddings:
-        """One L2-normalised vector per input (a text, texts, or token id lists); `dimensions` truncates."""
+        """One L2-normalised vector per input (a text, texts, one token id list, or token id lists); `dimensions`
+        truncates."""
         return to_embeddings(self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
 
     def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:

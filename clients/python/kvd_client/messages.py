@@ -152,10 +152,12 @@ def embed_fields(
     return {"input": embed_input(input), "dimensions": dimensions, "cache_salt": cache_salt}
 
 
-def embed_input(input: str | Sequence[str] | Sequence[Sequence[int]]) -> str | list:
-    """`embed`'s input as msgpack takes it: a text, or a list of texts or of token id lists."""
+def embed_input(input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]]) -> str | list:
+    """`embed`'s input as msgpack takes it: a text, one token id list, or a list of texts or of token id lists."""
     if isinstance(input, str):
         return input
+    if input and isinstance(input[0], int):
+        return list(input)
     return [x if isinstance(x, str) else list(x) for x in input]
 
 
