@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from kvd import LLM, SamplingParams
 from kvd.engine.llm_engine import LLMEngine, RequestRejectedError, RequestTooLongError
+from kvd.engine.sampling_params import SamplingParamsError
 from kvd.engine.sequence import SequenceStatus
 
 MAX_TOKENS = 10
@@ -249,3 +250,18 @@ def test_max_model_len_past_the_models_positions_is_capped(tiny_llama_dir, caplo
     engine = _engine(tiny_llama_dir, kv_cache_memory=300 * KV, max_model_len=100_000)
     assert engine.max_model_len == 4096
     assert "max_position_embeddings" in caplog.text
+
+
+def test_generate_checks_params_again_and_takes_token_ids_in_any_sequence(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=64 * KV)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    params.temperature = float("nan")  # changed after construction: checked again when it is used
+    with pytest.raises(SamplingParamsError) as info:
+        llm.generate("Hello", params, use_tqdm=False)
+    assert info.value.field == "temperature" and not llm.engine.has_unfinished()
+    with pytest.raises(TypeError, match=r"kvd\.SamplingParams"):
+        llm.generate("Hello", {"max_tokens": 2}, use_tqdm=False)
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    as_list = llm.generate([5, 6, 7], greedy, use_tqdm=False)[0].token_ids
+    assert llm.generate((5, 6, 7), greedy, use_tqdm=False)[0].token_ids == as_list
+    assert llm.generate([(5, 6, 7)], greedy, use_tqdm=False)[0].token_ids == as_list

@@ -159,6 +159,10 @@ class LLM:
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    """One prompt (a text, or one sequence of token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str):
         return [prompts]
-    return list(prompts)
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return [p if isinstance(p, str) else list(p) for p in prompts]

@@ -268,7 +268,11 @@ class LLMEngine:
             raise RequestRejectedError(str(e), e.field) from None
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        """The fields again (they may have changed since construction), and what SamplingParams cannot check
+        alone: token ids against this model's vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a kvd.SamplingParams, got {type(params).__name__}")
+        params.validate()
         vocab = self.config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= vocab for t in ids):

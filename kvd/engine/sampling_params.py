@@ -50,6 +50,11 @@ class SamplingParams:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (again: a caller may have changed one since construction); SamplingParamsError
+        names the field at fault."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
