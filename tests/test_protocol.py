@@ -152,8 +152,9 @@ def test_other_ops_parse_to_their_requests():
         ({"v": 1, "id": 1, "op": "chat", "messages": [{"role": "user"}]}, "messages[0]"),
         (
             {"v": 1, "id": 1, "op": "chat", "messages": [{"role": "user", "content": "a", "x": 1}]},
-            "messages[0]",
+            "messages[0].x",
         ),
+        ({"v": "1", "id": 1, "op": "health"}, "v"),
         ({"v": 1, "id": 1, "op": "chat", "messages": [{"role": 1, "content": "a"}]}, "messages[0].role"),
         (generate(json_schema=5), "json_schema"),
         (generate(regex=""), "regex"),

@@ -256,8 +256,9 @@ def _as_id(value: Any, name: str) -> RequestId:
 def _parse(msg: dict, request_id: RequestId) -> Message:
     version = msg.get("v")
     if isinstance(version, bool) or not isinstance(version, int):
+        got = "is required" if version is None else f"must be an integer, got {_type_name(version)}"
         raise ProtocolError(
-            BAD_REQUEST, f"v (the protocol version) is required; this daemon speaks {PROTOCOL_VERSION}", "v"
+            BAD_REQUEST, f"v (the protocol version) {got}; this daemon speaks {PROTOCOL_VERSION}", "v"
         )
     if version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
@@ -435,12 +436,19 @@ def _messages(value: Any) -> list[dict]:
         )
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or not {"role", "content"} <= set(m) or not set(m) <= set(MESSAGE_FIELDS):
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
             raise ProtocolError(
                 BAD_REQUEST,
                 f"each message is a map with role and content, and optionally {', '.join(MESSAGE_FIELDS[2:])}",
                 where,
             )
+        for key in m:
+            if key not in MESSAGE_FIELDS:
+                raise ProtocolError(
+                    BAD_REQUEST,
+                    f"not a message field (one of: {', '.join(MESSAGE_FIELDS)})",
+                    f"{where}.{key}",
+                )
         _check_str(m["role"], f"{where}.role", MAX_ROLE_CHARS)
         if m["content"] is not None:
             _check_str(m["content"], f"{where}.content", None, allow_empty=True)
