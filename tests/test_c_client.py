@@ -132,6 +132,14 @@ def test_the_example_streams_the_completion_to_stdout(c_build: Path, tiny_daemon
     assert proc.stdout == reference["text"] + "\n"
 
 
+@pytest.mark.parametrize(("flag", "value"), [("-n", "abc"), ("-n", "2.5"), ("-t", "warm"), ("-T", "")])
+def test_the_example_refuses_a_flag_that_is_no_number(c_build: Path, flag: str, value: str):
+    proc = subprocess.run(
+        [str(c_build / "generate"), flag, value, "Hi"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and f"{flag} takes a" in proc.stderr and value in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("name", ERROR_CASES)
 def test_error_replies_surface_as_their_code(c_build: Path, tiny_daemon: DaemonProcess, name: str):
     request, error, field = error_case(tiny_daemon, name)

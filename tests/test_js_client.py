@@ -91,6 +91,23 @@ def test_the_example_streams_the_completion_to_stdout(js_client: Path, tiny_daem
     assert proc.stdout == reference["text"] + "\n"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-tokens", "abc", "Hi"], "--max-tokens takes a whole number"),
+        (["--temperature", "", "Hi"], "--temperature takes a number"),
+        (["--bogus", "Hi"], "Unknown option '--bogus'"),
+        ([], "a prompt is required"),
+    ],
+)
+def test_the_example_refuses_bad_flags_with_its_usage(js_client: Path, args: list[str], message: str):
+    proc = node(js_client, "examples/generate.mjs", *args)
+    assert proc.returncode == 2 and message in proc.stderr and "usage:" in proc.stderr, proc.stderr
+    assert "    at " not in proc.stderr  # no stack trace
+    shown = node(js_client, "examples/generate.mjs", "--help")
+    assert shown.returncode == 0 and shown.stderr.startswith("usage:")
+
+
 @pytest.mark.parametrize("name", ERROR_CASES)
 def test_error_replies_surface_as_their_code(js_client: Path, tiny_daemon: DaemonProcess, name: str):
     request, error, field = error_case(tiny_daemon, name)

@@ -29,6 +29,13 @@ static int usage(void) {
     return 2;
 }
 
+/* The whole of `text` as a number (an integer where `whole`): 0 and *out set, or -1 for anything else. */
+static int parse_number(const char *text, int whole, double *out) {
+    char *end;
+    *out = whole ? (double)strtoll(text, &end, 10) : strtod(text, &end);
+    return end != text && *end == '\0' ? 0 : -1;
+}
+
 /* The words of argv joined by spaces. */
 static char *join(int argc, char **argv) {
     size_t len = 1;
@@ -48,12 +55,17 @@ int main(int argc, char **argv) {
     request.max_tokens = 256;
     double timeout_s = KVD_DEFAULT_TIMEOUT_MS / 1000.0;
     int opt;
+    double value;
     while ((opt = getopt(argc, argv, "e:n:t:T:")) != -1) {
+        if (opt != 'e' && opt != '?' && parse_number(optarg, opt == 'n', &value) != 0) {
+            fprintf(stderr, "generate: -%c takes a %snumber, got '%s'\n", opt, opt == 'n' ? "whole " : "", optarg);
+            return usage();
+        }
         switch (opt) {
         case 'e': endpoint = optarg; break;
-        case 'n': request.max_tokens = strtoll(optarg, NULL, 10); break;
-        case 't': request.temperature = strtod(optarg, NULL); break;
-        case 'T': timeout_s = strtod(optarg, NULL); break;
+        case 'n': request.max_tokens = (int64_t)value; break;
+        case 't': request.temperature = value; break;
+        case 'T': timeout_s = value; break;
         default: return usage();
         }
     }

@@ -5,25 +5,48 @@ import { parseArgs } from "node:util";
 
 import { Client, KvdError } from "../src/index.js";
 
-const { values, positionals } = parseArgs({
-  allowPositionals: true,
-  options: {
-    endpoint: { type: "string" },
-    "max-tokens": { type: "string", default: "256" },
-    temperature: { type: "string" },
-    "timeout-ms": { type: "string", default: "30000" },
-  },
-});
-if (positionals.length === 0) {
-  console.error("usage: generate.mjs [--endpoint URL] [--max-tokens N] [--temperature T] [--timeout-ms MS] PROMPT");
-  process.exit(2);
+const USAGE = "usage: generate.mjs [--endpoint URL] [--max-tokens N] [--temperature T] [--timeout-ms MS] PROMPT";
+
+function usage(problem) {
+  console.error(problem ? `generate: ${problem}\n${USAGE}` : USAGE);
+  process.exit(problem ? 2 : 0);
 }
 
-const client = new Client({ endpoint: values.endpoint, timeoutMs: Number(values["timeout-ms"]) });
+let parsed;
+try {
+  parsed = parseArgs({
+    allowPositionals: true,
+    options: {
+      endpoint: { type: "string" },
+      "max-tokens": { type: "string", default: "256" },
+      temperature: { type: "string" },
+      "timeout-ms": { type: "string", default: "30000" },
+      help: { type: "boolean", short: "h" },
+    },
+  });
+} catch (e) {
+  usage(e.message);
+}
+const { values, positionals } = parsed;
+if (values.help) usage();
+if (positionals.length === 0) usage("a prompt is required");
+
+/** The flag's value as a number (a whole one if `whole`), or the usage and exit status 2. */
+function number(flag, whole) {
+  const text = values[flag];
+  if (text === undefined) return undefined;
+  const value = Number(text);
+  if (text.trim() === "" || !Number.isFinite(value) || (whole && !Number.isInteger(value))) {
+    usage(`--${flag} takes a ${whole ? "whole " : ""}number, got '${text}'`);
+  }
+  return value;
+}
+
+const client = new Client({ endpoint: values.endpoint, timeoutMs: number("timeout-ms", true) });
 const stream = client.stream({
   prompt: positionals.join(" "),
-  max_tokens: Number(values["max-tokens"]),
-  temperature: values.temperature === undefined ? undefined : Number(values.temperature),
+  max_tokens: number("max-tokens", true),
+  temperature: number("temperature", false),
 });
 // The daemon ends an aborted generation with finish_reason "abort", which ends the loop below.
 process.on("SIGINT", () => client.abort(stream.id).catch(() => {}));

@@ -5,13 +5,41 @@ import { DaemonError, ProtocolError } from "./errors.js";
 
 export const PROTOCOL_VERSION = 1;
 
-/** One request map; fields that are null or undefined are left out, so the daemon applies its defaults. */
+/**
+ * One request map; fields that are null or undefined are left out, so the daemon applies its defaults. A BigInt
+ * goes out as a 64-bit integer (a seed past 2^53); a value msgpack cannot carry throws a bad_request DaemonError
+ * naming the field, as the daemon would.
+ */
 export function packRequest(op, id, fields) {
   const message = { v: PROTOCOL_VERSION, id, op };
   for (const [key, value] of Object.entries(fields)) {
     if (value !== null && value !== undefined && !(key in message)) message[key] = value;
   }
-  return encode(message);
+  for (const [key, value] of Object.entries(message)) {
+    if (!fitsInt64(value)) throw new DaemonError("bad_request", "is beyond the 64-bit integers msgpack carries", key, id);
+  }
+  try {
+    return encode(message, { useBigInt64: true });
+  } catch (e) {
+    const field = Object.keys(message).find((key) => !encodes(message[key])) ?? null;
+    throw new DaemonError("bad_request", `cannot be sent: ${e.message}`, field, id);
+  }
+}
+
+// msgpack's encoder wraps a BigInt past 64 bits around silently: every one in a value must fit.
+function fitsInt64(value) {
+  if (typeof value === "bigint") return value >= -(2n ** 63n) && value < 2n ** 64n;
+  if (value !== null && typeof value === "object") return Object.values(value).every(fitsInt64);
+  return true;
+}
+
+function encodes(value) {
+  try {
+    encode(value, { useBigInt64: true });
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 export function unpackReply(data) {

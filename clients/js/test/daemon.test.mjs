@@ -78,6 +78,16 @@ test("a bad temperature is a bad_request naming the field, streaming or not", as
   await assert.rejects(client.generate({ prompt: "Hi", temprature: 0.5 }), unknownField);
 });
 
+test("a BigInt seed past 2^53 goes out whole; a value msgpack cannot carry names its field", async () => {
+  const big = { prompt: "Hi", temperature: 1, max_tokens: 8, seed: 2n ** 62n + 1n };
+  const first = await client.generate(big);
+  assert.deepEqual((await client.generate(big)).token_ids, first.token_ids); // the same seed, exactly
+  const near = await client.generate({ ...big, seed: 2n ** 62n });
+  assert.notDeepEqual(near.token_ids, first.token_ids); // not rounded to a neighbour, as a Number would be
+  await assert.rejects(client.generate({ prompt: "Hi", seed: 2n ** 64n }), assertDaemonError("bad_request", "seed"));
+  await assert.rejects(client.generate({ prompt: "Hi", stop: [Symbol("x")] }), assertDaemonError("bad_request", "stop"));
+});
+
 test("a prompt longer than max_prompt_tokens is too_large", async () => {
   const limit = (await client.info()).limits.max_prompt_tokens;
   const ids = new Array(limit + 1).fill(1);
