@@ -18,6 +18,7 @@ from daemon_fixtures import REPO, DaemonProcess, daemon_env
 from gateway_fixtures import daemon_fixture, gateway_daemon, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.gateway import callers
 from kvd.gateway.metrics import GatewayMetrics
 from kvd.gateway.outcome import answer
 from kvd_client import Client
@@ -199,7 +200,9 @@ def test_null_is_the_default_and_errors_name_the_request_field_once(daemon: Daem
     assert (code, error["param"]) == (400, "seed") and str(2**63 - 2) in error["message"], error
 
 
-def test_an_overloaded_daemon_is_a_429_with_retry_after(tiny_daemon_model: Path, tmp_path: Path):
+def test_an_overloaded_daemon_is_a_429_with_retry_after_for_that_caller_only(
+    tiny_daemon_model: Path, tmp_path: Path
+):
     with gateway_daemon(tiny_daemon_model, tmp_path, "--max-queued-per-client", "1") as proc:
         with proc.client() as kvd:
             model = kvd.info()["model"]
@@ -209,9 +212,12 @@ def test_an_overloaded_daemon_is_a_429_with_retry_after(tiny_daemon_model: Path,
         stream = holder.getresponse()
         assert stream.status == 200 and stream.readline().startswith(b"data:")  # it holds the one slot
         code, text = _post(proc.base_url, "/v1/completions", body, with_headers=True)
+        # Another caller (its `user`) has a connection, and so a quota, of its own.
+        other, _ = _post(proc.base_url, "/v1/completions", {**body, "max_tokens": 2, "user": "another"})
         holder.close()
     (status, retry_after), error = code, json.loads(text)["error"]
     assert (status, retry_after, error["type"]) == (429, "1", "rate_limit_error"), error
+    assert other == 200
 
 
 def test_an_unexpected_failure_is_a_counted_server_error():
@@ -370,3 +376,33 @@ def test_a_non_loopback_address_needs_allow_remote():
     cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", "0.0.0.0:8000"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=60)
     assert result.returncode == 2 and "--allow-remote" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_callers_keep_their_connections_and_idle_ones_close_past_the_bound(monkeypatch: pytest.MonkeyPatch):
+    opened = []
+
+    class Fake:
+        in_flight = 0
+        closed = False
+
+        def close(self) -> None:
+            self.closed = True
+
+    def connect() -> Fake:
+        opened.append(Fake())
+        return opened[-1]
+
+    clock = [1000.0]
+    monkeypatch.setattr(callers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(callers, "KEEP", 2)
+    pool = callers.CallerClients(connect)
+    a, b = pool.get("a"), pool.get("b")
+    assert pool.get("a") is a and len(opened) == 2
+    b.in_flight = 1
+    clock[0] += callers.IDLE_S
+    pool.get("c")  # over the bound: a is idle and old, b is old but busy
+    assert a.closed and not b.closed and set(pool.clients) == {"b", "c"}
+    pool.get("d")  # over again, but b is busy and c is recent: kept, for now
+    assert set(pool.clients) == {"b", "c", "d"} and not any(x.closed for x in opened[1:])
+    pool.close()
+    assert all(x.closed for x in opened)

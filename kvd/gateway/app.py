@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvd.gateway import embeddings, ollama
+from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, open_streams, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields
 from kvd.gateway.http_metrics import CountRequests
@@ -43,12 +44,14 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(endpoint, timeout=timeout)
+        callers = CallerClients(lambda: AsyncClient(endpoint, timeout=timeout))
         app.state.gateway = Gateway(
-            client, metrics, TokenTexts(client), served_model_name, started=int(time.time())
+            client, callers, metrics, TokenTexts(client), served_model_name, started=int(time.time())
         )
         try:
             yield
         finally:
+            callers.close()
             client.close()
 
     app = FastAPI(title="kvd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -181,7 +184,7 @@ async def _reply(
     if refused:
         raise invalid_fields(refused)
     jobs, reply, drop_generated = await plan(gateway, name)
-    streams = open_streams(gateway.client, op, jobs)
+    streams = open_streams(gateway.client_for(request, body.user or body.safety_identifier), op, jobs)
     if body.stream:
         # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
         chunks = merged(streams, gateway.metrics)

@@ -22,7 +22,7 @@ class EmbeddingRequest(Strict):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
-    user: str | None = None  # accepted for compatibility; it changes nothing
+    user: str | None = None  # the caller, for the daemon's fair share (kvd.gateway.callers)
 
     def inputs(self) -> str | list[str] | list[list[int]]:
         """The daemon's input: one list of token ids becomes a list of one."""
@@ -44,7 +44,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     try:
-        out = await gateway.client.embed(body.inputs(), body.dimensions)
+        out = await gateway.client_for(request, body.user).embed(body.inputs(), body.dimensions)
     except KvdError as e:
         raise from_kvd_error(e) from None
     data = [

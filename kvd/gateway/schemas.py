@@ -117,10 +117,10 @@ class _Request(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token ids as decimal strings, as OpenAI and the daemon take
-    # Accepted and ignored: none of them changes the output. `user` and `safety_identifier` identify the end
-    # user for abuse monitoring, `store` and `metadata` are for OpenAI's stored completions,
-    # `service_tier` picks a latency tier, and `prompt_cache_key` is a cache-routing hint (kvd's prefix
-    # cache needs none; `cache_salt` is the isolating key).
+    # None of these changes the output. `user` and `safety_identifier` name the end user: the caller whose fair
+    # share of the daemon the request takes (kvd.gateway.callers). `store` and `metadata` are for OpenAI's
+    # stored completions, `service_tier` picks a latency tier, and `prompt_cache_key` is a cache-routing hint
+    # (kvd's prefix cache needs none; `cache_salt` is the isolating key): accepted and ignored.
     user: str | None = None
     safety_identifier: str | None = None
     store: bool | None = None

@@ -1,4 +1,4 @@
-"""What the routes share: one connection to the daemon, the metrics, the daemon's `info`."""
+"""What the routes share: the connections to the daemon, the metrics, the daemon's `info`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from kvd.gateway.callers import CallerClients, caller_of
 from kvd.gateway.errors import ApiError
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
@@ -14,12 +15,17 @@ from kvd_client import AsyncClient
 
 @dataclass
 class Gateway:
-    client: AsyncClient
+    client: AsyncClient  # the gateway's own: info, stats, health, tokenize
+    callers: CallerClients  # each caller's, for its generations and embeddings
     metrics: GatewayMetrics
     texts: TokenTexts
     served_model_name: str | None
     info: dict | None = None
     started: int = 0
+
+    def client_for(self, request: Request, user: str | None = None) -> AsyncClient:
+        """The connection that runs `request`'s generations: its caller's (see kvd.gateway.callers)."""
+        return self.callers.get(caller_of(request, user))
 
     async def model_info(self) -> dict:
         if self.info is None:  # asked lazily: the gateway may start before the daemon

@@ -103,6 +103,11 @@ class AsyncClient:
     async def stats(self) -> dict:
         return await self._call("stats", {})
 
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not finished yet."""
+        return len(self._inbox)
+
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()

@@ -1,0 +1,47 @@
+"""One daemon connection per HTTP caller, so that the daemon's fair queue and per-client limits (which it keeps
+per connection) share it among the gateway's callers rather than treat them as one client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+
+from kvd_client import AsyncClient
+
+KEEP = 256  # connections kept open before idle ones are closed
+IDLE_S = 60.0  # an idle connection (nothing in flight) unused this long may be closed
+
+
+def caller_of(request: Request, user: str | None = None) -> str:
+    """Who sent the request: its `user` field (OpenAI's end-user id) where given, else the peer's address."""
+    if user:
+        return f"user {user}"
+    return f"address {request.client.host if request.client else '?'}"
+
+
+class CallerClients:
+    """The connection of each caller, opened at its first request; past KEEP, connections idle for IDLE_S are
+    closed (a busy or recent one never is, so the pool may run over KEEP for a while)."""
+
+    def __init__(self, connect: Callable[[], AsyncClient]) -> None:
+        self.connect = connect
+        self.clients: dict[str, tuple[AsyncClient, float]] = {}  # least recently used first
+
+    def get(self, caller: str) -> AsyncClient:
+        now = time.monotonic()
+        client = self.clients.pop(caller, (None, 0.0))[0] or self.connect()
+        self.clients[caller] = (client, now)
+        for key, (other, used) in list(self.clients.items()):  # oldest first
+            if len(self.clients) <= KEEP:
+                break
+            if other.in_flight == 0 and now - used >= IDLE_S:
+                del self.clients[key]
+                other.close()
+        return client
+
+    def close(self) -> None:
+        for client, _ in self.clients.values():
+            client.close()
+        self.clients.clear()
