@@ -27,7 +27,7 @@ INVALID: dict[str, list[object]] = {
     "max_tokens": [0, -1, U64, 1.5, "10", True, [], NAN],
     "temperature": [-0.1, 101, NAN, INF, -INF, "hot", [], b"x"],
     "top_p": [0, 1.5, NAN, "x"],
-    "top_k": [-1, 1.5, 2**40],
+    "top_k": [-2, 1.5, 2**40],  # -1 is off, as in vLLM
     "min_p": [-0.5, 2, INF],
     "seed": [-1, U64, "s", 1.5],
     "stop": [5, [1], [""], ["a"] * 17, ["x" * 257], {"a": 1}, b"bin", DEEP],

@@ -138,18 +138,22 @@ def test_completion_logprobs_have_offsets_into_the_text(oai: openai.OpenAI, mode
     # Cut by a stop string in the middle of the output: the tokens are those whose text begins in the text
     # (the last may run past the cut), streamed or not; the stop string's own tokens are gone.
     stop = text[len(text) // 2 :][:2]
+    seen = []
     for stream in (False, True):
         params = dict(model=model, prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1, stop=[stop])
         if stream:
-            chunks = list(oai.completions.create(**params, stream=True))
-            cut = "".join(c.choices[0].text for c in chunks)
-            tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            chunks = [c.choices[0] for c in oai.completions.create(**params, stream=True)]
+            cut = "".join(c.text for c in chunks)
+            tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+            offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
         else:
             got = oai.completions.create(**params).choices[0]
-            cut, tokens = got.text, got.logprobs.tokens
+            cut, tokens, offsets = got.text, got.logprobs.tokens, got.logprobs.text_offset
         joined = "".join(tokens)
         assert cut == text[: text.index(stop)] and joined.startswith(cut), (stream, stop, tokens)
         assert len(joined) - len(tokens[-1]) < len(cut) and len(tokens) < 6, (stream, stop, tokens)
+        seen.append((tokens, offsets))
+    assert seen[0] == seen[1]  # each token's offset is where its text starts, streamed or not
 
 
 @pytest.mark.parametrize(
@@ -198,6 +202,9 @@ def test_null_is_the_default_and_errors_name_the_request_field_once(daemon: Daem
     )
     error = json.loads(text)["error"]
     assert (code, error["param"]) == (400, "seed") and str(2**63 - 2) in error["message"], error
+    echoed = {"model": model, "prompt": PROMPT, "n": 2, "seed": 2**63 - 1, "echo": True, "max_tokens": 0}
+    code, text = _post(daemon.base_url, "/v1/completions", echoed)  # echo lifts the max_tokens refusal only
+    assert (code, json.loads(text)["error"]["param"]) == (400, "seed"), text
 
 
 def test_an_overloaded_daemon_is_a_429_with_retry_after_for_that_caller_only(
@@ -218,6 +225,24 @@ def test_an_overloaded_daemon_is_a_429_with_retry_after_for_that_caller_only(
     (status, retry_after), error = code, json.loads(text)["error"]
     assert (status, retry_after, error["type"]) == (429, "1", "rate_limit_error"), error
     assert other == 200
+
+
+def test_a_gateway_bug_is_a_500_in_the_apis_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    from fastapi.testclient import TestClient
+
+    from kvd.gateway.app import create_app
+    from kvd.gateway.state import Gateway
+
+    async def broken(self: Gateway) -> dict:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Gateway, "model_info", broken)
+    with TestClient(create_app(f"ipc://{tmp_path}/none.sock"), raise_server_exceptions=False) as http:
+        reply = http.get("/v1/models")
+        ollama = http.get("/api/tags")
+    assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error", reply.text
+    assert "RuntimeError" in reply.json()["error"]["message"]
+    assert ollama.status_code == 500 and "RuntimeError" in ollama.json()["error"], ollama.text
 
 
 def test_an_unexpected_failure_is_a_counted_server_error():
@@ -378,7 +403,7 @@ def test_a_non_loopback_address_needs_allow_remote():
     assert result.returncode == 2 and "--allow-remote" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_callers_keep_their_connections_and_idle_ones_close_past_the_bound(monkeypatch: pytest.MonkeyPatch):
+def test_callers_keep_their_connections_within_a_bound(monkeypatch: pytest.MonkeyPatch):
     opened = []
 
     class Fake:
@@ -395,14 +420,15 @@ def test_callers_keep_their_connections_and_idle_ones_close_past_the_bound(monke
     clock = [1000.0]
     monkeypatch.setattr(callers.time, "monotonic", lambda: clock[0])
     monkeypatch.setattr(callers, "KEEP", 2)
-    pool = callers.CallerClients(connect)
+    shared = Fake()
+    pool = callers.CallerClients(connect, shared)
     a, b = pool.get("a"), pool.get("b")
     assert pool.get("a") is a and len(opened) == 2
+    assert pool.get("c") is shared and len(opened) == 2  # at the bound, nothing idle long enough: shared
     b.in_flight = 1
     clock[0] += callers.IDLE_S
-    pool.get("c")  # over the bound: a is idle and old, b is old but busy
-    assert a.closed and not b.closed and set(pool.clients) == {"b", "c"}
-    pool.get("d")  # over again, but b is busy and c is recent: kept, for now
-    assert set(pool.clients) == {"b", "c", "d"} and not any(x.closed for x in opened[1:])
+    c = pool.get("c")  # a is idle and old: closed for c; b is old but busy
+    assert a.closed and not b.closed and set(pool.clients) == {"b", "c"} and c is opened[-1]
+    assert pool.get("d") is shared and not c.closed  # b busy, c recent
     pool.close()
-    assert all(x.closed for x in opened)
+    assert all(x.closed for x in opened) and not shared.closed  # the shared one is the gateway's to close

@@ -316,3 +316,17 @@ def test_replies_are_what_the_client_library_reads():
         client_messages.to_result(roundtrip(protocol.error_reply(2, protocol.OVERLOADED, "busy")))
     assert (info.value.code, info.value.field, info.value.request_id) == ("overloaded", None, 2)
     assert roundtrip(protocol.heartbeat_reply()) == {"id": None, "type": "heartbeat"}
+
+
+def test_a_lenient_reading_keeps_only_an_id_a_call_could_have_sent():
+    def refused(frame: bytes) -> protocol.ProtocolError:
+        with pytest.raises(protocol.ProtocolError) as info:
+            protocol.decode(frame, LIMIT)
+        return info.value
+
+    frame = msgpack.packb({"v": 1, "id": "IDID", "op": "generate", "prompt": "Hi", "logit_bias": {3: 1.0}})
+    error = refused(frame)
+    assert (error.request_id, error.field) == ("IDID", "logit_bias")
+    # The same with an id that is no UTF-8: no call sent it, so the reply names none.
+    error = refused(frame.replace(b"IDID", b"\xff\xfe\xfd\xfc"))
+    assert (error.request_id, error.field) == (None, "id")

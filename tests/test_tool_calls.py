@@ -493,10 +493,19 @@ CUT_CASES = [
     ),
     (HERMES, f"<tool_call>{CITY}\n", "", [("get_weather", {"city": "Paris"})]),  # whole but for </tool_call>
     (HERMES, "plain text, cut", "plain text, cut", []),
+    (HERMES, "Sure. <tool_ca", "Sure.", []),  # the marker's start, cut short
+    (HERMES, "<tool", "", []),
     (LLAMA3, f'{CITY}; {{"name": "add", "parameters": {{"a": 1', "", [("get_weather", {"city": "Paris"})]),
     # Not one whole call: JSON content or a call, no telling, so the text stays content.
     (LLAMA3, '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
 ]
+
+
+def test_a_forced_output_cut_short_is_never_content():
+    # A grammar made it calls alone: a Llama 3 call cut short is one too, though it is no whole JSON call.
+    for template, text in [(LLAMA3, '{"name": "add", "parameters": {"a": 1'), (HERMES, '<tool_call>\n{"na')]:
+        parser = ToolCallParser(template, TOOLS, forced=True)
+        assert (parser.feed(text), parser.finish("length")) == ("", ("", [], "length"))
 
 
 @pytest.mark.parametrize(("template", "text", "content", "calls"), CUT_CASES)

@@ -61,8 +61,10 @@ class IncrementalDetokenizer:
         that ended the output never does: the tokens handed out are those of the text, as its logprobs must be."""
         if not self.stop or (finished and not self.stopped):
             end = len(self.starts)
-        else:
-            end = sum(start < self.emitted for start in self.starts)
+        else:  # starts and emitted only grow: continue from the last token handed out
+            end = self.released
+            while end < len(self.starts) and self.starts[end] < self.emitted:
+                end += 1
         count, self.released = end - self.released, end
         return count
 

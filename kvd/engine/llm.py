@@ -80,7 +80,7 @@ class LLM:
         for conversation in conversations:
             check_history(list(conversation))
         prompts = [self.engine.apply_chat_template(list(c), tools or None) for c in conversations]
-        if choice.mode == "none":
+        if not tools or choice.mode == "none":  # as the daemon: nothing is parsed without tools to call
             return self.generate(prompts, params, use_tqdm)
         grammar = tool_call_grammar(tools, choice, self.engine.tool_template, parallel_tool_calls)
         if params is None or isinstance(params, SamplingParams):
@@ -89,7 +89,7 @@ class LLM:
             params = [replace(p, grammar=grammar) for p in params]
         outputs = self.generate(prompts, params, use_tqdm)
         for out in outputs:
-            parser = ToolCallParser(self.engine.tool_template, tools)
+            parser = ToolCallParser(self.engine.tool_template, tools, grammar is not None)
             content = parser.feed(out.text)
             rest, out.tool_calls, out.finish_reason = parser.finish(out.finish_reason)
             out.text = content + rest

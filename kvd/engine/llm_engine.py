@@ -328,7 +328,7 @@ class LLMEngine:
         preempted = [self._by_seq_id[s.seq_id].request_id for s in out.preempted]
         prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
         outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
-        forward_s = 0.0
+        forward_s, tokens = 0.0, []
         if out.chunks:
             forward_started = time.perf_counter()
             hidden, starts = self.runner.run(out.chunks)
@@ -351,7 +351,7 @@ class LLMEngine:
             outputs.extend(self._on_embedded(r) for r in embedded)
         self.metrics.record_step(
             num_prefill_tokens=prefill_tokens,
-            num_generated=sum(1 for o in outputs if o.new_token_ids),
+            num_generated=len(tokens),  # sampled this step (stop strings may hold some back from outputs)
             step_s=time.perf_counter() - started,
             forward_s=forward_s,
         )

@@ -503,10 +503,11 @@ class _Hermes:
         if self.in_call:
             block, self.buffer = self.buffer, ""
             content = self._close(block, closed=False)
-            return (
-                "" if cut else content
-            )  # a block cut short by max_tokens is an unfinished call, not content
+            # A block cut short by max_tokens is an unfinished call, not content.
+            return "" if cut else content
         rest, self.buffer = self.buffer, ""
+        if cut:  # the start of a <tool_call> marker, cut short, is no content either
+            rest = rest[: len(rest) - _longest_marker_prefix(rest, _HERMES_OPEN)].rstrip()
         return rest
 
 
@@ -598,11 +599,13 @@ def _llama3_calls(text: str, names: set[str], cut: bool) -> list[ToolCall] | Non
 
 
 class ToolCallParser:
-    """Splits a streamed completion into content text and tool calls, holding back text that may start a call."""
+    """Splits a streamed completion into content text and tool calls, holding back text that may start a call.
+    `forced`: a grammar makes the output calls alone (tool_choice "required" or a named function)."""
 
-    def __init__(self, template: ToolTemplate, tools: list[Tool]) -> None:
+    def __init__(self, template: ToolTemplate, tools: list[Tool], forced: bool = False) -> None:
         names = {tool.name for tool in tools}
         self._impl = _Llama3(names) if template.format is ToolFormat.LLAMA3_JSON else _Hermes(names)
+        self.forced = forced
 
     def feed(self, text: str) -> str:
         """The content text that is safe to emit now (never a prefix of a tool-call marker, never inside a call)."""
@@ -613,4 +616,6 @@ class ToolCallParser:
         that ended on its own; one cut by max_tokens ("length") drops an unfinished call rather than returning it
         as content, and keeps its reason, as "abort" does."""
         rest, calls = self._impl.finish(reason == "length"), self._impl.calls
+        if self.forced and reason == "length":
+            rest = ""  # whatever is left of a forced output cut short is a call cut short
         return rest, calls, "tool_calls" if calls and reason == "stop" else reason

@@ -44,7 +44,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(endpoint, timeout=timeout)
-        callers = CallerClients(lambda: AsyncClient(endpoint, timeout=timeout))
+        callers = CallerClients(lambda: AsyncClient(endpoint, timeout=timeout), shared=client)
         app.state.gateway = Gateway(
             client, callers, metrics, TokenTexts(client), served_model_name, started=int(time.time())
         )

@@ -10,8 +10,8 @@ from starlette.requests import Request
 
 from kvd_client import AsyncClient
 
-KEEP = 256  # connections kept open before idle ones are closed
-IDLE_S = 60.0  # an idle connection (nothing in flight) unused this long may be closed
+KEEP = 256  # caller connections at most; past them, callers share one
+IDLE_S = 60.0  # an idle connection (nothing in flight) unused this long makes room for a new caller
 
 
 def caller_of(request: Request, user: str | None = None) -> str:
@@ -22,23 +22,29 @@ def caller_of(request: Request, user: str | None = None) -> str:
 
 
 class CallerClients:
-    """The connection of each caller, opened at its first request; past KEEP, connections idle for IDLE_S are
-    closed (a busy or recent one never is, so the pool may run over KEEP for a while)."""
+    """The connection of each caller, opened at its first request. At KEEP connections, one idle for IDLE_S is
+    closed to make room; while none is, a new caller gets the shared connection (`shared`), so that callers
+    named at will (`user` is the client's to choose) cannot open sockets without bound."""
 
-    def __init__(self, connect: Callable[[], AsyncClient]) -> None:
+    def __init__(self, connect: Callable[[], AsyncClient], shared: AsyncClient) -> None:
         self.connect = connect
+        self.shared = shared
         self.clients: dict[str, tuple[AsyncClient, float]] = {}  # least recently used first
 
     def get(self, caller: str) -> AsyncClient:
         now = time.monotonic()
-        client = self.clients.pop(caller, (None, 0.0))[0] or self.connect()
+        client = self.clients.pop(caller, (None, 0.0))[0]
+        if client is None:
+            for key, (other, used) in list(self.clients.items()):  # oldest first
+                if len(self.clients) < KEEP:
+                    break
+                if other.in_flight == 0 and now - used >= IDLE_S:
+                    del self.clients[key]
+                    other.close()
+            if len(self.clients) >= KEEP:
+                return self.shared
+            client = self.connect()
         self.clients[caller] = (client, now)
-        for key, (other, used) in list(self.clients.items()):  # oldest first
-            if len(self.clients) <= KEEP:
-                break
-            if other.in_flight == 0 and now - used >= IDLE_S:
-                del self.clients[key]
-                other.close()
         return client
 
     def close(self) -> None:

@@ -51,7 +51,9 @@ class Reply:
     prompt_counts: list[int] | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's text length so far
+    offsets: dict[int, int] = field(
+        default_factory=dict
+    )  # completions: each choice's token texts' length so far
     started: set[int] = field(default_factory=set)  # chat: choices whose first delta (the role) went out
     generated: dict[int, int] = field(default_factory=dict)  # tokens of each choice so far
 
@@ -74,7 +76,10 @@ class Reply:
         logprobs = self._logprobs(chunk.logprobs, index)
         if not self.chat:
             body = {"index": index, "text": chunk.text, "logprobs": logprobs}
-            self.offsets[index] = self.offsets.get(index, 0) + len(chunk.text)
+            # A token goes out once its text starts, so a chunk's text may begin inside an earlier token's:
+            # offsets follow the tokens' texts, as the whole reply's do.
+            added = sum(len(self.texts[lp.token_id]) for lp in chunk.logprobs or [])
+            self.offsets[index] = self.offsets.get(index, 0) + added
             return [self._chunk_body(index, body, chunk.finish_reason, usage)]
         if not chunk.tool_calls:
             return [

@@ -215,7 +215,8 @@ class CompletionRequest(_Request):
         return [self.prompt]
 
     def refusals(self) -> list[tuple[str, str]]:
-        refused = [r for r in super().refusals() if not self.echo]
+        # With echo, max_tokens 0 scores the prompt alone: the one refusal echo lifts.
+        refused = [r for r in super().refusals() if not (self.echo and r[0] == self.max_tokens_param)]
         if not 1 <= len(self.prompts()) <= MAX_PROMPTS:
             refused.append(("prompt", f"between 1 and {MAX_PROMPTS} prompts per request"))
         if self.echo and self.stream:

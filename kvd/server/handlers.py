@@ -212,10 +212,10 @@ class RequestHandler:
         engine = self.state.engine
         params, field = message.params, None
         if message.tools and message.tool_choice.mode != "none":
-            generation.tool_parser = ToolCallParser(engine.tool_template, message.tools)
             grammar = tool_call_grammar(
                 message.tools, message.tool_choice, engine.tool_template, message.parallel_tool_calls
             )
+            generation.tool_parser = ToolCallParser(engine.tool_template, message.tools, grammar is not None)
             if grammar is not None:
                 params, field = replace(params, grammar=grammar), "tools"
         try:

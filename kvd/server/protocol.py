@@ -178,10 +178,8 @@ def _undecodable(frame: bytes, e: Exception) -> ProtocolError:
     if not isinstance(msg, dict):
         return error
     request_id = msg.get(b"id")
-    if isinstance(request_id, bytes):
-        request_id = request_id.decode("utf-8", "replace")
-    with contextlib.suppress(ProtocolError):
-        error.request_id = _as_id(request_id, "id")
+    with contextlib.suppress(ProtocolError, UnicodeDecodeError):  # an id that is no UTF-8 is no id of a call
+        error.request_id = _as_id(request_id.decode() if isinstance(request_id, bytes) else request_id, "id")
     try:
         fault = _fault(msg, "")
     except RecursionError:  # nested deeper than any request: the plain message says enough
@@ -223,8 +221,8 @@ def _peek_id(frame: bytes) -> RequestId | None:
     try:
         msg = _unpack(frame)
         return _request_id(msg) if isinstance(msg, dict) else None
-    except ProtocolError:
-        return None
+    except ProtocolError as e:  # the id, where a lenient reading found one
+        return e.request_id
 
 
 def parse_message(msg: dict) -> Message:

@@ -16,30 +16,36 @@ export function packRequest(op, id, fields) {
     if (value !== null && value !== undefined && !(key in message)) message[key] = value;
   }
   for (const [key, value] of Object.entries(message)) {
-    if (!fitsInt64(value)) throw new DaemonError("bad_request", "is beyond the 64-bit integers msgpack carries", key, id);
+    try {
+      message[key] = forWire(value);
+      encode(message[key], WIRE);
+    } catch (e) {
+      throw new DaemonError("bad_request", `cannot be sent: ${e.message}`, key, id);
+    }
   }
-  try {
-    return encode(message, { useBigInt64: true });
-  } catch (e) {
-    const field = Object.keys(message).find((key) => !encodes(message[key])) ?? null;
-    throw new DaemonError("bad_request", `cannot be sent: ${e.message}`, field, id);
-  }
+  return encode(message, WIRE);
 }
 
-// msgpack's encoder wraps a BigInt past 64 bits around silently: every one in a value must fit.
-function fitsInt64(value) {
-  if (typeof value === "bigint") return value >= -(2n ** 63n) && value < 2n ** 64n;
-  if (value !== null && typeof value === "object") return Object.values(value).every(fitsInt64);
-  return true;
-}
+// BigInts as msgpack's 64-bit integers. With this option the encoder writes a Number integer past 32 bits as a
+// float, which the daemon refuses where it takes an integer: forWire makes those BigInts too.
+const WIRE = { useBigInt64: true };
 
-function encodes(value) {
-  try {
-    encode(value, { useBigInt64: true });
-    return true;
-  } catch {
-    return false;
+/** `value` as the encoder must see it: integers past 32 bits as BigInts; a BigInt past 64 bits (which the
+ * encoder would wrap around silently) throws. */
+function forWire(value) {
+  if (typeof value === "number") {
+    return Number.isSafeInteger(value) && (value > 0xffffffff || value < -0x80000000) ? BigInt(value) : value;
   }
+  if (typeof value === "bigint") {
+    if (value < -(2n ** 63n) || value >= 2n ** 64n) throw new RangeError(`${value} is beyond 64-bit integers`);
+    return value;
+  }
+  if (Array.isArray(value)) return value.map(forWire);
+  if (value instanceof Map) return new Map([...value].map(([k, v]) => [k, forWire(v)]));
+  if (value !== null && typeof value === "object" && !ArrayBuffer.isView(value)) {
+    return Object.fromEntries(Object.entries(value).map(([k, v]) => [k, forWire(v)]));
+  }
+  return value;
 }
 
 export function unpackReply(data) {

@@ -84,7 +84,13 @@ test("a BigInt seed past 2^53 goes out whole; a value msgpack cannot carry names
   assert.deepEqual((await client.generate(big)).token_ids, first.token_ids); // the same seed, exactly
   const near = await client.generate({ ...big, seed: 2n ** 62n });
   assert.notDeepEqual(near.token_ids, first.token_ids); // not rounded to a neighbour, as a Number would be
+  // A Number seed past 32 bits stays an integer on the wire (the same tokens as the BigInt of it).
+  const asNumber = await client.generate({ ...big, seed: 2 ** 40 + 3 });
+  assert.deepEqual(asNumber.token_ids, (await client.generate({ ...big, seed: 2n ** 40n + 3n })).token_ids);
   await assert.rejects(client.generate({ prompt: "Hi", seed: 2n ** 64n }), assertDaemonError("bad_request", "seed"));
+  const cyclic = {};
+  cyclic.self = cyclic;
+  await assert.rejects(client.generate({ prompt: "Hi", json_schema: cyclic }), assertDaemonError("bad_request", "json_schema"));
   await assert.rejects(client.generate({ prompt: "Hi", stop: [Symbol("x")] }), assertDaemonError("bad_request", "stop"));
 });
 
