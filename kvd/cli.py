@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import kvd
@@ -275,11 +275,19 @@ def _stream_reply(client: Client, history: list[dict[str, str]], args: argparse.
     return "".join(parts)
 
 
-def _info(args: argparse.Namespace) -> int:
+def _asked(args: argparse.Namespace, ask: Callable[[Client], dict]) -> dict | None:
+    """The daemon's answer (its info or stats); with --json printed as it is, and None."""
     with _connect(args) as client:
-        info = client.info()
+        answer = ask(client)
     if args.json:
-        print(json.dumps(info, indent=2, sort_keys=True))
+        print(json.dumps(answer, indent=2, sort_keys=True))
+        return None
+    return answer
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = _asked(args, Client.info)
+    if info is None:
         return 0
     weights = (
         f"{info['quantization']} weights" if info["quantization"] not in (None, "none") else "float weights"
@@ -304,10 +312,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    with _connect(args) as client:
-        stats = client.stats()
-    if args.json:
-        print(json.dumps(stats, indent=2, sort_keys=True))
+    stats = _asked(args, Client.stats)
+    if stats is None:
         return 0
     kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
     total = kv["total_blocks"]
