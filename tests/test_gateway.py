@@ -169,6 +169,8 @@ def test_completion_logprobs_have_offsets_into_the_text(oai: openai.OpenAI, mode
         ({"prompt": "a\udc00b"}, 400, "prompt"),
         ({"stop": ["x", "\ud800"]}, 400, "stop[1]"),
         ({"stream": True, "seed": 2**64}, 400, "seed"),
+        ({"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream
+        ({"suffix": "and so on"}, 400, "suffix"),
     ],
 )
 def test_errors_have_openai_shape_and_status(

@@ -88,7 +88,12 @@ def _validation_problems(e: RequestValidationError) -> list[tuple[str, str]]:
     problems: dict[str, str] = {}
     for error in e.errors():
         path = "body" if error["type"] == "json_invalid" else field_path(error["loc"])
-        reason = "not a supported field" if error["type"] == "extra_forbidden" else error["msg"]
+        if error["type"] == "extra_forbidden":
+            reason = "not a supported field"
+        elif error["type"] == "none_required":  # a field typed None: accepted only as null
+            reason = "not supported by kvd (only null)"
+        else:
+            reason = error["msg"]
         if path not in problems:  # a union reports each member's failure: the first says enough
             problems[path] = reason
     return list(problems.items())

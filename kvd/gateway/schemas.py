@@ -173,6 +173,8 @@ class _Request(Strict):
         refused = []
         if self.requested_max_tokens == 0:
             refused.append((self.max_tokens_param, "must be at least 1 (0 only with echo)"))
+        if self.stream_options is not None and not self.stream:
+            refused.append(("stream_options", "only with stream: true"))
         if self.seed is not None and self.seed <= MAX_SEED < self.seed + self.n - 1:
             refused.append(
                 (
