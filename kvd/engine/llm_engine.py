@@ -68,9 +68,8 @@ class EngineRequest:
     matcher: llguidance.LLMatcher | None = None  # structured output: the grammar's state after its tokens
     prompt_logprobs: PromptLogprobs | None = None
     embedding: EmbeddingState | None = None  # set for embed requests
-    pending: list[SampledToken] = field(
-        default_factory=list
-    )  # sampled, waiting for their text (stop strings)
+    # Sampled tokens waiting for their text to go out (with stop strings; see IncrementalDetokenizer.take_tokens).
+    pending: list[SampledToken] = field(default_factory=list)
 
 
 class LLMEngine:
