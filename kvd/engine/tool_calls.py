@@ -388,9 +388,8 @@ def _calls_schema(tools: list[Tool], key: str) -> dict:
     defs: dict[str, dict] = {}
     options = []
     for i, tool in enumerate(tools):
-        arguments = closed_schema(
-            tool.parameters
-        )  # as json_schema's: a small model would invent keys forever
+        # Closed as json_schema's objects are: a small model would invent keys until max_tokens.
+        arguments = closed_schema(tool.parameters)
         if _has_local_ref(arguments):
             # "#..." refs point into the tool's own schema: keep it whole under $defs and re-root them there.
             defs[f"tool_{i}"] = _reroot_refs(arguments, f"#/$defs/tool_{i}")
