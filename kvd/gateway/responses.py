@@ -51,9 +51,7 @@ class Reply:
     prompt_counts: list[int] | None = None
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    offsets: dict[int, int] = field(
-        default_factory=dict
-    )  # completions: each choice's token texts' length so far
+    offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's token texts so far
     started: set[int] = field(default_factory=set)  # chat: choices whose first delta (the role) went out
     generated: dict[int, int] = field(default_factory=dict)  # tokens of each choice so far
 
