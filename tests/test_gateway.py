@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -14,13 +16,22 @@ from pathlib import Path
 
 import openai
 import pytest
-from daemon_fixtures import REPO, DaemonProcess, daemon_env
-from gateway_fixtures import daemon_fixture, gateway_daemon, http_get, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
+from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
+from gateway_fixtures import (  # noqa: F401
+    daemon_fixture,
+    free_port,
+    gateway_daemon,
+    http_get,
+    kvd_fixture,
+    model_fixture,
+    oai_fixture,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.gateway import callers
 from kvd.gateway.metrics import GatewayMetrics
 from kvd.gateway.outcome import answer
+from kvd.server.serve import EXIT_GATEWAY_FAILED
 from kvd_client import Client
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -434,3 +445,29 @@ def test_callers_keep_their_connections_within_a_bound(monkeypatch: pytest.Monke
     assert pool.get("d") is shared and not c.closed  # b busy, c recent
     pool.close()
     assert all(x.closed for x in opened) and not shared.closed  # the shared one is the gateway's to close
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for the child; PR_SET_PDEATHSIG is Linux's")
+def test_the_http_child_is_part_of_the_daemon(tiny_daemon_model: Path, tmp_path: Path):
+    # A gateway that dies leaves HTTP clients nothing: the daemon drains and stops, failing (systemd restarts).
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    proc = start_daemon(tmp_path / "a", "--http", f"127.0.0.1:{free_port()}", model=tiny_daemon_model)
+    (gateway,) = _children(proc.proc.pid)
+    os.kill(gateway, signal.SIGKILL)
+    assert proc.proc.wait(60) == EXIT_GATEWAY_FAILED and "HTTP gateway" in proc.log(), proc.log()
+    # A daemon that dies takes its gateway with it: no orphan keeps the port.
+    proc = start_daemon(tmp_path / "b", "--http", f"127.0.0.1:{free_port()}", model=tiny_daemon_model)
+    (gateway,) = _children(proc.proc.pid)
+    proc.proc.kill()
+    proc.proc.wait(30)
+    deadline = time.monotonic() + 30
+    while (
+        Path(f"/proc/{gateway}").exists() and "Z" not in Path(f"/proc/{gateway}/stat").read_text().split()[2]
+    ):
+        assert time.monotonic() < deadline, "the gateway outlived its daemon"
+        time.sleep(0.1)

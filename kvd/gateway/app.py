@@ -29,6 +29,9 @@ from kvd_client import AsyncClient, KvdError
 
 logger = logging.getLogger("kvd.gateway")
 
+# A health probe's answer within this: the daemon answers health between engine steps (a long prefill step can
+# take seconds), and a probe must not hang for the client's whole timeout.
+HEALTH_TIMEOUT_S = 5.0
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
 # What a route prepares once the model is checked: the daemon requests, the reply's shape, and whether the
@@ -63,9 +66,10 @@ def create_app(
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         try:
-            status = (await gateway_of(request).client.health())["status"]
-        except KvdError as e:
-            return JSONResponse({"status": "unavailable", "message": str(e)}, status_code=503)
+            status = (await asyncio.wait_for(gateway_of(request).client.health(), HEALTH_TIMEOUT_S))["status"]
+        except (KvdError, TimeoutError) as e:
+            message = str(e) or f"the kvd daemon did not answer within {HEALTH_TIMEOUT_S:g} s"
+            return JSONResponse({"status": "unavailable", "message": message}, status_code=503)
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")

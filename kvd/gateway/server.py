@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
+import os
 import signal
 import socket
 import subprocess
@@ -53,6 +55,8 @@ def _is_loopback(host: str) -> bool:
 def run_gateway(config: GatewayConfig) -> None:
     import uvicorn
 
+    exit_with_parent()
+
     from kvd.gateway.app import create_app
 
     app = create_app(config.endpoint, config.served_model_name, config.timeout)
@@ -70,10 +74,27 @@ def check_port_free(host: str, port: int, flag: str = "--http") -> None:
             raise GatewayConfigError(f"{flag} {host}:{port}: cannot listen there: {e.strerror}") from None
 
 
+PARENT_ENV = "KVD_GATEWAY_PARENT"  # set by spawn_gateway: the daemon's pid, which the child must not outlive
+_PR_SET_PDEATHSIG = 1
+
+
 def spawn_gateway(http: str, endpoint: str, allow_remote: bool) -> subprocess.Popen:
     """`kvd gateway` as a child process: its own interpreter, so HTTP work never holds the engine's GIL."""
     cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", http, "--endpoint", endpoint]
-    return subprocess.Popen([*cmd, "--allow-remote"] if allow_remote else cmd)
+    env = {**os.environ, PARENT_ENV: str(os.getpid())}
+    return subprocess.Popen([*cmd, "--allow-remote"] if allow_remote else cmd, env=env)
+
+
+def exit_with_parent() -> None:
+    """In a gateway that a daemon spawned: get SIGTERM when the daemon dies (Linux), so that no orphan keeps
+    the port; and stop now if it died already."""
+    parent = os.environ.get(PARENT_ENV)
+    if parent is None:
+        return
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):
+        raise SystemExit(f"kvd gateway: the daemon that started it (pid {parent}) is gone")
 
 
 def stop_gateway(proc: subprocess.Popen, timeout: float = 10.0) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import time
 
 import zmq
@@ -44,9 +45,12 @@ class Daemon:
         config: ServerConfig,
         notifier: Notifier | None = None,
         event_socket: zmq.Socket | None = None,
+        gateway: subprocess.Popen | None = None,
     ) -> None:
         self.engine = engine
         self.socket = sock
+        self.gateway = gateway  # the `--http` child, part of this daemon: watched (_check_gateway)
+        self.gateway_failed = False
         self.state = ServerState(engine, config, EventStream(event_socket))
         # A send can find its client lost, and aborting the client's generations sends: the outbox calls the
         # aborts, built after it, through this lambda.
@@ -89,6 +93,7 @@ class Daemon:
                         # next turn instead of waiting out the idle poll.
                         self.admission.admit()
                     self._check_workers()
+                    self._check_gateway()
                     self.router.outbox.service()
                     self._tell_manager()
             self._flush_before_close()
@@ -180,6 +185,18 @@ class Daemon:
             self.engine.check_workers()
         except TensorParallelError as e:
             self._fail_group(e)
+
+    def _check_gateway(self) -> None:
+        """A gateway that exits while the daemon serves (a crash, a port taken after all, a kill) leaves HTTP
+        clients nothing to talk to: drain and stop, with a failing status unless it was stopped by a signal."""
+        if self.gateway is None or self.drain_deadline is not None or self.gateway.poll() is None:
+            return
+        code = self.gateway.returncode
+        self.gateway_failed = code not in (0, -signal.SIGTERM, -signal.SIGINT)
+        logger.error(
+            "the HTTP gateway (pid %d) exited with status %s; draining and stopping", self.gateway.pid, code
+        )
+        self.begin_drain()
 
     def _fail_group(self, error: TensorParallelError) -> None:
         if self.failure is not None:

@@ -67,6 +67,7 @@ def warm_up(engine: LLMEngine) -> float:
 # The exit status of a daemon whose tensor-parallel group failed (a rank died or hung): not 0, so that
 # systemd's Restart=on-failure starts it again.
 EXIT_GROUP_FAILED = 3
+EXIT_GATEWAY_FAILED = 4  # the `--http` gateway child exited on its own: likewise restarted
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
@@ -128,10 +129,10 @@ def _serve_engine(
         info["max_model_len"],
         warm_up_s,
     )
-    daemon = Daemon(engine, sock, config, notifier, event_sock)
+    gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote) if config.http else None
+    daemon = Daemon(engine, sock, config, notifier, event_sock, gateway)
     # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
     daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")
-    gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote) if config.http else None
     try:
         daemon.run()
     finally:
@@ -146,4 +147,7 @@ def _serve_engine(
             "exiting with %d: the tensor-parallel group failed (%s)", EXIT_GROUP_FAILED, daemon.failure
         )
         raise SystemExit(EXIT_GROUP_FAILED)
+    if daemon.gateway_failed:
+        logger.error("exiting with %d: the HTTP gateway failed", EXIT_GATEWAY_FAILED)
+        raise SystemExit(EXIT_GATEWAY_FAILED)
     logger.info("stopped")
