@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = commands.add_parser("top", help="a live view of the daemon's load and its clients")
     top.add_argument("--once", action="store_true", help="print one screen and exit")
-    top.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (%(default)s)")
+    top.add_argument(
+        "--interval", type=positive_float, default=1.0, help="seconds between redraws (%(default)s)"
+    )
     _client_flags(top, _top)
 
     tokenize = commands.add_parser("tokenize", help="print the token ids of a text")

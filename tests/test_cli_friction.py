@@ -50,6 +50,8 @@ def test_version():
         (["--block-size", "0"], "must be >= 1"),
         (["--socket-group", "nosuchgroup"], "--socket-group 'nosuchgroup': no such group"),
         (["--http", "0.0.0.0:8000"], "--allow-remote"),
+        (["--client-timeout", "inf"], "at most 86400 seconds"),  # ZeroMQ takes int milliseconds
+        (["--drain-timeout", "nan"], "--drain-timeout must be > 0"),
     ],
 )
 def test_serve_reports_bad_settings_in_one_line_before_loading_anything(tmp_path: Path, flags, message):
@@ -194,6 +196,8 @@ def test_info_names_the_kernel_paths_and_timeouts_must_be_positive(daemon: Daemo
         assert result.returncode == 2 and "--timeout" in result.stderr and "> 0" in result.stderr, (
             result.stderr
         )
+        result = kvd_cli("top", "--interval", bad, "--endpoint", daemon.endpoint)
+        assert result.returncode == 2 and "--interval" in result.stderr, result.stderr
 
 
 def test_generate_with_a_schema_a_regex_and_a_bad_schema(daemon: DaemonProcess, tmp_path: Path):

@@ -11,6 +11,8 @@ from kvd.settings import setting
 # How often a client with requests in flight hears from the daemon at least (see docs/protocol.md, liveness).
 HEARTBEAT_INTERVAL_S = 1.0
 
+MAX_TIMEOUT_S = 86400.0
+
 
 class ServerConfigError(ValueError):
     """A daemon setting is invalid; the message names the flag."""
@@ -52,9 +54,11 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("drain_timeout", "client_timeout"):
-            if not getattr(self, name) > 0:
+            # At most a day: ZeroMQ takes the client timeout in int milliseconds, and inf is no timeout.
+            if not 0 < getattr(self, name) <= MAX_TIMEOUT_S:
                 raise ServerConfigError(
-                    f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}"
+                    f"--{name.replace('_', '-')} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds, "
+                    f"got {getattr(self, name)}"
                 )
         for name in (
             "max_message_bytes",
