@@ -131,6 +131,38 @@ def test_a_folder_without_tokenizer_files_says_so(tiny_checkpoint, tmp_path: Pat
         load_model(tmp_path)
 
 
+def test_a_broken_folder_model_is_one_line_and_status_2(tiny_checkpoint, tmp_path: Path):
+    source = tiny_checkpoint("llama")
+    cases = {
+        "truncated weights": (
+            lambda d: (d / "model.safetensors").write_bytes(b"\x08" + b"\0" * 7 + b"{"),
+            "safetensors",
+        ),
+        "config not JSON": (
+            lambda d: (d / "config.json").write_text("{not json"),
+            "config.json is not valid JSON",
+        ),
+        "config a list": (lambda d: (d / "config.json").write_text("[1, 2]"), "holds no JSON object"),
+        "config without sizes": (
+            lambda d: (d / "config.json").write_text(json.dumps({"model_type": "llama"})),
+            "config.json lacks num_attention_heads, hidden_size",
+        ),
+    }
+    for name, (spoil, message) in cases.items():
+        folder = tmp_path / name.replace(" ", "_")
+        shutil.copytree(source, folder)
+        spoil(folder)
+        result = kvd_cli("serve", "--model", str(folder), "--listen", f"ipc://{tmp_path}/{name[:4]}.sock")
+        assert result.returncode == 2 and message in result.stderr, (name, result.stderr)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+    bad_toml = tmp_path / "kvd.toml"
+    bad_toml.write_bytes(b"\xff\xfe")
+    result = kvd_cli("serve", "--config", str(bad_toml))
+    assert (
+        result.returncode == 2 and "is not UTF-8 text" in result.stderr and "Traceback" not in result.stderr
+    )
+
+
 @pytest.fixture(scope="module")
 def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """A daemon with a short drain, so that the last test can cut a generation by stopping it."""

@@ -85,6 +85,9 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """From a config.json dict (transformers 4 or 5 layout); UnsupportedModelError if not covered."""
         model_type = _model_type(d)
+        missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers") if k not in d]
+        if missing:
+            raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
         if d.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu' is")
         num_heads = int(d["num_attention_heads"])

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class CorruptModelError(ValueError):
+    """A model file that cannot be read as what its name says; the message names the file."""
+
+
 class DeviceUnavailableError(ValueError):
     """The device asked for does not exist in this process (e.g. cuda with a CPU-only torch)."""
 
@@ -218,7 +222,13 @@ def _open_gguf(path: Path) -> _Checkpoint:
 
 def _open_folder(path: Path) -> _Checkpoint:
     files = safetensors_files(path)
-    hf_config = json.loads((path / "config.json").read_text())
+    config_path = path / "config.json"
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptModelError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(hf_config, dict):
+        raise CorruptModelError(f"{config_path} holds no JSON object")
     return _Checkpoint(
         hf_config,
         _safetensors_count(files),
@@ -290,12 +300,18 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _safetensors_count(files: list[Path]) -> int:
-    from safetensors import safe_open
+    """The tensors of every shard: opening each one checks its header before the slow parts."""
+    from safetensors import SafetensorError, safe_open
 
     total = 0
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            total += len(f.keys())
+        try:
+            with safe_open(file, framework="pt") as f:
+                total += len(f.keys())
+        except SafetensorError as e:
+            raise CorruptModelError(
+                f"{file} is not a readable safetensors file ({e}); download it again"
+            ) from None
     return total
 
 

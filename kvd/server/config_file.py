@@ -23,6 +23,8 @@ def apply_config_file(parser: argparse.ArgumentParser, path: Path) -> None:
         settings = tomllib.loads(path.read_text())
     except OSError as e:
         raise ConfigFileError(f"cannot read the config file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"{path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigFileError(f"{path} is not valid TOML: {e}") from None
     flags = _flags(parser)
