@@ -189,10 +189,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from kvd.gateway.server import GatewayConfig, GatewayConfigError, parse_http_address, run_gateway
+    from kvd.gateway.server import (
+        GatewayConfig,
+        GatewayConfigError,
+        check_port_free,
+        parse_http_address,
+        run_gateway,
+    )
 
     try:
         host, port = parse_http_address(args.http, args.allow_remote)
+        check_port_free(host, port)  # a port in use is a configuration error (status 2), not a crash
         endpoint = resolve_endpoint(args.endpoint).url
     except (GatewayConfigError, KvdError) as e:
         print(f"kvd gateway: {e}", file=sys.stderr)

@@ -410,10 +410,18 @@ def test_the_gateway_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
 
 
-def test_a_non_loopback_address_needs_allow_remote():
+def test_a_non_loopback_address_needs_allow_remote_and_a_taken_port_is_status_2():
     cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", "0.0.0.0:8000"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=60)
     assert result.returncode == 2 and "--allow-remote" in result.stderr and "Traceback" not in result.stderr
+    # A unit that restarts on anything but status 2 would restart-loop on a port another program holds.
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", f"127.0.0.1:{port}"]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=60)
+    assert result.returncode == 2 and "cannot listen there" in result.stderr, result.stderr
 
 
 def test_callers_keep_their_connections_within_a_bound(monkeypatch: pytest.MonkeyPatch):
