@@ -10,6 +10,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -106,6 +107,25 @@ def test_serve_flags_are_the_settings_classes_fields():
     engine, config = from_flags(EngineArgs, args), from_flags(ServerConfig, args)
     assert (engine.enable_prefix_caching, engine.kv_cache_memory) == (False, 1 << 30)
     assert config.max_message_bytes == 2 << 20
+
+
+def test_listen_problems_are_found_before_the_model_load(tmp_path: Path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = f"tcp://127.0.0.1:{holder.getsockname()[1]}"
+        for flags, message in [
+            (["--listen", taken], "--listen 127.0.0.1"),
+            (["--listen", f"ipc://{tmp_path}/k.sock", "--events", taken], "--events 127.0.0.1"),
+            (
+                ["--listen", f"ipc://{tmp_path}/k.sock", "--events", f"ipc://{tmp_path}/k.sock"],
+                "one of its own",
+            ),
+        ]:
+            started = time.monotonic()
+            result = kvd_cli("serve", *flags)
+            assert result.returncode == 2 and message in result.stderr, (flags, result.stderr)
+            assert "KV pool" not in result.stderr and time.monotonic() - started < 20, result.stderr
 
 
 def test_a_truncated_or_empty_gguf_names_the_file(tmp_path: Path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import grp
+import ipaddress
 import logging
 import os
 import socket
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import zmq
 
+from kvd.gateway.server import check_port_free
 from kvd.server.config import HEARTBEAT_INTERVAL_S, ServerConfig
 from kvd_client.endpoint import Endpoint, default_socket_dir
 
@@ -38,6 +40,18 @@ def check_endpoint(endpoint: Endpoint, config: ServerConfig, flag: str = "--list
     if endpoint.transport == "ipc":
         _check_socket_dir(endpoint.path.parent)
         _remove_stale_socket(endpoint, flag)
+    elif endpoint.host == "localhost" or _is_address(
+        endpoint.host
+    ):  # "*" or an interface: found at bind time
+        check_port_free("127.0.0.1" if endpoint.host == "localhost" else endpoint.host, endpoint.port, flag)
+
+
+def _is_address(host: str | None) -> bool:
+    try:
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        return False
+    return True
 
 
 def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) -> zmq.Socket:

@@ -16,7 +16,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.sampling_params import SamplingParams
 from kvd.gateway.server import check_port_free, parse_http_address, spawn_gateway, stop_gateway
 from kvd.server.config import ServerConfig
-from kvd.server.listener import check_endpoint, close_socket, open_publisher, open_router
+from kvd.server.listener import ListenError, check_endpoint, close_socket, open_publisher, open_router
 from kvd.server.systemd import Notifier
 from kvd_client.endpoint import Endpoint, parse_endpoint, resolve_endpoint
 
@@ -80,6 +80,10 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     check_endpoint(endpoint, config)
     events_endpoint = parse_endpoint(config.events) if config.events else None
     if events_endpoint is not None:
+        if events_endpoint.url == endpoint.url:
+            raise ListenError(
+                f"--events {events_endpoint} is --listen's endpoint too: give it one of its own"
+            )
         check_endpoint(events_endpoint, config, "--events")
     if config.http is not None:
         check_port_free(*parse_http_address(config.http, config.allow_remote))
