@@ -16,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from client_parity import stale_socket
 from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
 from gateway_fixtures import (  # noqa: F401
     daemon_fixture,
@@ -256,6 +257,24 @@ def test_a_gateway_bug_is_a_500_in_the_apis_shape(monkeypatch: pytest.MonkeyPatc
     assert reply.status_code == 500 and reply.json()["error"]["type"] == "server_error", reply.text
     assert "RuntimeError" in reply.json()["error"]["message"]
     assert ollama.status_code == 500 and "RuntimeError" in ollama.json()["error"], ollama.text
+
+
+def test_health_answers_within_its_bound_when_the_daemon_is_gone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    from fastapi.testclient import TestClient
+
+    from kvd.gateway import app as gateway_app
+
+    monkeypatch.setattr(gateway_app, "HEALTH_TIMEOUT_S", 0.5)
+    endpoint = stale_socket(
+        tmp_path / "crashed.sock"
+    )  # as a killed daemon leaves it: the client would wait 30 s
+    with TestClient(gateway_app.create_app(endpoint)) as http:
+        started = time.monotonic()
+        reply = http.get("/health")
+    assert reply.status_code == 503 and reply.json()["status"] == "unavailable"
+    assert time.monotonic() - started < 5, "the probe waited for the client's timeout"
 
 
 def test_an_unexpected_failure_is_a_counted_server_error():

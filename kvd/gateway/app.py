@@ -67,7 +67,7 @@ def create_app(
     async def health(request: Request) -> JSONResponse:
         try:
             status = (await asyncio.wait_for(gateway_of(request).client.health(), HEALTH_TIMEOUT_S))["status"]
-        except (KvdError, TimeoutError) as e:
+        except (KvdError, asyncio.TimeoutError) as e:  # asyncio's is not the builtin before Python 3.11
             message = str(e) or f"the kvd daemon did not answer within {HEALTH_TIMEOUT_S:g} s"
             return JSONResponse({"status": "unavailable", "message": message}, status_code=503)
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)

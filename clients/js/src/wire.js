@@ -18,12 +18,26 @@ export function packRequest(op, id, fields) {
   for (const [key, value] of Object.entries(message)) {
     try {
       message[key] = forWire(value);
-      encode(message[key], WIRE);
     } catch (e) {
       throw new DaemonError("bad_request", `cannot be sent: ${e.message}`, key, id);
     }
   }
-  return encode(message, WIRE);
+  try {
+    return encode(message, WIRE);
+  } catch (e) {
+    // Only now, on the way out: the field the encoder refused (a Symbol, a function).
+    const key = Object.keys(message).find((k) => !encodes(message[k])) ?? null;
+    throw new DaemonError("bad_request", `cannot be sent: ${e.message}`, key, id);
+  }
+}
+
+function encodes(value) {
+  try {
+    encode(value, WIRE);
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 // BigInts as msgpack's 64-bit integers. With this option the encoder writes a Number integer past 32 bits as a
