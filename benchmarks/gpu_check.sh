@@ -63,7 +63,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/kvd-wheels${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/clients/python${PYTHONPATH:+:$PYTHONPATH}  # kvd_client, for the tests' conftest
-# kernels/ is the package kvd.kernels only through pyproject's package-dir mapping: install kvd in place.
+# kvd's dependencies come from the wheels above or the host; kvd itself is installed in place.
 "$PY" -c "import kvd.kernels" 2>/dev/null || timeout 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
 "$PY" - <<'EOF'
 import importlib.util, sys

@@ -91,9 +91,17 @@ def commit_library(commit: str, cflags: str, folder: str) -> str:
     """The path of the kernels at `commit` built with kvd's flags and the extra ones, in `folder`."""
     source = Path(folder) / "cpu_kernels.c"
     for name in ("cpu_kernels.c", "cpu_kernels.h"):
-        shown = subprocess.run(
-            ["git", "show", f"{commit}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True, check=False
-        )
+        # The kernels moved from kernels/ into kvd/kernels/: an older commit has them at the old place.
+        for folder_in_tree in ("kvd/kernels", "kernels"):
+            shown = subprocess.run(
+                ["git", "show", f"{commit}:{folder_in_tree}/{name}"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if not shown.returncode:
+                break
         if shown.returncode:
             raise SystemExit(f"--alt-commit {commit}: {shown.stderr.strip()}")
         (Path(folder) / name).write_text(shown.stdout)

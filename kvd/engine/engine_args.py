@@ -46,7 +46,7 @@ class EngineArgs:
         type=positive_int,
     )
     # The pool's element: auto = the model's dtype; int8 = a scale and 8-bit codes per token and kv head, half a
-    # bf16 pool's bytes for every decode step to read (CPU, the native attention: kernels/cpu_kernels.h).
+    # bf16 pool's bytes for every decode step to read (CPU, the native attention: kvd/kernels/cpu_kernels.h).
     kv_cache_dtype: str = setting(
         "auto",
         "KV pool elements: auto = the model's dtype, int8 = 8-bit codes and a scale per token and head "

@@ -1,4 +1,4 @@
-// kvd's native CPU kernels, compiled on the host at first use (kernels/native_build.py) with -march=native.
+// kvd's native CPU kernels, compiled on the host at first use (native_build.py) with -march=native.
 //
 // - Linears, each output computed in one order whatever the number of rows (batch invariance): quantized weights
 //   in GGUF's blocks of 32 along K, 4-bit (Q4_1's layout) or 8-bit (Q8_0's), against activations quantized per

@@ -1,5 +1,5 @@
 // The C ABI of kvd's native CPU kernels, declared once: cpu_kernels.c includes this header, and
-// kernels/native_build.py hands the declarations between the markers below to cffi, which calls them.
+// kvd/kernels/native_build.py hands the declarations between the markers below to cffi, which calls them.
 // Keep the part between the markers plain declarations: no preprocessor lines, no inline code.
 #ifndef KVD_CPU_KERNELS_H
 #define KVD_CPU_KERNELS_H
