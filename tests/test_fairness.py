@@ -150,3 +150,24 @@ def test_the_fair_queue_takes_turns_and_skips_clients_at_their_cap():
     assert order[:3] == [(b"flood", 0), (b"single", 0), (b"flood", 1)]
     assert [i for who, i in order if who == b"flood"] == [0, 1, 2, 3, 4]
     assert len(queue) == 1 and capped.pending  # waits for its cap, still queued
+
+
+def test_users_take_turns_whatever_their_number_of_connections():
+    queue = FairQueue()
+    many = [ClientSession(f"many{i}".encode(), tenant="uid:1") for i in range(4)]
+    one = ClientSession(b"one", tenant="uid:2")
+    for session in many:
+        for i in range(3):
+            generation = Generation(i, False, 1, prompt_token_ids=[1], prompt_field="prompt")
+            session.requests[i] = generation
+            queue.push(session, generation)
+    for i in range(3):
+        generation = Generation(i, False, 1, prompt_token_ids=[1], prompt_field="prompt")
+        one.requests[i] = generation
+        queue.push(one, generation)
+    order = []
+    while (turn := queue.pop(lambda s: True)) is not None:
+        order.append(turn[0].tenant)
+    # Every other admission is the single-connection user's until its queue is empty.
+    assert order[:6] == ["uid:1", "uid:2"] * 3
+    assert len(queue) == 0 and len(order) == 15

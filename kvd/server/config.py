@@ -45,6 +45,9 @@ class ServerConfig:
     max_prompt_tokens: int | None = setting(None, "prompt length limit (default: max_model_len - 1)")
     max_queued_per_client: int = setting(256, "requests in flight per client (%(default)s)")
     max_queued: int = setting(4096, "requests in flight in total (%(default)s)")
+    # Per user (uid), across its connections: opening more connections buys no more of the daemon.
+    max_queued_per_tenant: int = setting(1024, "requests in flight per user, all its clients (%(default)s)")
+    max_clients_per_tenant: int = setting(64, "clients with requests in flight per user (%(default)s)")
     max_running_per_client: int | None = setting(
         None, "requests per client in the engine at once; the rest wait their turn (default: no cap)"
     )
@@ -65,6 +68,8 @@ class ServerConfig:
             "max_prompt_tokens",
             "max_queued_per_client",
             "max_queued",
+            "max_queued_per_tenant",
+            "max_clients_per_tenant",
             "max_running_per_client",
             "max_blocks_per_client",
         ):

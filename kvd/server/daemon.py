@@ -26,8 +26,10 @@ from kvd.server.systemd import Notifier
 
 logger = logging.getLogger("kvd.server")
 
-# Messages read between two engine steps at most, so a flood of requests cannot stall generation.
+# Messages and bytes read between two engine steps at most, so a flood of requests cannot stall generation
+# (a message larger than the byte budget is still read, alone in its turn).
 MAX_MESSAGES_PER_TURN = 256
+MAX_BYTES_PER_TURN = 1 << 20
 IDLE_POLL_MS = 1000
 # While replies are held back or a drain is under way, the loop looks again sooner.
 SHORT_POLL_MS = 50
@@ -158,14 +160,18 @@ class Daemon:
             self._last_status = (now, status)
 
     def _receive(self) -> None:
+        budget = MAX_BYTES_PER_TURN
         for _ in range(MAX_MESSAGES_PER_TURN):
             # EVENTS rather than recv until zmq.Again: cheaper than an exception per turn.
-            if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if budget <= 0 or not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
-            # Frames, not bytes: the routing frame carries the peer's address (its uid on an ipc socket).
+            # Frames, not bytes: the routing frame carries the peer's address (its uid on an ipc socket) and
+            # the routing id the peer declared, empty unless it chose one.
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             tenant = peer_tenant(frames[0].get("Peer-Address"))
-            self.handler.handle(frames[0].bytes, tenant, [f.bytes for f in frames[1:]])
+            payload = [f.bytes for f in frames[1:]]
+            budget -= sum(map(len, payload))
+            self.handler.handle(frames[0].bytes, tenant, payload, chosen_id=_chose_routing_id(frames[0]))
 
     def _step(self) -> None:
         try:
@@ -213,3 +219,11 @@ class Daemon:
         while outbox.has_backlog and time.monotonic() < deadline:
             time.sleep(0.01)
             outbox.service()
+
+
+def _chose_routing_id(frame: zmq.Frame) -> bool:
+    """Whether the peer set ZMQ_ROUTING_ID (libzmq hands the declared id on as the "Identity" property)."""
+    try:
+        return bool(frame.get("Identity"))
+    except UnicodeDecodeError:  # a binary id: chosen all the same
+        return True

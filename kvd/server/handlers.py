@@ -15,7 +15,7 @@ from kvd.server import events, protocol
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import HEARTBEAT_INTERVAL_S
-from kvd.server.isolation import cache_salt
+from kvd.server.isolation import cache_salt, owner_tenant
 from kvd.server.prompts import (
     PromptJob,
     PromptMessage,
@@ -63,9 +63,19 @@ class RequestHandler:
             "stats": self._stats,
         }
 
-    def handle(self, identity: bytes, tenant: str, frames: list[bytes]) -> None:
+    def handle(self, identity: bytes, tenant: str, frames: list[bytes], chosen_id: bool = False) -> None:
+        """One message. `chosen_id`: the peer set its own routing id (ZMQ_ROUTING_ID), which kvd refuses."""
         request_id = None
         try:
+            # Refusing chosen ids also keeps a connection id to one peer for the daemon's life (libzmq's own
+            # ids never repeat), so a session's tenant never changes and no peer can take another's replies.
+            if chosen_id:
+                raise ProtocolError(
+                    BAD_REQUEST,
+                    "connections that choose their own ZeroMQ routing id are refused; leave "
+                    "ZMQ_ROUTING_ID unset (every kvd client does)",
+                    "routing_id",
+                )
             if len(frames) != 1:
                 raise ProtocolError(
                     BAD_REQUEST, "send each request as one frame from a DEALER socket (no envelope)"
@@ -78,7 +88,7 @@ class RequestHandler:
                 self._check_prompt_bytes(message)
                 self.prompts.submit(PromptJob(identity, tenant, message))
             else:
-                self._handlers[message.op](identity, message)
+                self._handlers[message.op](identity, tenant, message)
         except ProtocolError as e:
             self._reject(identity, e.request_id if e.request_id is not None else request_id, e)
         except Exception:
@@ -117,6 +127,18 @@ class RequestHandler:
                 OVERLOADED,
                 f"this client has {len(in_flight)} requests in flight, the limit (--max-queued-per-client); "
                 "wait for some to finish",
+            )
+        if session is None and state.sessions.num_sessions_of(tenant) >= state.config.max_clients_per_tenant:
+            raise ProtocolError(
+                OVERLOADED,
+                f"this user has {state.config.max_clients_per_tenant} clients with requests in flight, the "
+                "limit (--max-clients-per-tenant); send more requests on fewer connections",
+            )
+        if state.sessions.num_requests_of(tenant) >= state.config.max_queued_per_tenant:
+            raise ProtocolError(
+                OVERLOADED,
+                f"this user has {state.config.max_queued_per_tenant} requests in flight over all its "
+                "clients, the limit (--max-queued-per-tenant); wait for some to finish",
             )
         if state.sessions.num_requests >= state.config.max_queued:
             raise ProtocolError(
@@ -241,14 +263,14 @@ class RequestHandler:
                 raise ProtocolError(BAD_REQUEST, f"input {i} has no tokens", f"input[{i}]")
         return EmbedJob(inputs, message.dimensions)
 
-    def _detokenize(self, identity: bytes, message: DetokenizeMessage) -> None:
+    def _detokenize(self, identity: bytes, tenant: str, message: DetokenizeMessage) -> None:
         vocab = self.state.engine.config.vocab_size
         if any(t >= vocab for t in message.token_ids):
             raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
         text = self.state.engine.decode(message.token_ids)
         self.router.send(identity, protocol.result_reply(message.id, {"text": text}))
 
-    def _abort(self, identity: bytes, message: AbortMessage) -> None:
+    def _abort(self, identity: bytes, tenant: str, message: AbortMessage) -> None:
         session = self.state.sessions.get(identity)
         target = session.requests.get(message.target) if session else None
         if target is None:
@@ -259,13 +281,17 @@ class RequestHandler:
         self.state.sessions.release_if_idle(session)
         self.router.send(identity, protocol.result_reply(message.id, {"aborted": True}))
 
-    def _health(self, identity: bytes, message: Message) -> None:
+    def _health(self, identity: bytes, tenant: str, message: Message) -> None:
         status = "draining" if self.state.draining else "ready"
         self.router.send(identity, protocol.result_reply(message.id, {"status": status}))
 
-    def _info(self, identity: bytes, message: Message) -> None:
+    def _info(self, identity: bytes, tenant: str, message: Message) -> None:
         config = self.state.config
-        info = self.state.engine.info() | {
+        info = self.state.engine.info()
+        if tenant != owner_tenant() and info.get("tensor_parallel"):
+            # Where the ranks meet is the owner's business: the rendezvous is no door for other users.
+            info["tensor_parallel"] = {k: v for k, v in info["tensor_parallel"].items() if k != "init"}
+        info |= {
             "kvd_version": kvd.__version__,
             "protocol_version": protocol.PROTOCOL_VERSION,
             "supported_versions": list(protocol.SUPPORTED_VERSIONS),
@@ -275,6 +301,8 @@ class RequestHandler:
                 "max_prompt_bytes": self.max_prompt_bytes,
                 "max_queued_per_client": config.max_queued_per_client,
                 "max_queued": config.max_queued,
+                "max_queued_per_tenant": config.max_queued_per_tenant,
+                "max_clients_per_tenant": config.max_clients_per_tenant,
                 "max_running_per_client": config.max_running_per_client,
                 "max_blocks_per_client": config.max_blocks_per_client,
                 "max_logprobs": MAX_LOGPROBS,
@@ -285,9 +313,12 @@ class RequestHandler:
         }
         self.router.send(identity, protocol.result_reply(message.id, info))
 
-    def _stats(self, identity: bytes, message: Message) -> None:
+    def _stats(self, identity: bytes, tenant: str, message: Message) -> None:
+        """The load; per-client rows only of the asker's own tenant, unless it is the daemon's owner (another
+        user's activity is none of a tenant's business)."""
         state = self.state
         sessions = state.sessions
+        everyone = tenant == owner_tenant()
         stats = state.engine.stats() | {
             "daemon": {
                 "uptime_s": time.monotonic() - state.started,
@@ -297,7 +328,11 @@ class RequestHandler:
                 "num_tokenizing": self.prompts.num_pending,
                 "draining": state.draining,
                 **vars(state.counters),
-                "clients": [client_stats(state.engine, s) for s in sessions if s.requests],
+                "clients": [
+                    client_stats(state.engine, s)
+                    for s in sessions
+                    if s.requests and (everyone or s.tenant == tenant)
+                ],
             }
         }
         self.router.send(identity, protocol.result_reply(message.id, stats))

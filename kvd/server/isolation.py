@@ -5,6 +5,7 @@ same prompt prefix recently. So by default each tenant's prompts hash into its o
 
 from __future__ import annotations
 
+import os
 import re
 
 # libzmq reports an ipc peer as "localhost:UID:GID:PID" (SO_PEERCRED, read when the peer connected).
@@ -26,3 +27,8 @@ def cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
     if tenant is None:
         return client_salt
     return tenant if client_salt is None else f"{tenant}\0{client_salt}"
+
+
+def owner_tenant() -> str:
+    """The daemon's own user, who sees every tenant's activity (stats) and the whole `info`."""
+    return f"uid:{os.getuid()}"

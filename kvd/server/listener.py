@@ -22,6 +22,9 @@ from kvd_client.endpoint import Endpoint, default_socket_dir
 logger = logging.getLogger("kvd.server")
 
 
+RECEIVE_HWM = 64
+
+
 class ListenError(RuntimeError):
     """The daemon cannot listen where it was asked to; the message says what to change."""
 
@@ -60,6 +63,9 @@ def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) 
     # Sends to a vanished peer fail with EHOSTUNREACH instead of vanishing silently (see outbox.py).
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.MAXMSGSIZE, config.socket_max_message_bytes)
+    # Messages queued per connection before libzmq stops reading it (backpressure on that peer alone): the
+    # default 1000 let one connection buffer about 2 GiB of maximal messages.
+    sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
     if endpoint.transport == "tcp":
         # A peer whose host died never closes its connection; ZMTP pings find it.
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_S * 1000))

@@ -47,6 +47,8 @@ MAX_ROLE_CHARS = 64
 MAX_EMBED_INPUTS = 256
 # No request needs more keys in one map (logit_bias has at most 512); a bound keeps hostile maps cheap to reject.
 MAX_MAP_LEN = 512
+# Elements a malformed frame's fault search visits at most before the reply falls back to the plain message.
+FAULT_WALK_BUDGET = 20_000
 MESSAGE_FIELDS = ("role", "content", "tool_calls", "tool_call_id", "name")
 
 RequestId = int | str
@@ -180,39 +182,40 @@ def _undecodable(frame: bytes, e: Exception) -> ProtocolError:
     request_id = msg.get(b"id")
     with contextlib.suppress(ProtocolError, UnicodeDecodeError):  # an id that is no UTF-8 is no id of a call
         error.request_id = _as_id(request_id.decode() if isinstance(request_id, bytes) else request_id, "id")
-    try:
-        fault = _fault(msg, "")
-    except RecursionError:  # nested deeper than any request: the plain message says enough
-        fault = None
+    fault = _fault(msg)
     if fault is not None:
         error.field, error.message = fault
     return error
 
 
-def _fault(value: Any, path: str) -> tuple[str, str] | None:
+def _fault(msg: Any) -> tuple[str, str] | None:
     """The first place in a leniently read message that strict reading refuses: a map key that is not text, a
-    map of more than MAX_MAP_LEN entries, or a string that is not UTF-8."""
-    if isinstance(value, bytes):
-        try:
-            value.decode("utf-8")
-        except UnicodeDecodeError:
-            return path, "is not valid UTF-8 text"
-    elif isinstance(value, dict):
-        if len(value) > MAX_MAP_LEN:
-            return path, f"has {len(value)} entries; a map in a request holds at most {MAX_MAP_LEN}"
-        for key, item in value.items():
-            if not isinstance(key, bytes):
-                return path, f"map keys must be strings, got {_type_name(key)} {key!r:.40}"
-            name = key.decode("utf-8", "replace")
-            where = f"{path}.{name}" if path else name
-            fault = _fault(key, where) or _fault(item, where)
-            if fault is not None:
-                return fault
-    elif isinstance(value, tuple):
-        for i, item in enumerate(value):
-            fault = _fault(item, f"{path}[{i}]")
-            if fault is not None:
-                return fault
+    map of more than MAX_MAP_LEN entries, or a string that is not UTF-8. Iterative, depth first in order, and
+    bounded: past FAULT_WALK_BUDGET elements it gives up (None), so a malformed frame costs the loop little."""
+    stack: list[tuple[Any, str]] = [(msg, "")]
+    for _ in range(FAULT_WALK_BUDGET):
+        if not stack:
+            return None
+        value, path = stack.pop()
+        if isinstance(value, bytes):
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError:
+                return path, "is not valid UTF-8 text"
+        elif isinstance(value, dict):
+            if len(value) > MAX_MAP_LEN:
+                return path, f"has {len(value)} entries; a map in a request holds at most {MAX_MAP_LEN}"
+            children = []
+            for key, item in value.items():
+                if not isinstance(key, bytes):
+                    return path, f"map keys must be strings, got {_type_name(key)} {key!r:.40}"
+                name = key.decode("utf-8", "replace")
+                where = f"{path}.{name}" if path else name
+                children += [(key, where), (item, where)]
+            stack.extend(reversed(children))
+        elif isinstance(value, tuple):
+            shown = min(len(value), FAULT_WALK_BUDGET)  # what the budget can visit of it
+            stack.extend((value[i], f"{path}[{i}]") for i in reversed(range(shown)))
     return None
 
 

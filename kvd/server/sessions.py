@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -75,16 +78,16 @@ class ClientSession:
     notices_until: float | None = None
     # Accepted requests not yet in the engine, oldest first (see fairness.py).
     pending: deque[Generation] = field(default_factory=deque)
-    has_turn: bool = False  # in the fair queue's turn order
+    has_turn: bool = False  # in its tenant's turn order (fairness.py)
     tenant: str = ""  # who the peer is (isolation.py); "" for sessions made without a message
+    # What stats, events and logs call the connection. Never the routing id itself: libzmq numbers plain
+    # connections from a counter, and a peer that knew the next value could take it as its own id (see
+    # Sessions.label).
+    name: str = ""
 
     @property
     def num_in_engine(self) -> int:
         return sum(1 for g in self.requests.values() if g.engine_ids)
-
-    @property
-    def name(self) -> str:
-        return self.identity.hex()
 
 
 class Sessions:
@@ -92,6 +95,13 @@ class Sessions:
 
     def __init__(self) -> None:
         self._by_identity: dict[bytes, ClientSession] = {}
+        self._label_key = secrets.token_bytes(32)
+
+    def label(self, identity: bytes) -> str:
+        """A connection's public name: a keyed hash of its routing id, so that no figure the daemon shows lets
+        a client predict the id libzmq gives the next connection (a peer that claimed it would make libzmq
+        abort the daemon when that connection arrives)."""
+        return hmac.new(self._label_key, identity, hashlib.sha256).hexdigest()[:16]
 
     def get(self, identity: bytes) -> ClientSession | None:
         return self._by_identity.get(identity)
@@ -99,9 +109,15 @@ class Sessions:
     def open(self, identity: bytes, tenant: str = "") -> ClientSession:
         session = self._by_identity.get(identity)
         if session is None:
-            session = ClientSession(identity, last_sent=time.monotonic(), tenant=tenant)
+            session = ClientSession(
+                identity, last_sent=time.monotonic(), tenant=tenant, name=self.label(identity)
+            )
             self._by_identity[identity] = session
         return session
+
+    def num_sessions_of(self, tenant: str) -> int:
+        """The tenant's connections with work in flight or replies pending."""
+        return sum(1 for s in self._by_identity.values() if s.tenant == tenant)
 
     def release_if_idle(self, session: ClientSession) -> None:
         if not session.requests and not session.backlog:
@@ -109,6 +125,9 @@ class Sessions:
 
     def remove(self, session: ClientSession) -> None:
         self._by_identity.pop(session.identity, None)
+
+    def num_requests_of(self, tenant: str) -> int:
+        return sum(len(s.requests) for s in self._by_identity.values() if s.tenant == tenant)
 
     @property
     def num_requests(self) -> int:
