@@ -146,6 +146,15 @@ def test_grammars_are_compiled_once(llm):
     assert llm.engine.grammars.num_compiled == before + 1
 
 
+def test_each_tenant_has_its_own_grammar_cache(llm):
+    # A cache hit answers faster than a compile: shared, it would tell a tenant what another one asked for.
+    params = SamplingParams(max_tokens=5, temperature=0, regex="[cd]{1,7}")
+    before = llm.engine.grammars.num_compiled
+    for tenant in ("uid:1", "uid:2", "uid:1"):
+        assert llm.engine.compile_grammar(params, tenant) is not None
+    assert llm.engine.grammars.num_compiled == before + 2
+
+
 @pytest.mark.parametrize(
     ("fields", "field", "reason"),
     [

@@ -259,10 +259,11 @@ class LLMEngine:
         request.embedding = EmbeddingState(self.pooling)
         self._queue(request)
 
-    def compile_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
-        """A fresh matcher for the request's structured-output field (None without one); thread-safe."""
+    def compile_grammar(self, params: SamplingParams, namespace: str = "") -> llguidance.LLMatcher | None:
+        """A fresh matcher for the request's structured-output field (None without one); thread-safe.
+        `namespace`: whose grammar cache (GrammarCompiler.matcher)."""
         try:
-            return self.grammars.matcher(params)
+            return self.grammars.matcher(params, namespace)
         except GrammarError as e:
             raise RequestRejectedError(str(e), e.field) from None
 

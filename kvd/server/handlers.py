@@ -210,7 +210,7 @@ class RequestHandler:
             return PromptResult(job, "input", [t for i in job.generation.embed.inputs for t in i])
         field, token_ids = self._prompt_tokens(message)
         if isinstance(message, GenerateMessage):
-            self._prepare_generation(message, job.generation)
+            self._prepare_generation(message, job.generation, job.tenant)
         return PromptResult(job, field, token_ids)
 
     def _prompt_tokens(self, message: GenerateMessage | TokenizeMessage) -> tuple[str, list[int]]:
@@ -230,7 +230,7 @@ class RequestHandler:
             return "prompt", engine.encode(message.prompt)
         return "prompt_token_ids", message.prompt_token_ids
 
-    def _prepare_generation(self, message: GenerateMessage, generation: Generation) -> None:
+    def _prepare_generation(self, message: GenerateMessage, generation: Generation, tenant: str) -> None:
         engine = self.state.engine
         params, field = message.params, None
         if message.tools and message.tool_choice.mode != "none":
@@ -242,7 +242,7 @@ class RequestHandler:
                 params, field = replace(params, grammar=grammar), "tools"
         try:
             engine.check_params(params)
-            generation.matcher = engine.compile_grammar(params)
+            generation.matcher = engine.compile_grammar(params, tenant)
         except RequestRejectedError as e:
             raise ProtocolError(BAD_REQUEST, str(e), field or e.field) from None
 
