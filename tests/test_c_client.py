@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from client_parity import (
 from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply
 from tool_fixtures import SCHEMAS, TOOLS
 
-from kvd_client import resolve_endpoint
+from kvd_client import EndpointError, resolve_endpoint
+from kvd_client.endpoint import check_private_dir
 
 C_DIR = REPO / "clients" / "c"
 MALFORMED_ENDPOINTS = [
@@ -200,6 +202,55 @@ def test_the_default_endpoint_is_resolved_as_the_python_clients(
         assert (code, result["url"]) == (0, resolve_endpoint().url), setting
     code, result = run_test_client(c_build, "resolve", "-e", "ipc:///run/kvd/kvd.sock", env=dict(os.environ))
     assert result["url"] == "ipc:///run/kvd/kvd.sock"
+
+
+def tmp_folders(root: Path) -> list[Path]:
+    """The /tmp folder of the default endpoint as it may be found: private, missing, or planted."""
+    private, target, opened = root / "private", root / "target", root / "open"
+    for folder, mode in [(private, 0o700), (target, 0o700), (opened, 0o755)]:
+        folder.mkdir()
+        folder.chmod(mode)  # mkdir's mode is cut by the umask
+    (root / "link").symlink_to(target)
+    (root / "file").write_text("")
+    folders = [private, root / "missing", root / "link", root / "file", opened]
+    if os.geteuid() == 0:  # giving a folder to another user needs root
+        (root / "theirs").mkdir(mode=0o700)
+        os.chown(root / "theirs", 65534, 65534)
+        folders.append(root / "theirs")
+    return folders
+
+
+def test_the_tmp_folder_is_checked_as_the_python_client_does(c_build: Path, tmp_path: Path):
+    codes = []
+    for folder in tmp_folders(tmp_path):
+        try:
+            check_private_dir(folder)
+            expected = (0, {"status": "ok"})
+        except EndpointError as e:
+            expected = (1, {"status": "endpoint", "code": "endpoint", "field": "", "message": str(e)})
+        assert run_test_client(c_build, "private-dir", str(folder)) == expected, folder
+        codes.append(expected[0])
+    assert codes[:2] == [0, 0] and all(codes[2:])  # private and missing pass, every planted one fails
+
+
+def run_with_planted_tmp(args: list[str]) -> subprocess.CompletedProcess:
+    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
+    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
+    shared = f"/tmp/kvd-{os.getuid()}"
+    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
+    probe = ["unshare", "--mount", "sh", "-c", plant]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
+    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_default_endpoint_refuses_a_tmp_folder_planted_by_another_user(c_build: Path):
+    proc = run_with_planted_tmp([str(c_build / "test_client"), "health", "-T", "1000"])
+    result = json.loads(proc.stdout)
+    assert (proc.returncode, result["status"]) == (1, "endpoint"), proc.stdout + proc.stderr
+    assert f"/tmp/kvd-{os.getuid()} belongs to another user (uid 65534)" in result["message"]
 
 
 @pytest.mark.parametrize("url", MALFORMED_ENDPOINTS)

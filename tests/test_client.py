@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -30,7 +32,7 @@ from kvd_client import (
     ToolCall,
     resolve_endpoint,
 )
-from kvd_client.endpoint import parse_endpoint
+from kvd_client.endpoint import check_private_dir, parse_endpoint
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
 
@@ -89,6 +91,78 @@ def test_malformed_endpoints_are_refused(url: str):
 )
 def test_loopback_detection(url: str, loopback: bool):
     assert parse_endpoint(url).is_loopback is loopback
+
+
+def _folder(path: Path, mode: int = 0o700) -> Path:
+    path.mkdir()
+    path.chmod(mode)  # mkdir's mode is cut by the umask
+    return path
+
+
+def test_the_tmp_folder_of_the_default_endpoint_must_be_private(tmp_path: Path):
+    check_private_dir(_folder(tmp_path / "private"))
+    check_private_dir(tmp_path / "missing")  # the daemon creates it
+    link = tmp_path / "link"
+    link.symlink_to(_folder(tmp_path / "target"))
+    file = tmp_path / "file"
+    file.write_text("")
+    open_to_others = _folder(tmp_path / "open", 0o755)
+    refused = [
+        (link, "symbolic link"),
+        (file, "not a directory"),
+        (open_to_others, f"chmod 700 {open_to_others}"),
+    ]
+    for path, why in refused:
+        with pytest.raises(EndpointError, match=re.escape(why)) as e:
+            check_private_dir(path)
+        assert "KVD_ENDPOINT" in str(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_a_tmp_folder_of_another_user_is_refused(tmp_path: Path):
+    theirs = _folder(tmp_path / "theirs")
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(EndpointError, match=r"belongs to another user \(uid 65534\); remove it"):
+        check_private_dir(theirs)
+
+
+def test_a_planted_tmp_folder_is_refused_before_any_request_is_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Refused at resolution, and when planted after it (the daemon not started yet) before each request, so
+    that whoever listens there never reads one."""
+    shared = tmp_path / "kvd-shared"
+    monkeypatch.delenv("KVD_ENDPOINT", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr("kvd_client.endpoint.default_socket_dir", lambda: shared)
+    with Client(timeout=5) as client, zmq.Context.instance().socket(zmq.ROUTER) as planted:
+        planted.setsockopt(zmq.LINGER, 0)
+        _folder(shared, 0o777)
+        planted.bind(f"ipc://{shared}/kvd.sock")
+        with pytest.raises(EndpointError, match="open to other users"):
+            client.generate("a secret prompt")
+        assert not planted.poll(300)
+    with pytest.raises(EndpointError, match="open to other users"):
+        Client()
+
+
+def run_with_planted_tmp(args: list[str]) -> subprocess.CompletedProcess:
+    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
+    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
+    shared = f"/tmp/kvd-{os.getuid()}"
+    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
+    probe = ["unshare", "--mount", "sh", "-c", plant]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
+    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_the_default_endpoint_refuses_a_tmp_folder_planted_by_another_user():
+    proc = run_with_planted_tmp([sys.executable, "-c", "from kvd_client import Client; Client()"])
+    assert proc.returncode == 1 and "EndpointError" in proc.stderr, proc.stderr
+    assert f"/tmp/kvd-{os.getuid()} belongs to another user (uid 65534)" in proc.stderr
 
 
 def _assert_times_out(call: Callable[[], object], timeout: float) -> None:

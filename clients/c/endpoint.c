@@ -1,13 +1,17 @@
 /* endpoint.c: the default endpoint and endpoint checks, as docs/protocol.md "Endpoints" says. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "internal.h"
 
 /* sun_path holds 108 bytes including the terminating NUL. */
 #define MAX_IPC_PATH_BYTES 107
+/* How a user whose /tmp folder is unsafe still reaches a daemon. */
+#define ELSEWHERE "or set XDG_RUNTIME_DIR or KVD_ENDPOINT to choose another endpoint"
 
 static kvd_status check_ipc(const char *url, const char *path, kvd_error *error) {
     if (path[0] == '@')
@@ -54,6 +58,50 @@ static kvd_status check_endpoint(const char *url, kvd_error *error) {
                     url, (int)scheme_len, url);
 }
 
+kvd_status kvd_check_private_dir(const char *dir, kvd_error *error) {
+    struct stat st;
+    if (lstat(dir, &st) != 0) {
+        /* Missing: the daemon creates it. */
+        if (errno == ENOENT) return KVD_OK;
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "cannot check %s: %s; " ELSEWHERE, dir, strerror(errno));
+    }
+    if (S_ISLNK(st.st_mode))
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "%s is a symbolic link, not a directory of yours; remove it, " ELSEWHERE, dir);
+    if (!S_ISDIR(st.st_mode))
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "%s is not a directory; remove it, " ELSEWHERE, dir);
+    if (st.st_uid != getuid())
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "%s belongs to another user (uid %u); remove it, " ELSEWHERE,
+                        dir, (unsigned)st.st_uid);
+    if (st.st_mode & 077)
+        return kvd_fail(error, KVD_ERR_ENDPOINT,
+                        "%s is open to other users (mode %04o); run `chmod 700 %s`, " ELSEWHERE, dir,
+                        (unsigned)(st.st_mode & 07777), dir);
+    return KVD_OK;
+}
+
+/* The per-user default: ipc://$XDG_RUNTIME_DIR/kvd.sock, else ipc:///tmp/kvd-$UID/kvd.sock. */
+static kvd_status default_endpoint(char *url, size_t url_size, kvd_error *error) {
+    const char *runtime = getenv("XDG_RUNTIME_DIR");
+    int n;
+    if (runtime != NULL && runtime[0] != '\0') {
+        size_t len = strlen(runtime);
+        while (len > 0 && runtime[len - 1] == '/') len--; /* "/run/user/1000/" is that directory */
+        n = snprintf(url, url_size, "ipc://%.*s/kvd.sock", (int)len, runtime);
+    } else {
+        /* Literally /tmp, not $TMPDIR: a client and the daemon must agree even when their environments
+         * differ. Anyone may create that folder first, so it must be ours, as the daemon demands too. */
+        char dir[32];
+        snprintf(dir, sizeof dir, "/tmp/kvd-%u", (unsigned)getuid());
+        kvd_status status = kvd_check_private_dir(dir, error);
+        if (status != KVD_OK) return status;
+        n = snprintf(url, url_size, "ipc://%s/kvd.sock", dir);
+    }
+    if (n < 0 || (size_t)n >= url_size)
+        return kvd_fail(error, KVD_ERR_ENDPOINT, "$XDG_RUNTIME_DIR is too long for a socket path");
+    return KVD_OK;
+}
+
 kvd_status kvd_resolve_endpoint(const char *endpoint, char *url, size_t url_size, kvd_error *error) {
     if (url == NULL || url_size == 0)
         return kvd_fail(error, KVD_ERR_INVALID_ARGUMENT, "kvd_resolve_endpoint: url must hold the result");
@@ -61,19 +109,8 @@ kvd_status kvd_resolve_endpoint(const char *endpoint, char *url, size_t url_size
     const char *chosen = endpoint;
     if (chosen == NULL || chosen[0] == '\0') chosen = getenv("KVD_ENDPOINT");
     if (chosen == NULL || chosen[0] == '\0') {
-        const char *runtime = getenv("XDG_RUNTIME_DIR");
-        int n;
-        if (runtime != NULL && runtime[0] != '\0') {
-            size_t len = strlen(runtime);
-            while (len > 0 && runtime[len - 1] == '/') len--; /* "/run/user/1000/" is that directory */
-            n = snprintf(fallback, sizeof fallback, "ipc://%.*s/kvd.sock", (int)len, runtime);
-        } else {
-            /* Literally /tmp, not $TMPDIR: a client and the daemon must agree even when their environments
-             * differ. */
-            n = snprintf(fallback, sizeof fallback, "ipc:///tmp/kvd-%u/kvd.sock", (unsigned)getuid());
-        }
-        if (n < 0 || (size_t)n >= sizeof fallback)
-            return kvd_fail(error, KVD_ERR_ENDPOINT, "$XDG_RUNTIME_DIR is too long for a socket path");
+        kvd_status status = default_endpoint(fallback, sizeof fallback, error);
+        if (status != KVD_OK) return status;
         chosen = fallback;
     }
     kvd_status status = check_endpoint(chosen, error);

@@ -10,6 +10,11 @@
 kvd_status kvd_fail(kvd_error *error, kvd_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* KVD_OK unless `dir`, the /tmp folder of the default endpoint, exists and is not a real directory (lstat: no
+ * symbolic link) owned by this user and closed to others: KVD_ERR_ENDPOINT, the message saying what to do. A
+ * missing folder passes (endpoint.c). */
+kvd_status kvd_check_private_dir(const char *dir, kvd_error *error);
+
 /* The status for a daemon error code string ("bad_request" -> KVD_ERR_BAD_REQUEST). */
 kvd_status kvd_status_from_code(const char *code, size_t len);
 

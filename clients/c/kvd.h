@@ -41,7 +41,7 @@ typedef enum kvd_status {
     KVD_ERR_NO_DAEMON = 100, /* silence for the whole timeout, and the ipc socket file does not exist */
     KVD_ERR_TIMEOUT = 101,   /* the daemon said nothing for the whole timeout */
     KVD_ERR_PROTOCOL = 102,  /* the daemon sent a reply this library cannot decode */
-    KVD_ERR_ENDPOINT = 103,  /* a malformed endpoint */
+    KVD_ERR_ENDPOINT = 103,  /* a malformed endpoint, or an unsafe /tmp folder for the default one */
     KVD_ERR_INVALID_ARGUMENT = 104,
     KVD_ERR_NO_MEMORY = 105,
     KVD_ERR_ZMQ = 106, /* a ZeroMQ call failed; the message says which */
@@ -191,7 +191,9 @@ typedef struct kvd_client kvd_client;
 
 /* The endpoint kvd_connect would use, written to url: `endpoint` when not NULL or empty, else $KVD_ENDPOINT,
  * else ipc://$XDG_RUNTIME_DIR/kvd.sock, else ipc:///tmp/kvd-$UID/kvd.sock. It must be ipc://ABSOLUTE_PATH
- * (at most 107 bytes) or tcp://HOST:PORT. `error` may be NULL. */
+ * (at most 107 bytes) or tcp://HOST:PORT. The last default is refused (KVD_ERR_ENDPOINT) when /tmp/kvd-$UID
+ * exists but is a symbolic link, not a directory, another user's, or open to others: whoever created it could
+ * listen there. `error` may be NULL. */
 KVD_API kvd_status kvd_resolve_endpoint(const char *endpoint, char *url, size_t url_size, kvd_error *error);
 
 /* Connect to the daemon at `endpoint` (NULL: the default, as kvd_resolve_endpoint). Connecting does not wait

@@ -9,6 +9,7 @@
  *   test_client embed [-e ENDPOINT] [-T TIMEOUT_MS] (-w TEXT... | -I ID,ID,...) [-d DIMENSIONS]
  *   test_client health [-e ENDPOINT] [-T TIMEOUT_MS]
  *   test_client resolve [-e ENDPOINT]
+ *   test_client private-dir DIR   (the library's internal check of the default endpoint's /tmp folder)
  *
  * -E: ignore_eos; -s: stream (print every chunk); -a N: kvd_abort from the callback after N chunks.
  * -J json_schema (JSON text), -O json_object, -r regex, -g grammar; -b: a logit_bias entry; -L logprobs,
@@ -23,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "internal.h" /* kvd_check_private_dir; links against the static library, where it is visible */
 #include "kvd.h"
 
 #define MAX_MESSAGES 16
@@ -147,12 +149,23 @@ static double elapsed_ms(const struct timespec *start) {
 }
 
 static int usage(void) {
-    fprintf(stderr, "usage: test_client generate|health|resolve [options]; see tests/test_client.c\n");
+    fprintf(stderr, "usage: test_client generate|health|resolve|private-dir [options]; see tests/test_client.c\n");
     return 2;
+}
+
+static int check_private_dir(const char *dir) {
+    kvd_error error;
+    memset(&error, 0, sizeof error);
+    kvd_status status = kvd_check_private_dir(dir, &error);
+    printf("{");
+    json_error(stdout, status, &error);
+    printf("}\n");
+    return status == KVD_OK ? 0 : 1;
 }
 
 int main(int argc, char **argv) {
     if (argc < 2) return usage();
+    if (strcmp(argv[1], "private-dir") == 0) return argc == 3 ? check_private_dir(argv[2]) : usage();
     static kvd_tool_call tool_calls[MAX_MESSAGES][MAX_ITEMS];
     kvd_logit_bias bias[MAX_ITEMS];
     const char *texts[MAX_ITEMS];

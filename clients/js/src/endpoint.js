@@ -1,5 +1,7 @@
 // Where the daemon listens by default and how an endpoint string is checked, as docs/protocol.md says: an
 // explicit endpoint, else $KVD_ENDPOINT, else ipc://$XDG_RUNTIME_DIR/kvd.sock, else ipc:///tmp/kvd-$UID/kvd.sock.
+// The last one lies in a folder anyone could create first, so it is used only when that folder is private.
+import fs from "node:fs";
 import path from "node:path";
 
 import { EndpointError } from "./errors.js";
@@ -8,6 +10,8 @@ export const ENV_VAR = "KVD_ENDPOINT";
 const SOCKET_NAME = "kvd.sock";
 // sun_path holds 108 bytes including the terminating NUL.
 const MAX_IPC_PATH_BYTES = 107;
+// How a user whose /tmp folder is unsafe still reaches a daemon.
+const ELSEWHERE = `or set XDG_RUNTIME_DIR or ${ENV_VAR} to choose another endpoint`;
 
 /** $XDG_RUNTIME_DIR, else a per-user directory under /tmp (the daemon creates it with mode 0700). */
 export function defaultSocketDir() {
@@ -21,9 +25,44 @@ export function defaultEndpoint() {
   return `ipc://${path.join(defaultSocketDir(), SOCKET_NAME)}`;
 }
 
-/** The endpoint to use, parsed: the argument, else $KVD_ENDPOINT, else the per-user default. */
+/**
+ * The endpoint to use, parsed: the argument, else $KVD_ENDPOINT, else the per-user default; throws
+ * EndpointError when the default falls back to a /tmp folder that is not this user's private one.
+ */
 export function resolveEndpoint(endpoint) {
-  return parseEndpoint(endpoint || process.env[ENV_VAR] || defaultEndpoint());
+  const chosen = endpoint || process.env[ENV_VAR];
+  if (chosen) return parseEndpoint(chosen);
+  // $XDG_RUNTIME_DIR is made by the login manager for this user alone; /tmp is everyone's.
+  if (!process.env.XDG_RUNTIME_DIR) checkPrivateDir(defaultSocketDir());
+  return parseEndpoint(defaultEndpoint());
+}
+
+/**
+ * Throws EndpointError unless `dir` is a real directory of this user closed to others, as the daemon demands
+ * of it: anyone may create /tmp/kvd-$UID first and listen there, reading every prompt sent. A missing
+ * directory passes: the daemon creates it.
+ */
+export function checkPrivateDir(dir) {
+  let st;
+  try {
+    st = fs.lstatSync(dir);
+  } catch (e) {
+    if (e.code === "ENOENT") return;
+    throw new EndpointError(`cannot check ${dir}: ${e.message}; ${ELSEWHERE}`);
+  }
+  if (st.isSymbolicLink()) {
+    throw new EndpointError(`${dir} is a symbolic link, not a directory of yours; remove it, ${ELSEWHERE}`);
+  }
+  if (!st.isDirectory()) throw new EndpointError(`${dir} is not a directory; remove it, ${ELSEWHERE}`);
+  if (st.uid !== process.getuid()) {
+    throw new EndpointError(`${dir} belongs to another user (uid ${st.uid}); remove it, ${ELSEWHERE}`);
+  }
+  if (st.mode & 0o077) {
+    const mode = (st.mode & 0o7777).toString(8).padStart(4, "0");
+    throw new EndpointError(
+      `${dir} is open to other users (mode ${mode}); run \`chmod 700 ${dir}\`, ${ELSEWHERE}`,
+    );
+  }
 }
 
 /** {url, transport: "ipc", path} or {url, transport: "tcp", host, port}; throws EndpointError. */

@@ -1,7 +1,11 @@
 // Endpoint resolution and checks, as docs/protocol.md "Endpoints" says; no daemon needed.
 import assert from "node:assert/strict";
-import { afterEach, test } from "node:test";
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { after, afterEach, test } from "node:test";
 
+import { checkPrivateDir } from "../src/endpoint.js";
 import { defaultEndpoint, EndpointError, parseEndpoint, resolveEndpoint } from "../src/index.js";
 
 const saved = { ...process.env };
@@ -55,3 +59,42 @@ for (const url of MALFORMED) {
     assert.throws(() => parseEndpoint(url), (e) => e instanceof EndpointError && e.code === "endpoint");
   });
 }
+
+// The /tmp folder of the default endpoint, as the daemon demands of it: a real directory, ours, closed to others.
+const dirs = mkdtempSync(path.join(tmpdir(), "kvd-js-dirs-"));
+after(() => rmSync(dirs, { recursive: true, force: true }));
+
+function folder(name, mode = 0o700) {
+  const dir = path.join(dirs, name);
+  mkdirSync(dir);
+  chmodSync(dir, mode); // mkdir's mode is cut by the umask
+  return dir;
+}
+
+function assertRefused(dir, why) {
+  const expected = (e) => e instanceof EndpointError && e.message.includes(why) && e.message.includes("KVD_ENDPOINT");
+  assert.throws(() => checkPrivateDir(dir), expected);
+}
+
+test("a private folder, or none yet, is accepted", () => {
+  checkPrivateDir(folder("private"));
+  checkPrivateDir(path.join(dirs, "missing")); // the daemon creates it
+});
+
+test("a symbolic link, a file or a folder open to others is refused", () => {
+  const link = path.join(dirs, "link");
+  symlinkSync(folder("target"), link);
+  assertRefused(link, "symbolic link");
+  const file = path.join(dirs, "file");
+  writeFileSync(file, "");
+  assertRefused(file, "not a directory");
+  const open = folder("open", 0o755);
+  assertRefused(open, `chmod 700 ${open}`);
+});
+
+const notRoot = process.getuid() !== 0 && "giving a folder to another user needs root";
+test("a folder of another user is refused", { skip: notRoot }, () => {
+  const theirs = folder("theirs");
+  chownSync(theirs, 65534, 65534);
+  assertRefused(theirs, "belongs to another user (uid 65534)");
+});

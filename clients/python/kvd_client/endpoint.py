@@ -2,13 +2,15 @@
 
 The daemon imports this module too, so a client and the daemon resolve the default endpoint the same way: an
 explicit endpoint, else $KVD_ENDPOINT, else ipc://$XDG_RUNTIME_DIR/kvd.sock, else ipc:///tmp/kvd-$UID/kvd.sock.
+The last one lies in a folder anyone could create first, so it is used only when that folder is private.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvd_client.errors import EndpointError, NoDaemonError
@@ -17,6 +19,8 @@ ENV_VAR = "KVD_ENDPOINT"
 SOCKET_NAME = "kvd.sock"
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_IPC_PATH_BYTES = 107
+# How a user whose /tmp folder is unsafe still reaches a daemon.
+_ELSEWHERE = f"or set XDG_RUNTIME_DIR or {ENV_VAR} to choose another endpoint"
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class Endpoint:
     path: Path | None = None  # ipc only
     host: str | None = None  # tcp only
     port: int | None = None  # tcp only
+    # The /tmp folder the default endpoint fell back to: checked again before each request, since another
+    # user may create it after the endpoint was resolved (the daemon not started yet).
+    private_dir: Path | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_loopback(self) -> bool:
@@ -47,6 +54,8 @@ class Endpoint:
     def check_listening(self, how_to_choose: str) -> None:
         """Raise NoDaemonError at once when the ipc socket file is missing, instead of waiting for a timeout
         (ZeroMQ would keep retrying the connection silently); `how_to_choose` says how to pick another."""
+        if self.private_dir is not None:
+            check_private_dir(self.private_dir)
         if self.transport == "ipc" and not os.path.exists(self.path):
             raise NoDaemonError(
                 f"no kvd daemon at {self.url}: the socket file does not exist. Start one with `kvd serve`, "
@@ -68,8 +77,42 @@ def default_endpoint() -> str:
 
 
 def resolve_endpoint(endpoint: str | None = None) -> Endpoint:
-    """The endpoint to use: the argument, else $KVD_ENDPOINT, else the per-user default."""
-    return parse_endpoint(endpoint or os.environ.get(ENV_VAR) or default_endpoint())
+    """The endpoint to use: the argument, else $KVD_ENDPOINT, else the per-user default; EndpointError when the
+    default falls back to a /tmp folder that is not this user's private one."""
+    chosen = endpoint or os.environ.get(ENV_VAR)
+    if chosen:
+        return parse_endpoint(chosen)
+    resolved = parse_endpoint(default_endpoint())
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return resolved  # made by the login manager for this user alone
+    shared = default_socket_dir()
+    check_private_dir(shared)
+    return replace(resolved, private_dir=shared)
+
+
+def check_private_dir(directory: Path) -> None:
+    """Raise EndpointError unless `directory` is a real directory of this user closed to others, as the daemon
+    demands of it: anyone may create /tmp/kvd-$UID first and listen there, reading every prompt sent. A
+    missing directory passes: the daemon creates it."""
+    try:
+        st = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise EndpointError(f"cannot check {directory}: {e.strerror}; {_ELSEWHERE}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise EndpointError(
+            f"{directory} is a symbolic link, not a directory of yours; remove it, {_ELSEWHERE}"
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        raise EndpointError(f"{directory} is not a directory; remove it, {_ELSEWHERE}")
+    if st.st_uid != os.getuid():
+        raise EndpointError(f"{directory} belongs to another user (uid {st.st_uid}); remove it, {_ELSEWHERE}")
+    if st.st_mode & 0o077:
+        raise EndpointError(
+            f"{directory} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"run `chmod 700 {directory}`, {_ELSEWHERE}"
+        )
 
 
 def parse_endpoint(url: str) -> Endpoint:
