@@ -1,5 +1,6 @@
-"""systemd/: the unit passes systemd-analyze, the sysusers file makes user and group kvd, the example config
-names every `kvd serve` flag with a value that flag accepts."""
+"""systemd/: the units pass systemd-analyze and keep their limits and filters, the sysusers file makes the users
+kvd and kvd-gateway and group kvd, the example config names every `kvd serve` flag with a value that flag
+accepts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,23 @@ from kvd.cli import build_parser
 
 SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "kvd.service"
+GATEWAY_UNIT = SYSTEMD / "kvd-gateway.service"
 INSTALLED_KVD = "/usr/local/bin/kvd"
+
+
+def directives(path: Path) -> dict[str, list[str]]:
+    """Every `Key=value` line of a unit, by key, in order (Environment= and DeviceAllow= may repeat)."""
+    found: dict[str, list[str]] = {}
+    for key, value in re.findall(r"^(\w+)=(.*)$", path.read_text(), re.M):
+        found.setdefault(key, []).append(value)
+    return found
+
+
+def exposure(unit: Path) -> float:
+    proc = analyze("security", "--offline=yes", str(unit))
+    match = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\d+\.\d+)", proc.stdout)
+    assert match, proc.stdout + proc.stderr
+    return float(match.group(1))
 
 
 @pytest.fixture
@@ -50,14 +67,87 @@ def test_the_unit_verifies_without_errors_or_warnings(unit_copy: Path):
 
 
 def test_the_sandbox_is_tight_and_leaves_cuda_working(unit_copy: Path):
-    proc = analyze("security", "--offline=yes", str(unit_copy))
-    match = re.search(r"Overall exposure level for kvd\.service: (\d+\.\d+)", proc.stdout)
-    assert match, proc.stdout + proc.stderr
-    assert float(match.group(1)) <= 4.0, proc.stdout
+    # 3.3 before the resource limits and the device, system call and IP filters; 1.7 with systemd 252.
+    assert exposure(unit_copy) <= 2.0
     settings = dict(re.findall(r"^(\w+)=(.*)$", UNIT.read_text(), re.M))
     # CUDA needs /dev/nvidia*; torch and Triton JIT-compile kernels into executable memory.
     assert "PrivateDevices" not in settings and "MemoryDenyWriteExecute" not in settings
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
+
+
+def test_the_daemon_has_resource_limits_and_device_syscall_and_ip_filters():
+    found = directives(UNIT)
+    expected = {
+        "MemoryMax": ["90%"],
+        "TasksMax": ["512"],
+        "LimitNOFILE": ["65536"],
+        "DevicePolicy": ["closed"],
+        "SystemCallFilter": ["@system-service"],
+        "SystemCallErrorNumber": ["EPERM"],
+        "SystemCallArchitectures": ["native"],
+        "IPAddressDeny": ["any"],
+        "IPAddressAllow": ["localhost"],
+    }
+    assert {key: found.get(key) for key in expected} == expected
+    # A CPU daemon opens only the pseudo devices that DevicePolicy=closed allows; GPUs come in a drop-in.
+    assert "DeviceAllow" not in found
+    # The tensor-parallel ranks' gloo and NCCL sockets stay on the loopback that IPAddressAllow= lets through.
+    environment = " ".join(found["Environment"]).split()
+    assert "GLOO_SOCKET_IFNAME=lo" in environment and "NCCL_SOCKET_IFNAME=lo" in environment
+
+
+def drop_in_examples(unit: Path) -> list[str]:
+    """The drop-ins that the unit's comments show, each as a file's text: runs of `#   ` lines."""
+    examples, current = [], []
+    for line in [*unit.read_text().splitlines(), ""]:
+        if line.startswith("#   "):
+            current.append(line[4:])
+        elif current:
+            text = "\n".join(current) + "\n"
+            examples.append(text if text.startswith("[") else "[Service]\n" + text)
+            current = []
+    return examples
+
+
+def test_the_drop_ins_the_unit_suggests_verify(unit_copy: Path):
+    """The NVIDIA devices and the multi-host network, as an operator would paste them into `systemctl edit`."""
+    examples = drop_in_examples(UNIT)
+    assert any("DeviceAllow=char-nvidia* rw" in text and "modprobe@nvidia-uvm" in text for text in examples)
+    assert any("IPAddressAllow=" in text for text in examples)
+    drop_ins = unit_copy.parent / "kvd.service.d"
+    drop_ins.mkdir()
+    for i, text in enumerate(examples):
+        (drop_ins / f"{i}.conf").write_text(text)
+    proc = analyze("verify", str(unit_copy))
+    assert proc.returncode == 0 and complaints(proc) == [], proc.stdout + proc.stderr
+    # Verify reads them: a misspelt key in one is reported.
+    (drop_ins / "0.conf").write_text("[Service]\nDeviceAlow=char-nvidia* rw\n")
+    assert any("DeviceAlow" in line for line in complaints(analyze("verify", str(unit_copy))))
+
+
+def test_the_gateway_runs_as_its_own_user_with_limits_and_filters(tmp_path: Path):
+    daemon, gateway = directives(UNIT), directives(GATEWAY_UNIT)
+    assert gateway["User"] == ["kvd-gateway"] != daemon["User"]
+    assert gateway["Group"] == ["kvd-gateway"] != daemon["Group"]
+    assert gateway["SupplementaryGroups"] == ["kvd"]  # the daemon's socket is 0660, group kvd
+    expected = {
+        "MemoryMax": ["2G"],
+        "TasksMax": ["128"],
+        "LimitNOFILE": ["65536"],
+        "SystemCallFilter": ["@system-service"],
+        "SystemCallErrorNumber": ["EPERM"],
+        "SystemCallArchitectures": ["native"],
+        "IPAddressDeny": ["any"],
+        "IPAddressAllow": ["localhost"],
+        "PrivateDevices": ["yes"],
+        "MemoryDenyWriteExecute": ["yes"],
+        "RemoveIPC": ["yes"],
+    }
+    assert {key: gateway.get(key) for key in expected} == expected
+    kvd = Path(sys.executable).parent / "kvd"
+    for unit in ("kvd.service", "kvd-gateway.service"):
+        (tmp_path / unit).write_text((SYSTEMD / unit).read_text().replace(INSTALLED_KVD, str(kvd)))
+    assert exposure(tmp_path / "kvd-gateway.service") <= 1.7  # 1.7 before; 1.5 with systemd 252
 
 
 @pytest.mark.parametrize("name", ["kvd.service", "kvd-gateway.service"])
@@ -73,7 +163,7 @@ def test_a_configuration_error_is_not_restarted_forever(tmp_path: Path, name: st
     assert settings["Restart"] == "on-failure" and settings["RestartPreventExitStatus"] == "2"
 
 
-def test_sysusers_creates_the_user_and_group_kvd(tmp_path: Path):
+def test_sysusers_creates_the_users_and_group_kvd(tmp_path: Path):
     (tmp_path / "etc").mkdir()
     subprocess.run(
         ["systemd-sysusers", f"--root={tmp_path}", str(SYSTEMD / "kvd.sysusers")],
@@ -89,6 +179,11 @@ def test_sysusers_creates_the_user_and_group_kvd(tmp_path: Path):
     }
     assert users["kvd"][3] == groups["kvd"][2], "kvd's primary group is kvd"
     assert users["kvd"][6] == "/usr/sbin/nologin"
+    # The gateway's user: its own primary group, a member of kvd (to reach the socket), no login.
+    assert users["kvd-gateway"][2] != users["kvd"][2]
+    assert users["kvd-gateway"][3] == groups["kvd-gateway"][2] != groups["kvd"][2]
+    assert "kvd-gateway" in groups["kvd"][3].split(",")
+    assert users["kvd-gateway"][6] == "/usr/sbin/nologin"
 
 
 def serve_flags() -> dict[str, argparse.Action]:
