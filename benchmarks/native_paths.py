@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.host import cpu_name
 from kvd.kernels import cpu_native
-from kvd.kernels.native_build import HEADER, compile_source, ffi, isa, library_path
+from kvd.kernels.native_build import HEADER, compile_sources, ffi, isa, library_path
 from kvd.model.huge_pages import pool_zeros
 from kvd.model.layers.quantized_linear import linear_class
 
@@ -87,30 +87,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _git(commit: str, *args: str) -> str:
+    """A git command's output in this repository; SystemExit naming --alt-commit when git refuses it."""
+    proc = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    if proc.returncode:
+        raise SystemExit(f"--alt-commit {commit}: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def commit_sources(commit: str) -> dict[str, str]:
+    """The kernels' C files and headers at `commit` by name: every .c and .h file of the folder that holds its
+    cpu_kernels.h, kvd/kernels/ (or kernels/, where the kernels lay before they moved). One cpu_kernels.c at
+    older commits, a file per concern at newer ones: either way all of them make the library."""
+    for folder in ("kvd/kernels", "kernels"):
+        paths = _git(commit, "ls-tree", "--name-only", commit, f"{folder}/").split()
+        if f"{folder}/cpu_kernels.h" in paths:
+            return {
+                Path(path).name: _git(commit, "show", f"{commit}:{path}")
+                for path in paths
+                if path.endswith((".c", ".h"))
+            }
+    raise SystemExit(f"--alt-commit {commit}: no cpu_kernels.h in kvd/kernels/ or kernels/")
+
+
 def commit_library(commit: str, cflags: str, folder: str) -> str:
-    """The path of the kernels at `commit` built with kvd's flags and the extra ones, in `folder`."""
-    source = Path(folder) / "cpu_kernels.c"
-    for name in ("cpu_kernels.c", "cpu_kernels.h"):
-        # The kernels moved from kernels/ into kvd/kernels/: an older commit has them at the old place.
-        for folder_in_tree in ("kvd/kernels", "kernels"):
-            shown = subprocess.run(
-                ["git", "show", f"{commit}:{folder_in_tree}/{name}"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if not shown.returncode:
-                break
-        if shown.returncode:
-            raise SystemExit(f"--alt-commit {commit}: {shown.stderr.strip()}")
-        (Path(folder) / name).write_text(shown.stdout)
+    """The path of the kernels at `commit` built with kvd's flags and the extra ones, in `folder`: its C files
+    compiled together, as native_build compiles the working tree's."""
+    files = commit_sources(commit)
+    for name, text in files.items():
+        (Path(folder) / name).write_text(text)
+    sources = [Path(folder) / name for name in sorted(files) if name.endswith(".c")]
     target = Path(folder) / "alt.so"
     try:
-        compile_source(os.environ.get("CC", "cc"), source, target, shlex.split(cflags))
+        compile_sources(os.environ.get("CC", "cc"), sources, target, shlex.split(cflags))
     except OSError as exc:
         raise SystemExit(f"the build of {commit}'s kernels failed:\n{exc}") from exc
-    if (Path(folder) / "cpu_kernels.h").read_text() != HEADER.read_text():
+    if files["cpu_kernels.h"] != HEADER.read_text():
         print(f"note: {commit}'s cpu_kernels.h differs from this one's; its C ABI must be the same")
     return str(target)
 

@@ -109,11 +109,35 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _gateway_parser(p: argparse.ArgumentParser) -> None:
+    # Each gateway setting is declared once, here, and carried by kvd.gateway.server.GatewayConfig.
     p.add_argument(
-        "--http", default=DEFAULT_HTTP, metavar="HOST:PORT", help="where to serve HTTP (%(default)s)"
+        "--http",
+        metavar="HOST:PORT",
+        help=f"where to serve HTTP (default: {DEFAULT_HTTP}, unless --uds is given alone)",
     )
     p.add_argument(
-        "--allow-remote", action="store_true", help="permit a non-loopback address (no authentication!)"
+        "--uds",
+        metavar="PATH",
+        help="also serve on this unix socket, mode 0660 (alone without --http); for local callers",
+    )
+    p.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="permit a non-loopback --http address (give API keys: without them anyone who reaches it may use it)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="require an API key on every route but /health: one KEY or NAME:KEY a line, a file only you may "
+        "read; also (or instead) $KVD_API_KEY",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="serve requests whose Host is NAME, besides loopback ones (repeatable; '*' allows any: unsafe, "
+        "web pages may then reach the gateway through DNS rebinding)",
     )
     p.add_argument("--served-model-name", help="the model id clients use (default: the daemon's model name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -189,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
+    from kvd.gateway.keys import ENV_KEY, load_api_keys
     from kvd.gateway.server import (
         GatewayConfig,
         GatewayConfigError,
@@ -198,17 +223,29 @@ def _gateway(args: argparse.Namespace) -> int:
     )
 
     try:
-        host, port = parse_http_address(args.http, args.allow_remote)
-        check_port_free(host, port)  # a port in use is a configuration error (status 2), not a crash
+        host, port = None, 0
+        if args.http is not None or args.uds is None:
+            host, port = parse_http_address(args.http or DEFAULT_HTTP, args.allow_remote)
+            check_port_free(host, port)  # a port in use is a configuration error (status 2), not a crash
         endpoint = resolve_endpoint(args.endpoint).url
+        # Read once, at start; a key is never a flag's value (flags show in `ps`).
+        keys = load_api_keys(args.api_key_file, os.environ.get(ENV_KEY))
+        config = GatewayConfig(
+            host,
+            port,
+            endpoint,
+            allow_remote=args.allow_remote,
+            served_model_name=args.served_model_name,
+            timeout=args.timeout,
+            log_level=args.log_level,
+            uds=args.uds,
+            api_keys=keys,
+            allowed_hosts=tuple(args.allowed_host),
+        )
+        run_gateway(config)  # binding a listener may still fail
     except (GatewayConfigError, KvdError) as e:
         print(f"kvd gateway: {e}", file=sys.stderr)
         return 2
-    run_gateway(
-        GatewayConfig(
-            host, port, endpoint, args.allow_remote, args.served_model_name, args.timeout, args.log_level
-        )
-    )
     return 0
 
 

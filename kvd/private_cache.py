@@ -63,7 +63,10 @@ def _roots() -> list[Path]:
 def private_dir(name: str) -> Path:
     """The first private, writable `<root>/<name>`, else `<tmp>/kvd-<name>-<uid>` if private, else a fresh
     folder for this process."""
-    for path in [*(root / name for root in _roots()), Path(tempfile.gettempdir()) / f"kvd-{name}-{os.getuid()}"]:
+    for path in [
+        *(root / name for root in _roots()),
+        Path(tempfile.gettempdir()) / f"kvd-{name}-{os.getuid()}",
+    ]:
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:

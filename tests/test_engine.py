@@ -265,3 +265,28 @@ def test_generate_checks_params_again_and_takes_token_ids_in_any_sequence(tiny_l
     as_list = llm.generate([5, 6, 7], greedy, use_tqdm=False)[0].token_ids
     assert llm.generate((5, 6, 7), greedy, use_tqdm=False)[0].token_ids == as_list
     assert llm.generate([(5, 6, 7)], greedy, use_tqdm=False)[0].token_ids == as_list
+
+
+def test_prompt_logprobs_take_a_bounded_slice_of_logits_at_a_time(tiny_llama_dir, prompts):
+    # A whole chunk's logits at once (vocab floats per prompt token) lay outside the memory profile, which
+    # covers max_num_seqs rows; a long prompt now scores that many rows at a time, with the same values.
+    llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=256 * KV, max_num_seqs=4)
+    runner = llm.engine.runner
+    sizes: list[int] = []
+    real_logits = runner.logits
+
+    def recording_logits(hidden, rows):
+        sizes.append(len(rows))
+        return real_logits(hidden, rows)
+
+    runner.logits = recording_logits
+    prompt = prompts[0] * 3
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert len(prompt) > 8 and sizes and max(sizes) <= 4
+    assert out.prompt_logprobs[0] is None
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert entry.logprob == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)

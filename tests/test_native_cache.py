@@ -4,6 +4,8 @@ portable C build that runs on CPUs without AVX2."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from kvd.kernels import native_build
+from kvd.private_cache import private
 
 ROOT = Path(__file__).resolve().parent.parent
 # The portable C paths: no AVX-512, AVX2, AVX, F16C or FMA, whatever this CPU has.
@@ -114,7 +117,7 @@ def test_a_library_writable_by_others_in_a_private_folder_is_rebuilt(tmp_path, l
     assert "refusing the cached library" in proc.stderr
     assert not marker.exists() and proc.stdout.splitlines()[0] == "True"
     # Rebuilt in place: the file is now this user's alone.
-    assert Path(proc.stdout.splitlines()[1]) == planted and native_build.private(planted)
+    assert Path(proc.stdout.splitlines()[1]) == planted and private(planted)
 
 
 def test_the_temporary_fallback_is_used_only_when_private(tmp_path, library_name):
@@ -133,7 +136,7 @@ def test_the_temporary_fallback_is_used_only_when_private(tmp_path, library_name
     proc = _probe(env | {"KVD_PLANTED_MARKER": str(marker)})
     assert not marker.exists() and proc.stdout.splitlines()[0] == "True", proc.stderr
     built = Path(proc.stdout.splitlines()[1])
-    assert built.parent.parent == tmp and built.parent != shared and native_build.private(built.parent)
+    assert built.parent.parent == tmp and built.parent != shared and private(built.parent)
     assert "for this process only" in proc.stderr
     (shared / library_name).unlink()
     shared.chmod(0o700)  # now private: used as the cache
@@ -155,11 +158,22 @@ def test_the_kernels_compile_without_warnings_or_variable_length_arrays(tmp_path
     compiler = os.environ.get("CC", "cc")
     flags = [*native_build.FLAGS, *extra.split(), "-Wall", "-Wextra", "-Wvla", "-Werror"]
     result = subprocess.run(
-        [compiler, *flags, str(native_build.SOURCE), "-o", str(tmp_path / "k.so"), "-lm"],
+        [compiler, *flags, *map(str, native_build.SOURCES), "-o", str(tmp_path / "k.so"), "-lm"],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_the_library_exports_the_abi_alone():
+    """The kernels' files call one another through hidden functions: the library exports the functions that
+    cpu_kernels.h declares and no others (an internal name exported could bind to another library's)."""
+    nm, path = shutil.which("nm"), native_build.library_path()
+    if nm is None or path is None:
+        pytest.skip("needs nm and a build of the kernels")
+    out = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    exported = {line.split()[-1] for line in out.stdout.splitlines() if line.split()[-2] in ("T", "t")}
+    assert exported == set(re.findall(r"\b(kvd_\w+)\(", native_build.declarations()))
 
 
 @pytest.mark.parametrize("build", ["portable", "avx2"])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from quick_benchmark import ROOT, run_quick
 
-from kvd.kernels import cpu_native
+from benchmarks import native_paths
+from kvd.kernels import cpu_native, native_build
 from kvd.kernels.native_build import native_isa
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels cannot be built here")
@@ -92,3 +94,22 @@ def test_an_unknown_commit_is_refused_by_name():
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode != 0 and "--alt-commit no-such-commit" in proc.stderr
+
+
+def test_a_commit_with_its_kernels_in_several_files_is_built_from_all_of_them(tmp_path, monkeypatch):
+    """--alt-commit at a commit whose kernels are a file per concern (this tree's, as git would show them):
+    every C file and header of its kernels' folder is fetched, and the C files are built into one library."""
+    tree = {f"kvd/kernels/{p.name}": p.read_text() for p in (*native_build.SOURCES, *native_build.HEADERS)}
+    tree["kvd/kernels/cpu_native.py"] = "not C: left out"
+
+    def git(commit: str, *args: str) -> str:
+        if args[0] == "ls-tree":
+            return "\n".join(tree) if args[-1] == "kvd/kernels/" else ""
+        return tree[args[-1].split(":", 1)[1]]
+
+    monkeypatch.setattr(native_paths, "_git", git)
+    path = native_paths.commit_library("a-commit", "", str(tmp_path))
+    assert {p.name for p in tmp_path.iterdir()} == {
+        Path(name).name for name in tree if name.endswith((".c", ".h"))
+    } | {"alt.so"}
+    assert native_build.isa(native_build.ffi.dlopen(path)) == native_isa()

@@ -1,12 +1,17 @@
 """Tensor parallel over gloo with 2 real ranks: TP=2 gives TP=1's greedy tokens (logits within 1e-5, the
 all-reduce sums in another order) on every family and the bundled SmolLM2, through batched, chunked, prefix-hit
 and preempted steps and through the daemon; each rank holds half the weights; a killed worker fails every
-request and ends the daemon; startup mistakes are one line (docs/architecture.md, "Tensor parallel")."""
+request and ends the daemon; startup mistakes are one line; the rendezvous binds only its address, and a rank
+that cannot prove the group's secret neither joins nor poses as rank 0 (docs/architecture.md, "Tensor
+parallel")."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -20,14 +25,18 @@ import torch
 from daemon_fixtures import REPO, daemon_env, start_daemon, wait_ready
 from logits_recorder import LogitsRecorder
 
-from kvd.distributed.cpu_binding import format_cpulist, parse_cpulist
-from kvd.distributed.group import free_loopback_port
 from kvd.distributed.shard import Shard, ShardPlan
 from kvd.distributed.step import StepInputs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native
 from kvd.model.config import ModelConfig
+from kvd.parallel import group, handshake
+from kvd.parallel.address import INTERFACE_VARIABLES, free_loopback_port, interface_of, pin_interfaces
+from kvd.parallel.cpu_binding import format_cpulist, parse_cpulist
+from kvd.parallel.errors import DistributedStartupError
+from kvd.parallel.secret import read_secret_file
+from kvd.parallel.wire import recv_frame, send_frame
 from kvd_client import KvdError
 
 SHARED = list(range(3, 43))  # two full 16-token blocks that later prompts hit in the prefix cache
@@ -255,6 +264,34 @@ def test_sigterm_stops_every_rank(tiny_daemon_model, tmp_path):
     assert not Path(f"/proc/{worker}").exists() or "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
 
 
+def _secret_file(folder: Path, name: str = "tp.secret", mode: int = 0o600) -> Path:
+    path = folder / name
+    path.write_text(secrets.token_urlsafe(32) + "\n")
+    path.chmod(mode)
+    return path
+
+
+def _listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on (/proc/net/tcp{,6} by socket inode)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            host, port = fields[1].split(":")
+            raw = bytes.fromhex(host)  # 32-bit words in host (little-endian) order
+            address = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
+            found.append((str(address), int(port, 16)))
+    return found
+
+
 def _serve(*args: str, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--dtype", "float32", "--threads", "1", *args]
     with open(log, "wb") as out:
@@ -263,28 +300,49 @@ def _serve(*args: str, log: Path) -> subprocess.Popen:
 
 def test_ranks_started_by_hand_meet_over_loopback_tcp(tiny_daemon_model, tmp_path):
     """The multi-host path on one host: rank 0 and rank 1 as two `kvd serve` commands, tcp rendezvous, and
-    every collective through torch.distributed (gloo), as between hosts."""
+    every collective through torch.distributed (gloo), as between hosts. The rendezvous listens on the given
+    address alone; a rank with another secret is refused (one line on each side) and the group still forms with
+    the right one; once it has, nothing listens at the rendezvous, and the group's sockets stay on loopback."""
     single = LLMEngine(model=str(tiny_daemon_model), kv_cache_memory="64M", dtype="float32", num_threads=1)
     want = _generate(single, [single.encode("Hello")], SamplingParams(temperature=0.0, max_tokens=6))[0]
     del single
-    init = f"tcp://127.0.0.1:{free_loopback_port()}"
+    port = free_loopback_port()
+    init = f"tcp://127.0.0.1:{port}"
     common = ["--model", str(tiny_daemon_model), "--kv-cache-memory", "64M", "--distributed-init", init]
-    common += ["--world-size", "2"]
-    rank1 = _serve(*common, "--rank", "1", log=tmp_path / "rank1.log")
+    common += ["--world-size", "2", "--distributed-secret-file", str(_secret_file(tmp_path))]
     endpoint = f"ipc://{tmp_path}/kvd.sock"
     rank0 = _serve(*common, "--listen", endpoint, log=tmp_path / "daemon.log")
+    procs = [rank0]
     from daemon_fixtures import DaemonProcess
 
     daemon = DaemonProcess(endpoint, rank0, tmp_path / "daemon.log")
     try:
+        deadline = time.monotonic() + 120
+        while not (bound := [a for a, p in _listeners(rank0.pid) if p == port]):
+            assert rank0.poll() is None and time.monotonic() < deadline, daemon.log()
+            time.sleep(0.1)
+        assert bound == ["127.0.0.1"]  # not 0.0.0.0 nor [::]: the address given, alone
+        stranger = _serve(*common, "--rank", "1", "--distributed-secret-file",
+                          str(_secret_file(tmp_path, "other.secret")), log=tmp_path / "stranger.log")  # fmt: skip
+        procs.append(stranger)
+        assert stranger.wait(120) == 2, (tmp_path / "stranger.log").read_text()
+        assert "the secrets differ" in (tmp_path / "stranger.log").read_text()
+        assert "Traceback" not in (tmp_path / "stranger.log").read_text()
+        rank1 = _serve(*common, "--rank", "1", log=tmp_path / "rank1.log")
+        procs.append(rank1)
         wait_ready(daemon, 180)
+        assert "refused 127.0.0.1" in daemon.log() and "did not prove the group's secret" in daemon.log()
         with daemon.client() as client:
             assert client.generate("Hello", max_tokens=6, temperature=0.0).token_ids == want
             assert client.info()["tensor_parallel"]["collectives"] == "torch.distributed"
+        for proc in (rank0, rank1):
+            listening = _listeners(proc.pid)
+            assert all(ipaddress.ip_address(a).is_loopback for a, _ in listening), listening
+            assert port not in [p for _, p in listening]  # the rendezvous closed once every rank joined
         assert daemon.stop() == 0, daemon.log()
         assert rank1.wait(30) == 0, (tmp_path / "rank1.log").read_text()
     finally:
-        for proc in (rank0, rank1):
+        for proc in procs:
             if proc.poll() is None:
                 proc.kill()
 
@@ -293,6 +351,7 @@ def test_startup_mistakes_are_one_line(tiny_daemon_model, tiny_checkpoint, tmp_p
     """Another model on a rank, a port taken, a wrong world size: each side says so in one line, exits 2."""
     init = f"tcp://127.0.0.1:{free_loopback_port()}"
     base = ["--kv-cache-memory", "64M", "--distributed-init", init]
+    base += ["--distributed-secret-file", str(_secret_file(tmp_path))]
     rank1 = _serve(*base, "--model", str(tiny_checkpoint("llama")), "--rank", "1", "--world-size", "2",
                    log=tmp_path / "rank1.log")  # fmt: skip
     rank0 = _serve(*base, "--model", str(tiny_daemon_model), "--world-size", "2", "--listen",
@@ -306,6 +365,7 @@ def test_startup_mistakes_are_one_line(tiny_daemon_model, tiny_checkpoint, tmp_p
         port = taken.getsockname()[1]
         rank0 = _serve("--model", str(tiny_daemon_model), "--world-size", "2", "--distributed-init",
                        f"tcp://127.0.0.1:{port}", "--listen", f"ipc://{tmp_path}/kvd3.sock",
+                       "--distributed-secret-file", str(_secret_file(tmp_path)),
                        log=tmp_path / "taken.log")  # fmt: skip
         assert rank0.wait(120) == 2
     assert "the port is taken" in (tmp_path / "taken.log").read_text()
@@ -315,3 +375,113 @@ def test_startup_mistakes_are_one_line(tiny_daemon_model, tiny_checkpoint, tmp_p
                    f"ipc://{tmp_path}/kvd2.sock", log=tmp_path / "daemon2.log")  # fmt: skip
     assert rank0.wait(180) == 2 and rank1.wait(60) == 2
     assert "--world-size 3" in (tmp_path / "daemon2.log").read_text()
+
+
+def test_the_rendezvous_listens_on_the_given_address_only():
+    """torch's TCPStore listened on every interface whatever address it was given; kvd's binds that one."""
+    port = free_loopback_port()
+    server = group.host_store(f"tcp://127.0.0.1:{port}", secrets.token_bytes(32))
+    try:
+        assert [a for a, p in _listeners(os.getpid()) if p == port] == ["127.0.0.1"]
+    finally:
+        server.close()
+    assert port not in [p for _, p in _listeners(os.getpid())]
+    with pytest.raises(DistributedStartupError, match="not a wildcard"):
+        group.host_store(f"tcp://0.0.0.0:{port}", secrets.token_bytes(32))
+
+
+def test_a_rank_without_the_secret_neither_joins_nor_poses_as_rank_0(caplog):
+    secret = secrets.token_bytes(32)
+    server = group.host_store(f"tcp://127.0.0.1:{free_loopback_port()}", secret)
+    port = server.sock.getsockname()[1]
+    rank0 = server.local_store(5)
+    try:
+        with caplog.at_level(logging.WARNING, "kvd.parallel"):
+            with pytest.raises(DistributedStartupError, match="refused this rank: the secrets differ"):
+                group.join_store(f"tcp://127.0.0.1:{port}", secrets.token_bytes(32), 1)
+            with socket.create_connection(("127.0.0.1", port)) as raw:  # no answer to the challenge at all
+                recv_frame(raw, 64)
+                send_frame(raw, b"set claim/1 1")
+                assert recv_frame(raw, 64) == handshake.REFUSED
+            deadline = time.monotonic() + 10  # rank 0 logs just after it answered "refused"
+            while caplog.text.count("did not prove the group's secret") < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert caplog.text.count("did not prove the group's secret") == 2, caplog.text
+        assert rank0.num_keys() == 0  # the refused peers touched nothing
+        rank1 = group.join_store(f"tcp://127.0.0.1:{port}", secret, 1)  # the group goes on
+        group.claim_rank(rank1, 1)
+        group.put(rank1, "hello/1", {"world_size": 2})
+        assert group.get(rank0, "hello/1") == {"world_size": 2}
+        rank1.close()
+    finally:
+        server.close()
+
+    # A listener that does not know the secret, posing as rank 0: it cannot answer the rank's challenge.
+    with socket.create_server(("127.0.0.1", 0)) as impostor:
+        port = impostor.getsockname()[1]
+
+        def pose() -> None:
+            conn, _ = impostor.accept()
+            with conn:
+                send_frame(conn, secrets.token_bytes(handshake.CHALLENGE_BYTES))
+                recv_frame(conn, 128)
+                send_frame(conn, secrets.token_bytes(32))
+
+        thread = threading.Thread(target=pose)
+        thread.start()
+        with pytest.raises(DistributedStartupError, match="not this group's rank 0"):
+            group.join_store(f"tcp://127.0.0.1:{port}", secret, 1)
+        thread.join(10)
+
+
+def test_a_secret_file_others_can_read_or_own_is_refused(tmp_path):
+    good = _secret_file(tmp_path)
+    assert read_secret_file(str(good)) == good.read_text().strip().encode()
+    for mode in (0o644, 0o640, 0o604):
+        with pytest.raises(DistributedStartupError, match="chmod 600"):
+            read_secret_file(str(_secret_file(tmp_path, f"open{mode:o}", mode)))
+    short = tmp_path / "short"
+    short.write_text("password")
+    short.chmod(0o600)
+    with pytest.raises(DistributedStartupError, match="bytes of secret"):
+        read_secret_file(str(short))
+    with pytest.raises(DistributedStartupError, match="needs --distributed-secret-file"):
+        read_secret_file(None)
+    if os.geteuid() == 0:  # only root can give a file away
+        theirs = _secret_file(tmp_path, "theirs")
+        os.chown(theirs, 4321, -1)
+        with pytest.raises(DistributedStartupError, match="not to this user"):
+            read_secret_file(str(theirs))
+
+
+def test_a_remote_rendezvous_needs_its_flag_and_a_private_secret_file_before_any_load(tmp_path):
+    """Both refusals come before the model loads (its folder does not exist: loading it would fail otherwise),
+    in one line with status 2."""
+    cases = [
+        (["--world-size", "2", "--distributed-init", "tcp://10.1.2.3:29500"], "--distributed-allow-remote"),
+        (
+            ["--rank", "1", "--world-size", "2", "--distributed-init", f"tcp://127.0.0.1:{free_loopback_port()}",
+             "--distributed-secret-file", str(_secret_file(tmp_path, mode=0o644))],
+            "chmod 600",
+        ),
+    ]  # fmt: skip
+    for args, named in cases:
+        result = subprocess.run(
+            [sys.executable, "-m", "kvd.cli", "serve", *args, "--model", str(tmp_path / "absent"), "--listen",
+             f"ipc://{tmp_path}/kvd.sock"],
+            capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "--distributed-init" in result.stderr or "--distributed-secret-file" in result.stderr
+        assert named in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_the_group_sockets_are_pinned_to_the_rendezvous_interface(monkeypatch):
+    for variable in INTERFACE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    assert interface_of("127.0.0.1") == interface_of("127.0.0.2") == "lo"
+    assert pin_interfaces("127.0.0.1") == "lo"
+    assert all(os.environ[v] == "lo" for v in INTERFACE_VARIABLES)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the operator's choice wins
+    pin_interfaces("127.0.0.1")
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 import torch
-
-from kvd.model.config import ModelConfig
 
 # q/k/v and gate/up are split along their output rows (column-parallel: each rank computes its own heads and
 # MLP columns), o and down along their input columns (row-parallel: the partial sums are all-reduced).
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class ShardableConfig(Protocol):
+    """What a plan reads of a model's config (kvd.model.config.ModelConfig is one): named here rather than
+    imported, since the model imports this package and the import directions allow no way back."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int
+
+
+C = TypeVar("C", bound=ShardableConfig)
 
 
 class ShardingError(ValueError):
@@ -48,13 +61,13 @@ def kv_head_range(num_kv_heads: int, shard: Shard) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
-    """One rank's slice of a model: its config and the part of each checkpoint tensor it keeps."""
+class ShardPlan(Generic[C]):
+    """One rank's slice of a model: its config (a dataclass) and the part of each checkpoint tensor it keeps."""
 
-    config: ModelConfig  # the whole model's
+    config: C  # the whole model's
     shard: Shard
 
-    def local_config(self) -> ModelConfig:
+    def local_config(self) -> C:
         """The config of this rank's slice: its heads and KV heads, 1/N of the MLP width and the vocabulary."""
         config, n = self.config, self.shard.world_size
         if not self.shard.sharded:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kvd.parallel.address import remote_refusal
 from kvd.settings import positive_int, setting
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
@@ -108,7 +109,7 @@ class EngineArgs:
         choices=POOLINGS,
     )
 
-    # Tensor parallel (kvd.distributed; docs/architecture.md, "Tensor parallel").
+    # Tensor parallel (kvd.distributed, kvd.parallel, kvd.worker; docs/architecture.md, "Tensor parallel").
     tensor_parallel_size: int = setting(
         1,
         "ranks that each hold 1/N of every weight; the daemon is rank 0 and starts the others, unless "
@@ -123,6 +124,20 @@ class EngineArgs:
         None,
         "tcp://HOST:PORT where the ranks meet, rank 0 listening (default: a loopback port, the other ranks "
         "started by the daemon)",
+    )
+    # Every rank started by hand proves this secret to rank 0 and rank 0 to it (kvd.parallel.handshake); the
+    # workers the daemon starts get one it makes, through a pipe.
+    distributed_secret_file: str | None = setting(
+        None,
+        "with --distributed-init: a file of yours (mode 0600) holding the secret every rank proves; the same "
+        "on every rank",
+        metavar="FILE",
+    )
+    # The ranks' traffic after the rendezvous (every step, every activation) is neither encrypted nor
+    # authenticated, so a non-loopback --distributed-init is the operator's explicit choice.
+    distributed_allow_remote: bool = setting(
+        False,
+        "permit a non-loopback --distributed-init (its traffic is not encrypted: trusted networks only)",
     )
     distributed_timeout: float = setting(
         60.0,
@@ -181,5 +196,8 @@ class EngineArgs:
             raise EngineArgsError("a rank other than 0 needs --distributed-init tcp://HOST:PORT of rank 0")
         if self.distributed_init is not None and not _TCP.match(self.distributed_init):
             raise EngineArgsError(f"distributed_init must be tcp://HOST:PORT, got {self.distributed_init!r}")
+        refusal = remote_refusal(self.distributed_init, self.distributed_allow_remote)
+        if refusal is not None:
+            raise EngineArgsError(refusal)
         if self.distributed_timeout <= 0:
             raise EngineArgsError(f"distributed_timeout must be positive, got {self.distributed_timeout}")

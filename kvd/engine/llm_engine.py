@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 import llguidance
 import torch
 
-from kvd.distributed.group import fingerprint, weight_bytes
 from kvd.distributed.shard import WHOLE
 from kvd.distributed.shm import slot_bytes
 from kvd.engine.block_manager import BlockManager, BlockUsage
+from kvd.engine.chat_prompt import encode_chat
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
@@ -28,15 +28,16 @@ from kvd.engine.sampler import SampledToken, SamplingRow, sample
 from kvd.engine.sampling_params import SamplingParams
 from kvd.engine.scheduler import ScheduledChunk, Scheduler
 from kvd.engine.sequence import Sequence
-from kvd.engine.tool_calls import Tool, detect_tool_template, render_messages
+from kvd.engine.tool_calls import Tool, detect_tool_template
 from kvd.kernels.native_build import native_isa
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.native_attention import NativeAttentionBackend
 from kvd.model.layers.selector import resolve_block_size
 from kvd.model.llama import CausalLM
+from kvd.parallel.group import fingerprint, weight_bytes
 
 if TYPE_CHECKING:
-    from kvd.distributed.launch import TensorParallel
+    from kvd.parallel.launch import TensorParallel
 from kvd.model.loader import load_model
 
 logger = logging.getLogger("kvd.engine")
@@ -208,14 +209,10 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
         """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt
-        when the template has none (kvd.engine.tool_calls); earlier calls and results included."""
-        conversation, template_tools = render_messages(
-            messages, tools or [], self.tool_template, self.developer_role
-        )
-        text = self.tokenizer.apply_chat_template(
-            conversation, tools=template_tools, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        when the template has none (kvd.engine.tool_calls); earlier calls and results included. Only the template
+        writes control tokens: a special token's text in the client's messages or tools is tokenized as plain
+        text, so a message cannot forge a turn boundary (kvd.engine.chat_prompt)."""
+        return encode_chat(self.tokenizer, messages, tools or [], self.tool_template, self.developer_role)
 
     def add_request(
         self,
@@ -389,9 +386,13 @@ class LLMEngine:
         begin = chunk.seq.num_computed_tokens
         if request.prompt_logprobs is not None:
             wanted = request.prompt_logprobs.positions_wanted(begin, begin + chunk.num_new_tokens)
-            if wanted:
-                rows = [start + p - begin for p in wanted]
-                request.prompt_logprobs.add(wanted.start, self.runner.logits(hidden, rows))
+            rows = [start + p - begin for p in wanted]
+            # A slice of rows at a time: a whole chunk's logits (up to max_num_batched_tokens x vocab floats,
+            # gigabytes on a large vocabulary) would sit outside the memory profile, which covers the
+            # sampler's max_num_seqs rows of logits and their log-softmax.
+            size = self.args.max_num_seqs
+            for i in range(0, len(rows), size):
+                request.prompt_logprobs.add(wanted.start + i, self.runner.logits(hidden, rows[i : i + size]))
         if request.embedding is not None:
             last = start + chunk.num_new_tokens
             first = start if request.embedding.pooling == "mean" else last - 1
@@ -536,7 +537,7 @@ def _kv_dtype(setting: str, model: CausalLM, dtype: torch.dtype) -> torch.dtype:
 def _start_tensor_parallel(args: EngineArgs) -> TensorParallel | None:
     if args.tensor_parallel_size == 1:
         return None
-    from kvd.distributed.launch import TensorParallel
+    from kvd.parallel.launch import TensorParallel
 
     return TensorParallel.start(args)
 

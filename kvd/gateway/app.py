@@ -1,5 +1,5 @@
 """The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, Ollama's /api,
-/health and /metrics."""
+/health and /metrics; /metrics needs the API key as the others do (its counters show the callers' activity)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvd.gateway import embeddings, ollama
+from kvd.gateway.auth import Access, Guard
 from kvd.gateway.callers import CallerClients
-from kvd.gateway.choices import Job, collect, merged, open_streams, unless_disconnected
+from kvd.gateway.choices import Job, collect, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields
 from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
@@ -40,8 +41,12 @@ Plan = tuple[list[Job], Reply, bool]
 
 
 def create_app(
-    endpoint: str | None = None, served_model_name: str | None = None, timeout: float = 30.0
+    endpoint: str | None = None,
+    served_model_name: str | None = None,
+    timeout: float = 30.0,
+    access: Access | None = None,
 ) -> FastAPI:
+    """The app; `access` (default: loopback Hosts, no keys) says who may use it (kvd.gateway.auth)."""
     metrics = GatewayMetrics()
 
     @asynccontextmanager
@@ -58,7 +63,8 @@ def create_app(
             client.close()
 
     app = FastAPI(title="kvd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(Guard, access=access or Access())
+    app.add_middleware(CountRequests, metrics=metrics)  # the outer one: refused requests are counted too
     install_handlers(app)
     app.include_router(embeddings.router)
     app.include_router(ollama.router)
@@ -188,7 +194,7 @@ async def _reply(
     if refused:
         raise invalid_fields(refused)
     jobs, reply, drop_generated = await plan(gateway, name)
-    streams = open_streams(gateway.client_for(request, body.user or body.safety_identifier), op, jobs)
+    streams = gateway.streams(request, op, jobs, body.user or body.safety_identifier)
     if body.stream:
         # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
         chunks = merged(streams, gateway.metrics)

@@ -8,17 +8,20 @@ from collections.abc import Callable
 
 from starlette.requests import Request
 
+from kvd.gateway.auth import caller_of
 from kvd_client import AsyncClient
 
 KEEP = 256  # caller connections at most; past them, callers share one
 IDLE_S = 60.0  # an idle connection (nothing in flight) unused this long makes room for a new caller
 
 
-def caller_of(request: Request, user: str | None = None) -> str:
-    """Who sent the request: its `user` field (OpenAI's end-user id) where given, else the peer's address."""
-    if user:
-        return f"user {user}"
-    return f"address {request.client.host if request.client else '?'}"
+def connection_of(request: Request, user: str | None = None) -> str:
+    """Whose connection runs the request: its caller's (a key's name, else the peer's address: kvd.gateway.auth),
+    and within that caller its `user` field (OpenAI's end-user id) where given. `user` only shares the daemon
+    fairly among an application's end users; it never chooses a prefix-cache namespace (anyone may claim any
+    `user`), and it cannot reach another caller's connection."""
+    caller = caller_of(request)
+    return f"{caller}, user {user}" if user else caller
 
 
 class CallerClients:

@@ -44,7 +44,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     try:
-        out = await gateway.client_for(request, body.user).embed(body.inputs(), body.dimensions)
+        out = await gateway.embed(request, body.inputs(), body.dimensions, body.user)
     except KvdError as e:
         raise from_kvd_error(e) from None
     data = [

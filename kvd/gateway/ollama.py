@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvd.gateway.choices import Choice, Job, merged, open_streams, unless_disconnected
+from kvd.gateway.choices import Choice, Job, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.ollama_schemas import (
@@ -115,7 +115,7 @@ async def embed(body: EmbedRequest, request: Request) -> dict:
         raise invalid_fields([("input", "at least one input")])
     started = time.monotonic_ns()
     try:
-        out = await gateway.client_for(request).embed(body.input, body.dimensions)
+        out = await gateway.embed(request, body.input, body.dimensions)
     except KvdError as e:
         raise from_kvd_error(e) from None
     return {
@@ -132,7 +132,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     gateway = gateway_of(request)
     await _check_model(gateway, body.model)
     try:
-        out = await gateway.client_for(request).embed([body.prompt])
+        out = await gateway.embed(request, [body.prompt])
     except KvdError as e:
         raise from_kvd_error(e, {"input": "prompt"}) from None
     return {"embedding": out.embeddings[0]}
@@ -271,7 +271,7 @@ async def _reply(
 ) -> dict | StreamingResponse:
     """The whole reply's body, or the stream of its lines."""
     shape = ReplyShape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
-    streams = open_streams(gateway.client_for(request), op, [job])
+    streams = gateway.streams(request, op, [job])
     if body.stream:
         chunks = merged(streams, gateway.metrics)
         first = await anext(chunks)  # errors before the first token are HTTP errors

@@ -133,7 +133,9 @@ class _Request(Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    cache_salt: str | None = None
+    # Checked here as the daemon checks its own: the daemon sees the caller's salt derived from it
+    # (kvd.gateway.salts), not this one.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     regex: str | None = None
     grammar: str | None = None
     response_format: ResponseFormat | None = None

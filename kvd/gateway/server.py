@@ -1,15 +1,22 @@
-"""`kvd gateway`: check the HTTP address, then serve the app with uvicorn until SIGINT or SIGTERM."""
+"""`kvd gateway`: check the HTTP address, bind the listeners, then serve the app with uvicorn until SIGINT or
+SIGTERM."""
 
 from __future__ import annotations
 
 import ctypes
 import ipaddress
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvd.gateway.keys import ApiKeys
 
 DEFAULT_HTTP = "127.0.0.1:8000"
 
@@ -20,13 +27,16 @@ class GatewayConfigError(ValueError):
 
 @dataclass
 class GatewayConfig:
-    host: str
+    host: str | None  # None: no TCP listener (`--uds` alone)
     port: int
     endpoint: str | None = None  # the daemon's; None: $KVD_ENDPOINT or the per-user default
     allow_remote: bool = False
     served_model_name: str | None = None  # None: the daemon's model name
     timeout: float = 30.0
     log_level: str = "info"
+    uds: str | None = None  # a unix socket to serve on, beside the TCP address or alone
+    api_keys: ApiKeys | None = None  # from --api-key-file and $KVD_API_KEY; None: no authentication
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides loopback ones (--allowed-host); "*": any
 
 
 def parse_http_address(text: str, allow_remote: bool, flag: str = "--http") -> tuple[str, int]:
@@ -37,8 +47,9 @@ def parse_http_address(text: str, allow_remote: bool, flag: str = "--http") -> t
     host = host.removeprefix("[").removesuffix("]")
     if not allow_remote and not _is_loopback(host):
         raise GatewayConfigError(
-            f"{flag} {text!r} is reachable from other hosts and the gateway has no authentication; "
-            f"use a loopback address such as {DEFAULT_HTTP}, or pass --allow-remote if the network is trusted"
+            f"{flag} {text!r} is reachable from other hosts, and the gateway has no authentication unless it has "
+            f"API keys (--api-key-file or $KVD_API_KEY); use a loopback address such as {DEFAULT_HTTP}, or pass "
+            "--allow-remote (with keys, or on a trusted network)"
         )
     return host, int(port_text)
 
@@ -53,14 +64,67 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_gateway(config: GatewayConfig) -> None:
+    """Serve until SIGINT or SIGTERM; a listener that cannot be bound is a GatewayConfigError."""
     import uvicorn
 
     exit_with_parent()
 
     from kvd.gateway.app import create_app
+    from kvd.gateway.auth import Access
+    from kvd.gateway.listeners import bind_tcp, bind_unix
 
-    app = create_app(config.endpoint, config.served_model_name, config.timeout)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, access_log=False)
+    access = Access.of(config.api_keys, config.allowed_hosts, config.host)
+    tcp = bind_tcp(config.host, config.port) if config.host is not None else []
+    try:
+        unix = bind_unix(Path(config.uds)) if config.uds is not None else None
+    except GatewayConfigError:
+        for sock in tcp:
+            sock.close()
+        raise
+    app = create_app(config.endpoint, config.served_model_name, config.timeout, access)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            try:
+                await super().shutdown(sockets)
+            finally:
+                # Here, not after run(): after a graceful stop uvicorn raises the signal that stopped it again.
+                if unix is not None:
+                    unix.remove()
+
+    # proxy_headers off: uvicorn would otherwise take X-Forwarded-For from any local peer as the client's
+    # address, which (without keys) is the caller's identity.
+    server = Server(uvicorn.Config(app, log_level=config.log_level, access_log=False, proxy_headers=False))
+    log = logging.getLogger("uvicorn.error")  # uvicorn.Config set up its logging
+    for warning in _warnings(config):
+        log.warning("%s", warning)
+    places = [f"http://{_url_host(config.host)}:{config.port}"] if config.host is not None else []
+    log.info(
+        "kvd gateway serving on %s", " and ".join([*places, *([f"unix socket {config.uds}"] if unix else [])])
+    )
+    try:
+        server.run(sockets=[*tcp, *([unix.sock] if unix else [])])
+    finally:  # a failed start too
+        if unix is not None:
+            unix.remove()
+
+
+def _warnings(config: GatewayConfig) -> list[str]:
+    warnings = []
+    if config.host is not None and not _is_loopback(config.host) and config.api_keys is None:
+        warnings.append(
+            f"{config.host}:{config.port} is reachable from other hosts and the gateway has no authentication: "
+            "anyone who can reach it may use the model; give it keys (--api-key-file or $KVD_API_KEY)"
+        )
+    if "*" in config.allowed_hosts:
+        warnings.append(
+            "--allowed-host '*': any Host is served, so a web page may reach the gateway through DNS rebinding"
+        )
+    return warnings
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def check_port_free(host: str, port: int, flag: str = "--http") -> None:

@@ -1,16 +1,21 @@
-"""What the routes share: the connections to the daemon, the metrics, the daemon's `info`."""
+"""What the routes share: the connections to the daemon, the callers' cache salts, the metrics, the daemon's
+`info`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from kvd.gateway.callers import CallerClients, caller_of
+from kvd.gateway.auth import caller_of
+from kvd.gateway.callers import CallerClients, connection_of
+from kvd.gateway.choices import Job, open_streams
 from kvd.gateway.errors import ApiError
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
-from kvd_client import AsyncClient
+from kvd.gateway.salts import CacheSalts
+from kvd_client import AsyncClient, AsyncStream, Embeddings
 
 
 @dataclass
@@ -22,10 +27,26 @@ class Gateway:
     served_model_name: str | None
     info: dict | None = None
     started: int = 0
+    salts: CacheSalts = field(default_factory=CacheSalts)
 
-    def client_for(self, request: Request, user: str | None = None) -> AsyncClient:
-        """The connection that runs `request`'s generations: its caller's (see kvd.gateway.callers)."""
-        return self.callers.get(caller_of(request, user))
+    # Every generation and embedding goes to the daemon through these two, which salt it with its caller's
+    # namespace (kvd.gateway.salts) and run it on its caller's connection (kvd.gateway.callers).
+
+    def streams(
+        self, request: Request, op: str, jobs: Sequence[Job], user: str | None = None
+    ) -> list[AsyncStream]:
+        caller = caller_of(request)
+        salted = [(p, {**f, "cache_salt": self.salts.salt(caller, f.get("cache_salt"))}) for p, f in jobs]
+        return open_streams(self._client_for(request, user), op, salted)
+
+    async def embed(
+        self, request: Request, input: str | list, dimensions: int | None = None, user: str | None = None
+    ) -> Embeddings:
+        salt = self.salts.salt(caller_of(request))
+        return await self._client_for(request, user).embed(input, dimensions, cache_salt=salt)
+
+    def _client_for(self, request: Request, user: str | None) -> AsyncClient:
+        return self.callers.get(connection_of(request, user))
 
     async def model_info(self) -> dict:
         if self.info is None:  # asked lazily: the gateway may start before the daemon

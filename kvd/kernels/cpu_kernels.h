@@ -1,5 +1,6 @@
-// The C ABI of kvd's native CPU kernels, declared once: cpu_kernels.c includes this header, and
-// kvd/kernels/native_build.py hands the declarations between the markers below to cffi, which calls them.
+// The C ABI of kvd's native CPU kernels, declared once: every kernel file includes this header (through
+// cpu_internal.h), and kvd/kernels/native_build.py hands the declarations between the markers below to cffi, which
+// calls them (and reads the constants: kvd.kernels.cpu_native lays out weights by them).
 // Keep the part between the markers plain declarations: no preprocessor lines, no inline code.
 #ifndef KVD_CPU_KERNELS_H
 #define KVD_CPU_KERNELS_H
@@ -15,6 +16,9 @@ enum kvd_status { KVD_OK = 0, KVD_OUT_OF_MEMORY = -1, KVD_BAD_INDEX = -2, KVD_UN
 
 // An 8-bit KV pool row (kvd_paged_attention's kv8): a head's D codes, then this many bytes of its float32 scale.
 enum kvd_kv8 { KVD_KV8_SCALE_BYTES = 4 };
+
+// A quantized weight's blocks (kvd_weight): KVD_QBLOCK codes along k a block, in groups of KVD_GROUP_ROWS rows.
+enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
 // i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn) or 8-bit (bits 8: 32 int8 codes a block, an

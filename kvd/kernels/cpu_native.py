@@ -1,4 +1,4 @@
-"""kvd's native CPU kernels called on torch tensors: every call into cpu_kernels.c goes through this module.
+"""kvd's native CPU kernels called on torch tensors: every call into them goes through this module.
 
 The library is built and loaded by native_build (cffi, from the declarations in cpu_kernels.h). The wrappers
 check what the C code cannot (dtypes, shapes, packed rows); the kernels check every index into the KV pool and
@@ -17,8 +17,11 @@ import torch.nn.functional as F
 
 from kvd.kernels.native_build import ffi, library
 
-QBLOCK = 32  # the quantization block along K, as in the C file
-GROUP_ROWS = 8  # weight rows per group of the quantized block layout, as in the C file (NR)
+# The quantized weights' block along K and the weight rows of a group of their layout: read from cpu_kernels.h,
+# which the C files read too (enum kvd_block), so both lay blocks out alike.
+_BLOCK = ffi.typeof("enum kvd_block").relements
+QBLOCK = _BLOCK["KVD_QBLOCK"]
+GROUP_ROWS = _BLOCK["KVD_GROUP_ROWS"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
 

@@ -1,10 +1,12 @@
-"""Builds kvd's native CPU kernels (cpu_kernels.c) on this host, caches the library safely, and loads it.
+"""Builds kvd's native CPU kernels (the C files beside this module) on this host, caches the library safely,
+and loads it.
 
-The C file is compiled once per source, compiler, flags and CPU (-march=native, so AVX2/AVX-512 are used where
-the CPU has them) into a cache folder, then opened with cffi, whose declarations are read from cpu_kernels.h:
-the ABI is written once. A shared object runs code in this process, so one is loaded only from a folder and a
-file that no other user can change (owned by this user, not writable by group or others, not a symlink);
-otherwise the cache is refused, with a warning, and the kernels are built into a fresh private folder.
+The C files are compiled together into one library, once per source, compiler, flags and CPU (-march=native, so
+AVX2/AVX-512 are used where the CPU has them), into a cache folder, then opened with cffi, whose declarations are
+read from cpu_kernels.h: the ABI is written once. A shared object runs code in this process, so one is loaded
+only from a folder and a file that no other user can change (owned by this user, not writable by group or
+others, not a symlink); otherwise the cache is refused, with a warning, and the kernels are built into a fresh
+private folder.
 """
 
 from __future__ import annotations
@@ -22,10 +24,17 @@ from pathlib import Path
 
 from cffi import FFI
 
+from kvd.private_cache import private, private_dir, refuse
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-HEADER = Path(__file__).with_name("cpu_kernels.h")
+KERNELS = Path(__file__).parent
+# Every C file here is a part of the one library (a file per concern: the linears, attention, the layer loop);
+# the headers are its ABI (cpu_kernels.h) and what its files share (cpu_internal.h). Found in the folder, not
+# listed, so that a file added is built and a header added is in the cache key.
+SOURCES = sorted(KERNELS.glob("*.c"))
+HEADERS = sorted(KERNELS.glob("*.h"))
+HEADER = KERNELS / "cpu_kernels.h"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -37,59 +46,6 @@ def declarations() -> str:
 
 ffi = FFI()
 ffi.cdef(declarations())
-
-
-def private(path: Path) -> bool:
-    """Whether only this user (or root) can change `path`: not a symlink, owned by us, no group/other write bit."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
-        return False
-    return not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _refuse(path: Path, what: str) -> None:
-    try:
-        st = os.lstat(path)
-        why = f"owner uid {st.st_uid}, mode {stat.filemode(st.st_mode)}"
-    except OSError as e:
-        why = e.strerror
-    log.warning(
-        "refusing %s %s for kvd's native kernels (%s): it must be owned by uid %d and writable by no one else",
-        what,
-        path,
-        why,
-        os.getuid(),
-    )
-
-
-def _candidates() -> list[Path]:
-    """Cache folders in order: $KVD_CACHE_DIR, systemd's $CACHE_DIRECTORY, $XDG_CACHE_HOME/kvd, ~/.cache/kvd."""
-    roots = [
-        os.environ.get("KVD_CACHE_DIR"),
-        os.environ.get("CACHE_DIRECTORY", "").split(":")[0] or None,
-        os.environ.get("XDG_CACHE_HOME") and str(Path(os.environ["XDG_CACHE_HOME"]) / "kvd"),
-        str(Path.home() / ".cache" / "kvd"),
-    ]
-    return [Path(root) / "native" for root in roots if root]
-
-
-def cache_dir() -> Path:
-    """The first private, writable cache folder, else `<tmp>/kvd-native-<uid>` if private, else a fresh one."""
-    for path in [*_candidates(), Path(tempfile.gettempdir()) / f"kvd-native-{os.getuid()}"]:
-        try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if not private(path):
-            _refuse(path, "the cache folder")
-        elif os.access(path, os.W_OK):
-            return path
-    fresh = Path(tempfile.mkdtemp(prefix="kvd-native-"))
-    log.warning("building kvd's native kernels into %s for this process only", fresh)
-    return fresh
 
 
 def extra_flags() -> list[str]:
@@ -105,32 +61,41 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def compile_source(compiler: str, source: Path, target: Path, extra: list[str]) -> None:
-    """Builds `source` into the shared library `target` with kvd's flags and then `extra`; OSError on failure."""
+def compile_sources(compiler: str, sources: list[Path], target: Path, extra: list[str]) -> None:
+    """Builds the C files `sources` (in one compiler call) into the shared library `target` with kvd's flags and
+    then `extra`; OSError on failure."""
     result = subprocess.run(
-        [compiler, *FLAGS, *extra, str(source), "-o", str(target), "-lm"], capture_output=True, text=True
+        [compiler, *FLAGS, *extra, *map(str, sources), "-o", str(target), "-lm"],
+        capture_output=True,
+        text=True,
     )
     if result.returncode != 0:
         raise OSError(result.stderr.strip()[-2000:])
 
 
+def source_text(files: list[Path]) -> str:
+    """The files' names and texts, for the cache key: any change to a source or a header (an edit, a file added,
+    removed or renamed) makes a new key, so a library built from other text is never loaded."""
+    return "\0".join(f"{path.name}\0{path.read_text()}" for path in files)
+
+
 def _compile(compiler: str) -> Path:
     flags = [*FLAGS, *extra_flags()]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    sources = SOURCE.read_text() + HEADER.read_text()
+    sources = source_text([*SOURCES, *HEADERS])
     key = hashlib.sha256("\0".join([sources, version, _cpu_flags(), *flags]).encode()).hexdigest()[:16]
-    folder = cache_dir()
+    folder = private_dir("native")
     target = folder / f"kvd_cpu_{key}.so"
     if target.exists():
         if private(target) and stat.S_ISREG(os.lstat(target).st_mode):
             return target
-        _refuse(target, "the cached library")
+        refuse(target, "the cached library")
     log.info("building kvd's native CPU kernels for this host (once): %s", target)
     # Build beside the target and rename: another process may be building the same file at the same time.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        compile_source(compiler, SOURCE, Path(tmp), extra_flags())
+        compile_sources(compiler, SOURCES, Path(tmp), extra_flags())
         os.chmod(tmp, 0o700)
         os.replace(tmp, target)
     finally:

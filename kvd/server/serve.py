@@ -73,7 +73,7 @@ EXIT_GATEWAY_FAILED = 4  # the `--http` gateway child exited on its own: likewis
 def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
     if engine_args.rank > 0:
         # Another host's rank: no socket, no engine; it runs rank 0's steps until rank 0 stops it.
-        from kvd.distributed.worker import run_worker
+        from kvd.worker.run import run_worker
 
         raise SystemExit(run_worker(engine_args))
     endpoint = resolve_endpoint(config.listen)

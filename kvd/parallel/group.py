@@ -1,8 +1,10 @@
-"""How the ranks meet: torch.distributed's TCPStore for the startup exchange, then the process group.
+"""How the ranks meet: kvd's rendezvous store (kvd.parallel.store) for the startup exchange, then the
+process group.
 
-Before any collective, every rank announces its world size on the store and, once loaded, the model it holds,
-so a wrong --world-size, a duplicate --rank or another model is one clear line on each side rather than a
-collective that times out. Rank 0 hosts the store at --distributed-init.
+Every connection to the store first proves the group's secret both ways (kvd.parallel.handshake). Then, before
+any collective, every rank announces its world size on the store and, once loaded, the model it holds, so a
+wrong --world-size, a duplicate --rank or another model is one clear line on each side rather than a
+collective that times out. Rank 0 hosts the store at --distributed-init, bound to that address alone.
 """
 
 from __future__ import annotations
@@ -11,19 +13,21 @@ import hashlib
 import itertools
 import json
 import logging
-import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-from kvd.distributed.cpu_binding import bind_process, format_cpulist
 from kvd.distributed.shard import Shard
+from kvd.parallel.address import parse_init, pin_interfaces
+from kvd.parallel.cpu_binding import bind_process, format_cpulist
+from kvd.parallel.errors import DistributedStartupError
+from kvd.parallel.handshake import HandshakeError
+from kvd.parallel.store import RemoteStore, RendezvousStore, StoreServer
 
-logger = logging.getLogger("kvd.distributed")
+logger = logging.getLogger("kvd.parallel")
 
 STARTUP_TIMEOUT_S = (
     600.0  # how long a rank waits for the others to start and load (a large model loads slowly)
@@ -32,46 +36,36 @@ _POLL_S = 0.05
 _PG_PREFIX = "kvd-tp"
 
 
-class DistributedStartupError(ValueError):
-    """The ranks cannot form a group: a port taken, rank 0 unreachable, a mismatch between ranks; one line."""
-
-
-def parse_init(init: str) -> tuple[str, int]:
-    """tcp://HOST:PORT -> (HOST, PORT)."""
-    url = urlsplit(init)
-    if url.scheme != "tcp" or not url.hostname or url.port is None or url.path not in ("", "/"):
-        raise DistributedStartupError(f"--distributed-init {init!r} is not tcp://HOST:PORT")
-    return url.hostname, url.port
-
-
-def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def open_store(init: str, rank: int) -> dist.TCPStore:
-    """Rank 0 listens at init; the other ranks connect to it, retrying until STARTUP_TIMEOUT_S."""
-    host, port = parse_init(init)
-    timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
+def host_store(init: str, secret: bytes) -> StoreServer:
+    """Rank 0: serve the rendezvous store on init's address, and only there."""
+    rendezvous = parse_init(init)
     try:
-        return dist.TCPStore(host, port, None, rank == 0, timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as e:
-        if rank == 0:
-            raise DistributedStartupError(
-                f"rank 0 cannot listen on {init} ({_first_line(e)}): the port is taken or the host is not "
-                "this machine's; pass another --distributed-init"
-            ) from None
+        return StoreServer.start(rendezvous.address(), rendezvous.port, secret)
+    except OSError as e:
         raise DistributedStartupError(
-            f"rank {rank} cannot reach rank 0 at {init}: {_first_line(e)}"
+            f"rank 0 cannot listen on {init} ({e.strerror or e}): the port is taken or the host is not this "
+            "machine's; pass another --distributed-init"
         ) from None
 
 
-def put(store: dist.TCPStore, key: str, value: dict) -> None:
+def join_store(init: str, secret: bytes, rank: int) -> RemoteStore:
+    """Ranks 1..N-1: connect to rank 0's store (retrying until STARTUP_TIMEOUT_S) and prove the secret."""
+    rendezvous = parse_init(init)
+    try:
+        return RemoteStore.connect(rendezvous.address(), rendezvous.port, secret, STARTUP_TIMEOUT_S)
+    except HandshakeError as e:
+        raise DistributedStartupError(f"rank {rank}: the rendezvous at {init} failed: {e}") from None
+    except OSError as e:
+        raise DistributedStartupError(
+            f"rank {rank} cannot reach rank 0 at {init}: {e.strerror or e}"
+        ) from None
+
+
+def put(store: RendezvousStore, key: str, value: dict) -> None:
     store.set(key, json.dumps(value))
 
 
-def get(store: dist.TCPStore, key: str, alive: Callable[[], None] = lambda: None) -> dict:
+def get(store: RendezvousStore, key: str, alive: Callable[[], None] = lambda: None) -> dict:
     """Wait for key (calling `alive` between looks, which raises if a rank it watches died)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while not store.check([key]):
@@ -82,7 +76,7 @@ def get(store: dist.TCPStore, key: str, alive: Callable[[], None] = lambda: None
     return json.loads(store.get(key))
 
 
-def claim_rank(store: dist.TCPStore, rank: int) -> None:
+def claim_rank(store: RendezvousStore, rank: int) -> None:
     if store.add(f"claim/{rank}", 1) > 1:
         raise DistributedStartupError(f"rank {rank} has joined already: give each process its own --rank")
 
@@ -106,8 +100,12 @@ def rank_device(device: str, local_index: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + local_index)
 
 
-def init_group(store: dist.TCPStore, shard: Shard, device: torch.device, timeout_s: float) -> None:
-    """The process group every collective runs in: gloo on CPU, NCCL on CUDA; `timeout_s` bounds each one."""
+def init_group(store: RendezvousStore, shard: Shard, device: torch.device, timeout_s: float) -> None:
+    """The process group every collective runs in: gloo on CPU, NCCL on CUDA; `timeout_s` bounds each one.
+
+    Its sockets are pinned to the interface this rank met the others on: left to themselves, gloo binds the
+    address the host name resolves to (a LAN address even when every rank is local) and NCCL picks one."""
+    pin_interfaces(store.local_address)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -141,7 +139,3 @@ def weight_bytes(model: torch.nn.Module) -> int:
         (t for n, t in model.named_parameters()), (t for n, t in model.named_buffers() if "rotary" not in n)
     )
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

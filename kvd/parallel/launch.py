@@ -1,4 +1,5 @@
-"""Rank 0's side of the group: start the local workers, meet every rank, hold the step channel, stop them."""
+"""Rank 0's side of the group: host the rendezvous, start the local workers, meet every rank, hold the step
+channel, stop them."""
 
 from __future__ import annotations
 
@@ -14,16 +15,21 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from kvd.distributed import group, shm
-from kvd.distributed.cpu_binding import bind_process, rank_cpus
+from kvd.distributed import shm
 from kvd.distributed.errors import TensorParallelError
-from kvd.distributed.group import DistributedStartupError
 from kvd.distributed.shard import Shard
 from kvd.distributed.step import StepChannel
+from kvd.parallel import group
+from kvd.parallel.address import free_loopback_port, parse_init
+from kvd.parallel.cpu_binding import bind_process, rank_cpus
+from kvd.parallel.errors import DistributedStartupError
+from kvd.parallel.secret import new_secret, pipe_to_child, read_secret_file
+from kvd.parallel.store import RendezvousStore, StoreServer
 
-logger = logging.getLogger("kvd.distributed")
+logger = logging.getLogger("kvd.parallel")
+
+WORKER_MODULE = "kvd.worker"  # a worker rank's program (`python -m`): a process, so no import of it here
 
 STOP_WAIT_S = 10.0  # how long a worker gets to leave after STOP before it is killed
 
@@ -39,7 +45,8 @@ class TensorParallel:
     """The group as rank 0 holds it. Started before rank 0 loads its shard, so every rank loads at once."""
 
     args: object  # the EngineArgs every rank runs with
-    store: dist.TCPStore
+    store: RendezvousStore
+    server: StoreServer  # the rendezvous; it stops listening once every rank has joined
     cpus: str | None
     affinity: set[int]  # this process's cores before rank 0 was bound: given back by close()
     workers: dict[int, subprocess.Popen] = field(default_factory=dict)  # rank -> process, when started here
@@ -53,22 +60,27 @@ class TensorParallel:
     @classmethod
     def start(cls, args: object) -> TensorParallel:
         """Without --distributed-init, rank 0 picks a loopback port and starts ranks 1..N-1 here; with it, the
-        other ranks are started by hand (other hosts), and join at that address."""
+        other ranks are started by hand (other hosts), and join at that address.
+
+        The ranks prove a shared secret to each other before anything else: one made here for the workers
+        started here, or --distributed-secret-file's on every rank started by hand."""
         world = args.tensor_parallel_size
         spawn = args.distributed_init is None
-        init = args.distributed_init or f"tcp://127.0.0.1:{group.free_loopback_port()}"
+        secret = new_secret() if spawn else read_secret_file(args.distributed_secret_file)
+        init = args.distributed_init or f"tcp://127.0.0.1:{free_loopback_port()}"
         # Every local rank's cores are chosen here, before rank 0 binds itself (its workers inherit that).
         affinity = os.sched_getaffinity(0)
         placement = [
             rank_cpus(args.cpu_binding, i, world if spawn else 1) for i in range(world if spawn else 1)
         ]
         cpus = group.place_rank(placement[0], args.num_threads)
-        store = group.open_store(init, 0)
-        tp = cls(dataclasses.replace(args, distributed_init=init), store, cpus, affinity)
+        server = group.host_store(init, secret)
+        store = server.local_store(group.STARTUP_TIMEOUT_S)
+        tp = cls(dataclasses.replace(args, distributed_init=init), store, server, cpus, affinity)
         try:
             if spawn:
                 for rank in range(1, world):
-                    tp.workers[rank] = _spawn(tp.args, rank, placement[rank])
+                    tp.workers[rank] = _spawn(tp.args, rank, placement[rank], secret)
             tp._meet()
         except BaseException:
             tp.close()
@@ -97,7 +109,7 @@ class TensorParallel:
         (kvd.distributed.shm; `slot_bytes` per rank and buffer); it is unlinked once every rank has mapped it."""
         world = self.shard.world_size
         device = group.rank_device(self.args.device, 0)
-        path = f"/dev/shm/kvd-tp-{os.getpid()}-{group.parse_init(self.args.distributed_init)[1]}"
+        path = f"/dev/shm/kvd-tp-{os.getpid()}-{parse_init(self.args.distributed_init).port}"
         local = len(self.workers) == world - 1 and shm.supported(device)
         plan["shm"] = (
             {"path": path, "slot_bytes": slot_bytes}
@@ -120,6 +132,7 @@ class TensorParallel:
             if plan["shm"]:
                 os.unlink(path)
         group.init_group(self.store, self.shard, device, self.args.distributed_timeout)
+        self.server.stop_listening()  # every rank is in: nobody else has any business there
         shm.activate(shared)
         self.channel = StepChannel(device, self.args.distributed_timeout)
 
@@ -144,6 +157,8 @@ class TensorParallel:
             self.channel.check()
 
     def info(self, threads: int, weight_bytes: int) -> dict:
+        """The group for `info`. "init" is the one field that says where the ranks meet (host and port): the
+        owner's business, which a view for other users drops."""
         rank0 = {"rank": 0, "cpus": self.cpus, "threads": threads, "weight_bytes": weight_bytes}
         return {
             "size": self.shard.world_size,
@@ -172,16 +187,25 @@ class TensorParallel:
         self.workers.clear()
         if not failed:
             group.close_group()
+        self.server.close()
         if self.cpus is not None:  # an embedding application keeps its cores after the engine is gone
             bind_process(sorted(self.affinity))
 
 
-def _spawn(args: object, rank: int, cpus: list[int] | None) -> subprocess.Popen:
+def _spawn(args: object, rank: int, cpus: list[int] | None, secret: bytes) -> subprocess.Popen:
+    # The secret goes through an inherited pipe: the command line is visible to every user (`ps`).
+    secret_fd = pipe_to_child(secret)
     spec = {
         "args": dataclasses.asdict(dataclasses.replace(args, rank=rank)),
         "local_index": rank,
         "cpus": cpus,
+        "secret_fd": secret_fd,
     }
-    cmd = [sys.executable, "-m", "kvd.distributed.worker", json.dumps(spec)]
-    # stdout and stderr are the daemon's: the workers' lines land in its log, marked with their rank.
-    return subprocess.Popen(cmd, preexec_fn=_die_with_parent, env=os.environ.copy())
+    cmd = [sys.executable, "-m", WORKER_MODULE, json.dumps(spec)]
+    try:
+        # stdout and stderr are the daemon's: the workers' lines land in its log, marked with their rank.
+        return subprocess.Popen(
+            cmd, preexec_fn=_die_with_parent, env=os.environ.copy(), pass_fds=(secret_fd,)
+        )
+    finally:
+        os.close(secret_fd)

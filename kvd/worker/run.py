@@ -1,37 +1,39 @@
-"""A worker rank: load this rank's shard, then run rank 0's commands until STOP or until rank 0 is gone.
-
-Started by the daemon (`python -m kvd.distributed.worker SPEC`) or, on another host, by
-`kvd serve --rank R --world-size N --distributed-init tcp://HOST:PORT` (same model and settings as rank 0).
-"""
+"""A worker rank: prove the group's secret, load this rank's shard, then run rank 0's commands until STOP or
+until rank 0 is gone."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import socket
-import sys
 
 import torch
 
-from kvd.distributed import group, shm
-from kvd.distributed.cpu_binding import rank_cpus
+from kvd.distributed import shm
 from kvd.distributed.errors import TensorParallelError
-from kvd.distributed.group import DistributedStartupError
 from kvd.distributed.shard import Shard
 from kvd.distributed.step import Command, StepInputs, receive
 from kvd.engine.engine_args import EngineArgs
+from kvd.parallel import group
+from kvd.parallel.cpu_binding import rank_cpus
+from kvd.parallel.errors import DistributedStartupError
+from kvd.parallel.secret import read_secret_file
 
-logger = logging.getLogger("kvd.distributed")
+logger = logging.getLogger("kvd.worker")
 
 
-def run_worker(args: EngineArgs, local_index: int = 0, cpus: list[int] | None = None) -> int:
-    """Serve as rank args.rank; 0 after STOP, 1 when the group failed, 2 when it could not form."""
+def run_worker(
+    args: EngineArgs, local_index: int = 0, cpus: list[int] | None = None, secret: bytes | None = None
+) -> int:
+    """Serve as rank args.rank; 0 after STOP, 1 when the group failed, 2 when it could not form.
+
+    `secret`: the one rank 0 handed a worker it started; None: --distributed-secret-file's (started by hand)."""
     try:
+        if secret is None:
+            secret = read_secret_file(args.distributed_secret_file)
         if cpus is None:  # started by hand: the only rank of this command, on its host
             cpus = rank_cpus(args.cpu_binding, 0, 1)
-        runner, device = _join(args, local_index, cpus)
+        runner, device = _join(args, local_index, cpus, secret)
     except DistributedStartupError as e:
         logger.error("rank %d: %s", args.rank, e)
         return 2
@@ -45,14 +47,14 @@ def run_worker(args: EngineArgs, local_index: int = 0, cpus: list[int] | None = 
     return 0
 
 
-def _join(args: EngineArgs, local_index: int, cpus: list[int] | None):
+def _join(args: EngineArgs, local_index: int, cpus: list[int] | None, secret: bytes):
     from kvd.engine.model_runner import ModelRunner
     from kvd.model.loader import load_model
 
     shard = Shard(args.rank, args.tensor_parallel_size)
     placed = group.place_rank(cpus, args.num_threads)
     device = group.rank_device(args.device, local_index)
-    store = group.open_store(args.distributed_init, shard.rank)
+    store = group.join_store(args.distributed_init, secret, shard.rank)
     group.claim_rank(store, shard.rank)
     group.put(store, f"hello/{shard.rank}", {"world_size": shard.world_size})
     hello = group.get(store, "hello/0")
@@ -131,22 +133,3 @@ def _loop(runner, device: torch.device) -> None:
             runner.logits(hidden, ints)
         elif command is Command.STOP:
             return
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(argv[1])
-    # The daemon stops its workers itself (STOP, after its drain): a SIGTERM or Ctrl-C that reaches the whole
-    # process group (systemd's control-group kill, a terminal) must not end them mid-drain.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    args = EngineArgs(**spec["args"])
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s rank {args.rank} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    return run_worker(args, spec["local_index"], spec["cpus"])
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

@@ -1,0 +1,287 @@
+// The rest of a decoder layer and the layer loop: RMSNorm (with the residual add fused), SiLU-and-multiply and
+// the rotary embedding, then a decode step through every layer (kvd_decode_layers: the same kernels in the same
+// order as the model's Python layer loop); and the argmax over the logits (greedy sampling).
+#include "cpu_internal.h"
+
+#if KVD_AVX2
+// v rounded to bf16 where the dtype is (kept in float32 lanes), and eight values stored in the dtype.
+static inline __m256 round8(__m256 v, int bf16) { return bf16 ? _mm256_castsi256_ps(bf16_bits8(v)) : v; }
+
+static inline void store8(char* p, __m256 v, int bf16) {
+    if (bf16)
+        store_bf16x8(p, v);
+    else
+        _mm256_storeu_ps((float*)p, v);
+}
+#endif
+
+// ---- residual add + RMSNorm, SiLU-and-multiply ----------------------------------------------------------------
+
+// x . x over D values: value i in lane i % 8 up to the last whole eight, a fixed tree over the lanes, then the
+// rest in order; plain C takes the same steps, so every build gives the same bits.
+static float sum_squares(const void* x, int64_t D, int bf16) {
+    float lanes[8] = {0.f};
+    int64_t i = 0;
+#if KVD_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= D; i += 8) {
+        const __m256 v = load8((const char*)x + i * (bf16 ? 2 : 4), bf16);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    _mm256_storeu_ps(lanes, acc);
+#endif
+    for (; i + 8 <= D; i += 8)
+        for (int j = 0; j < 8; j++) {
+            const float v = load_f(x, i + j, bf16);
+            lanes[j] += v * v;
+        }
+    float ss = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    for (; i < D; i++) {
+        const float v = load_f(x, i, bf16);
+        ss += v * v;
+    }
+    return ss;
+}
+
+// out[0..D) = x / rms(x) * weight (out may be x). float32: one product chain per value; bf16: normalized in
+// float32 and rounded, then scaled and rounded, as transformers computes it.
+static void norm_row(const void* x, void* out, int64_t D, const void* weight, float eps, int bf16) {
+    const float inv = 1.f / sqrtf(sum_squares(x, D, bf16) / (float)D + eps);
+    int64_t i = 0;
+#if KVD_AVX2
+    const int elem = bf16 ? 2 : 4;
+    for (; i + 8 <= D; i += 8) {
+        const __m256 v = round8(_mm256_mul_ps(load8((const char*)x + i * elem, bf16), _mm256_set1_ps(inv)), bf16);
+        store8((char*)out + i * elem, _mm256_mul_ps(v, load8((const char*)weight + i * elem, bf16)), bf16);
+    }
+#endif
+    for (; i < D; i++) {
+        const float v = load_f(x, i, bf16) * inv;
+        store_f(out, i, (bf16 ? bf16_to_f32(f32_to_bf16(v)) : v) * load_f(weight, i, bf16), bf16);
+    }
+}
+
+// RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
+// may be x): single heads (Qwen3's q/k norms) or, with one head, whole rows.
+void kvd_rms_norm(const void* x, int64_t stride, void* out, int64_t out_stride, int64_t tokens, int64_t heads,
+                  int64_t D, const void* weight, float eps, int bf16) {
+    const int elem = bf16 ? 2 : 4;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            norm_row((const char*)x + (t * stride + h * D) * elem, (char*)out + (t * out_stride + h * D) * elem, D,
+                     weight, eps, bf16);
+}
+
+void kvd_add_rms_norm(const void* x, void* residual, const void* weight, void* out, int64_t M, int64_t H,
+                      float eps, int bf16, int nthreads) {
+    const int elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 65536)
+    for (int64_t r = 0; r < M; r++) {
+        char* res = (char*)residual + r * H * elem;
+        const char* xr = (const char*)x + r * H * elem;
+        for (int64_t i = 0; i < H; i++) store_f(res, i, load_f(res, i, bf16) + load_f(xr, i, bf16), bf16);
+        norm_row(res, (char*)out + r * H * elem, H, weight, eps, bf16);
+    }
+}
+
+// silu(g) = g / (1 + e^-g), with e = e^-|g| <= 1 so the exponential never overflows: g / (1 + e) for g >= 0,
+// g e / (1 + e) below.
+static inline float silu(float g) {
+    const float e = expf(-fabsf(g));
+    return (g >= 0.f ? g : g * e) / (1.f + e);
+}
+
+#if KVD_AVX2
+static inline __m256 silu8(__m256 g) {
+    const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
+    const __m256 negative = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), negative);
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+}
+#endif
+
+#if KVD_AVX512
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp_nonpositive16(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
+    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+    return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.f)));
+}
+#endif
+
+void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                  int nthreads) {
+    const int elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const char* g = (const char*)gate + t * stride * elem;
+        const char* u = (const char*)up + t * stride * elem;
+        char* o = (char*)out + t * I * elem;
+        int64_t i = 0;
+#if KVD_AVX512
+        for (; i + 16 <= I; i += 16) {
+            __m512 s = silu16(load16(g + i * elem, bf16));
+            if (bf16) s = _mm512_castsi512_ps(bf16_bits16(s));
+            const __m512 v = _mm512_mul_ps(s, load16(u + i * elem, bf16));
+            if (bf16)
+                store_bf16x16(o + i * elem, v);
+            else
+                _mm512_storeu_ps((float*)(o + i * elem), v);
+        }
+#endif
+#if KVD_AVX2
+        for (; i + 8 <= I; i += 8) {
+            const __m256 s = round8(silu8(load8(g + i * elem, bf16)), bf16);
+            store8(o + i * elem, _mm256_mul_ps(s, load8(u + i * elem, bf16)), bf16);
+        }
+#endif
+        for (; i < I; i++) {
+            const float sj = silu(load_f(g, i, bf16));
+            store_f(o, i, (bf16 ? bf16_to_f32(f32_to_bf16(sj)) : sj) * load_f(u, i, bf16), bf16);
+        }
+    }
+}
+
+// ---- rotary embedding ---------------------------------------------------------------------------------------
+
+#if KVD_AVX2
+// Eight pairs (x[i], x[i + half]) of kvd_rotary's loop at once, with its roundings; cs = the cos row at i.
+static inline void rotate8(char* x, const char* cs, int bf16, int64_t D, int64_t half) {
+    const int elem = bf16 ? 2 : 4;
+    const __m256 lo = load8(x, bf16), hi = load8(x + half * elem, bf16);
+    const __m256 p0 = round8(_mm256_mul_ps(lo, load8(cs, bf16)), bf16);
+    const __m256 p1 = round8(_mm256_mul_ps(hi, load8(cs + D * elem, bf16)), bf16);
+    const __m256 p2 = round8(_mm256_mul_ps(hi, load8(cs + half * elem, bf16)), bf16);
+    const __m256 p3 = round8(_mm256_mul_ps(lo, load8(cs + (D + half) * elem, bf16)), bf16);
+    store8(x, _mm256_add_ps(p0, p1), bf16);
+    store8(x + half * elem, _mm256_add_ps(p2, p3), bf16);
+}
+#endif
+
+// x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as torch computes them. Element
+// i and i + D / 2 read each other, so each pair is rotated together, in place.
+int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
+               int64_t num_positions, const int64_t* positions, int nthreads) {
+    if (!indices_in_range(positions, T, 0, num_positions)) return KVD_BAD_INDEX;
+    const int64_t half = D / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t row = positions[t] * 2 * D;
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t base = t * stride + h * D;
+            int64_t i = 0;
+#if KVD_AVX2
+            const int elem = bf16 ? 2 : 4;
+            for (; i + 8 <= half; i += 8)
+                rotate8((char*)x + (base + i) * elem, (const char*)cos_sin + (row + i) * elem, bf16, D, half);
+#endif
+            for (; i < half; i++) {
+                const float lo = load_f(x, base + i, bf16), hi = load_f(x, base + i + half, bf16);
+                float prod[4] = {lo * load_f(cos_sin, row + i, bf16), hi * load_f(cos_sin, row + D + i, bf16),
+                                 hi * load_f(cos_sin, row + i + half, bf16),
+                                 lo * load_f(cos_sin, row + D + i + half, bf16)};
+                if (bf16)
+                    for (int j = 0; j < 4; j++) prod[j] = bf16_to_f32(f32_to_bf16(prod[j]));
+                store_f(x, base + i, prod[0] + prod[1], bf16);
+                store_f(x, base + i + half, prod[2] + prod[3], bf16);
+            }
+        }
+    }
+    return KVD_OK;
+}
+
+// ---- a decode step through every decoder layer ----------------------------------------------------------------
+
+// The indices are checked once, before layer 0 writes anything; after that only memory can run out.
+int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
+                      void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
+                      const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
+                      int nthreads) {
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    if (checked_max_context(tables, table_width, lens, S, m->num_blocks, m->block_size) < 0 ||
+        !indices_in_range(slots, S, -1, num_slots) || !indices_in_range(positions, S, 0, m->num_positions))
+        return KVD_BAD_INDEX;
+    const int bf16 = m->bf16;
+    const size_t elem = bf16 ? 2 : 4;
+    const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
+    const int64_t qkv_size = q_size + 2 * kv_size, I = m->intermediate;
+    char* x = malloc(elem * (size_t)(S * m->hidden));
+    char* qkv = malloc(elem * (size_t)(S * qkv_size));
+    char* att = malloc(elem * (size_t)(S * q_size));
+    char* gate_up = malloc(elem * (size_t)(S * 2 * I));
+    char* act = malloc(elem * (size_t)(S * I));
+    int failed = !x || !qkv || !att || !gate_up || !act;
+    for (int64_t l = 0; l < num_layers && !failed; l++) {
+        const kvd_layer* L = layers + l;
+        kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, bf16, nthreads);
+        failed |= kvd_linear(&L->qkv, x, bf16, S, qkv, bf16, nthreads) != KVD_OK;
+        char *q = qkv, *k = qkv + q_size * elem, *v = k + kv_size * elem;
+        if (L->q_norm) {
+            kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps, bf16);
+            kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
+        }
+        // The k heads follow the q heads in a qkv row: one pass rotates both.
+        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, cos_sin, m->num_positions, positions, nthreads);
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
+        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
+                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
+                                      nthreads) != KVD_OK;
+        failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
+        failed |= kvd_linear(&L->gate_up, x, bf16, S, gate_up, bf16, nthreads) != KVD_OK;
+        kvd_silu_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, nthreads);
+        failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+    }
+    free(x);
+    free(qkv);
+    free(att);
+    free(gate_up);
+    free(act);
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+}
+
+// ---- argmax over logits rows ---------------------------------------------------------------------------------
+
+static int64_t first_nan(const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (x[i] != x[i]) return i;
+    return -1;
+}
+
+// Row x's argmax: eight lanes keep their first largest value (strictly greater replaces), then the largest of the
+// lanes with the lowest index among equals, then the tail in order; a NaN anywhere wins at its first place.
+static int64_t argmax_row(const float* x, int64_t n) {
+    int64_t i = 0, best = 0;
+    float top = x[0];
+#if KVD_AVX2
+    if (n >= 16 && n <= INT32_MAX) {  // int32 lanes count the indices
+        __m256 vtop = _mm256_loadu_ps(x), nan = _mm256_cmp_ps(vtop, vtop, _CMP_UNORD_Q);
+        __m256i vbest = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), at = vbest;
+        for (i = 8; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+            const __m256 gt = _mm256_cmp_ps(v, vtop, _CMP_GT_OQ);
+            vtop = _mm256_blendv_ps(vtop, v, gt);
+            vbest = _mm256_blendv_epi8(vbest, at, _mm256_castps_si256(gt));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        if (_mm256_movemask_ps(nan)) return first_nan(x, n);
+        float tops[8];
+        int32_t bests[8];
+        _mm256_storeu_ps(tops, vtop);
+        _mm256_storeu_si256((__m256i*)bests, vbest);
+        top = tops[0], best = bests[0];
+        for (int l = 1; l < 8; l++)
+            if (tops[l] > top || (tops[l] == top && bests[l] < best)) top = tops[l], best = bests[l];
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return first_nan(x, n);
+        if (x[i] > top) top = x[i], best = i;
+    }
+    return best;
+}
+
+void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * n, n);
+}
