@@ -19,7 +19,7 @@ from kvd.cli import main
 
 # 32 blocks of 16 tokens: four requests of 210 tokens cannot all hold their KV at once.
 SMALL_KV = "256K"
-LONG = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+LONG = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
 TENANT = f"uid:{os.getuid()}"
 
 
@@ -92,14 +92,14 @@ def test_stats_events_and_top_while_requests_compete_for_kv(daemon: DaemonProces
         assert kinds[:2] == ["queued", "scheduled"] and kinds[-1] == "finished", kinds
         assert set(kinds[2:-1]) <= {"preempted"}
         final = next(e for _, e in events if e["id"] == rid and e["event"] == "finished")
-        assert final["finish_reason"] == "length" and final["completion_tokens"] == 200
+        assert final["finish_reason"] == "length" and final["completion_tokens"] == LONG["max_tokens"]
         assert final["preemptions"] == kinds.count("preempted")
     preempted = sum(e["event"] == "preempted" for _, e in events)
     assert preempted > 0 and after["num_preemptions"] >= preempted
     lengths = [
         len(f.token_ids) + sum(len(c.token_ids) for c in o) for f, o in zip(firsts, outputs, strict=True)
     ]
-    assert lengths == [200] * 4
+    assert lengths == [LONG["max_tokens"]] * 4
     assert after["daemon"]["clients"] == [] and after["daemon"]["num_queued"] == 0
     assert after["generation_tokens_per_s_1m"] > 0
 
