@@ -7,9 +7,13 @@ print one JSON object: `status` ("ok" or an error code) with `code`, `field`, `m
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
+import pytest
 from daemon_fixtures import DaemonProcess
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
@@ -101,3 +105,16 @@ def stale_socket(path: Path) -> str:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(path))
     return f"ipc://{path}"
+
+
+def run_with_planted_tmp(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
+    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
+    shared = f"/tmp/kvd-{os.getuid()}"
+    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
+    probe = ["unshare", "--mount", "sh", "-c", plant]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
+    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -16,6 +17,7 @@ import zmq
 from kvd_client import Client, KvdError
 
 REPO = Path(__file__).resolve().parents[1]
+NOBODY = 65534  # the other user of the cross-user tests
 TINY_KV_MEMORY = "64M"  # 8 KiB blocks for the tiny model: thousands of blocks, none of them scarce
 
 
@@ -155,3 +157,29 @@ def recv_reply(sock: zmq.Socket, timeout: float = 10.0) -> dict | None:
         if reply["type"] != "heartbeat":
             return reply
     return None
+
+
+def run_as_nobody(work: Callable[[], bytes]) -> bytes:
+    """`work()` in a forked child running as nobody (uid 65534), its bytes handed back through a pipe.
+
+    A fork, not a new interpreter: nobody cannot read this environment's Python, and the daemon reads the
+    peer's uid when it connects, so the child must drop root before it creates its socket."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 1
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(writer, work())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as result:
+        output = result.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and output, "the work running as nobody failed"
+    return output

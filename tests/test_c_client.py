@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from client_parity import (
     assert_timed_out,
     error_case,
     python_completion,
+    run_with_planted_tmp,
     stale_socket,
 )
 from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply
@@ -231,19 +231,6 @@ def test_the_tmp_folder_is_checked_as_the_python_client_does(c_build: Path, tmp_
         assert run_test_client(c_build, "private-dir", str(folder)) == expected, folder
         codes.append(expected[0])
     assert codes[:2] == [0, 0] and all(codes[2:])  # private and missing pass, every planted one fails
-
-
-def run_with_planted_tmp(args: list[str]) -> subprocess.CompletedProcess:
-    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
-    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
-    shared = f"/tmp/kvd-{os.getuid()}"
-    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
-    probe = ["unshare", "--mount", "sh", "-c", plant]
-    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
-        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
-    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
-    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_the_default_endpoint_refuses_a_tmp_folder_planted_by_another_user(c_build: Path):

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from client_parity import stale_socket
+from client_parity import run_with_planted_tmp, stale_socket
 from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
 
 from kvd_client import (
@@ -144,19 +143,6 @@ def test_a_planted_tmp_folder_is_refused_before_any_request_is_sent(
         assert not planted.poll(300)
     with pytest.raises(EndpointError, match="open to other users"):
         Client()
-
-
-def run_with_planted_tmp(args: list[str]) -> subprocess.CompletedProcess:
-    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
-    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
-    shared = f"/tmp/kvd-{os.getuid()}"
-    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
-    probe = ["unshare", "--mount", "sh", "-c", plant]
-    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
-        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
-    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
-    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
 
 
 def test_the_default_endpoint_refuses_a_tmp_folder_planted_by_another_user():

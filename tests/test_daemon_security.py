@@ -14,13 +14,12 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from daemon_fixtures import DaemonProcess, raw_socket, recv_reply, start_daemon
+from daemon_fixtures import NOBODY, DaemonProcess, raw_socket, recv_reply, run_as_nobody, start_daemon
 
 from kvd.server.protocol import FAULT_WALK_BUDGET, ProtocolError, decode
 from kvd_client import Client
 
 IS_ROOT = os.geteuid() == 0
-OTHER_UID = 65534  # nobody
 LONG = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
@@ -29,7 +28,7 @@ def daemon(tiny_daemon_model: Path) -> Iterator[DaemonProcess]:
     # A folder every user can traverse and a socket open to nobody's group, for the other-user tests.
     folder = Path(tempfile.mkdtemp(prefix="kvd-security-"))
     folder.chmod(0o755)
-    group = ("--socket-group", grp.getgrgid(OTHER_UID).gr_name) if IS_ROOT else ()
+    group = ("--socket-group", grp.getgrgid(NOBODY).gr_name) if IS_ROOT else ()
     daemon = start_daemon(folder, *group, "--max-clients-per-tenant", "3", model=tiny_daemon_model)
     yield daemon
     assert daemon.stop() == 0, daemon.log()
@@ -106,27 +105,13 @@ def test_stats_names_connections_without_their_routing_ids(daemon: DaemonProcess
 
 
 def in_other_user(daemon: DaemonProcess, work: Callable[[Client], object]) -> object:
-    """`work(client)` in a forked child running as nobody; its msgpack'ed result."""
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 1
-        try:
-            os.close(reader)
-            os.setgroups([])
-            os.setgid(OTHER_UID)
-            os.setuid(OTHER_UID)
-            with Client(daemon.endpoint, timeout=30) as client:
-                os.write(writer, msgpack.packb(work(client)))
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(writer)
-    with os.fdopen(reader, "rb") as result:
-        output = result.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and output, "the client running as nobody failed"
-    return msgpack.unpackb(output)
+    """`work(client)` in a child process running as nobody; its result."""
+
+    def child() -> bytes:
+        with Client(daemon.endpoint, timeout=30) as client:
+            return msgpack.packb(work(client))
+
+    return msgpack.unpackb(run_as_nobody(child))
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="a second user needs root to switch to")

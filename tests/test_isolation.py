@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import DaemonProcess, start_daemon
+from daemon_fixtures import NOBODY, DaemonProcess, run_as_nobody, start_daemon
 
 from kvd.server.isolation import ANONYMOUS_TENANT, cache_salt, peer_tenant
 from kvd_client import Client
 
-OTHER_UID = 65534  # nobody; its primary group (nogroup) may use the socket
+OTHER_UID = NOBODY  # its primary group (nogroup) may use the socket
 OTHER_GROUP = grp.getgrgid(OTHER_UID).gr_name
 IS_ROOT = os.geteuid() == 0
 # A prompt of several KV blocks (block size 16), so that a hit shows as dozens of cached tokens.
@@ -30,31 +30,10 @@ def _cached_tokens(endpoint: str, prompt: str, salt: str | None) -> int:
 def cached_tokens(
     daemon: DaemonProcess, prompt: str, salt: str | None = None, other_user: bool = False
 ) -> int:
-    """usage.cached_tokens of a one-token generation; `other_user`: from a child process running as nobody.
-
-    A fork, not a new interpreter: nobody cannot read this environment's Python, and the daemon reads the
-    peer's uid when it connects, so the child must drop root before it creates its socket."""
+    """usage.cached_tokens of a one-token generation; `other_user`: from a child process running as nobody."""
     if not other_user:
         return _cached_tokens(daemon.endpoint, prompt, salt)
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 1
-        try:
-            os.close(reader)
-            os.setgroups([])
-            os.setgid(OTHER_UID)
-            os.setuid(OTHER_UID)
-            os.write(writer, str(_cached_tokens(daemon.endpoint, prompt, salt)).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(writer)
-    with os.fdopen(reader) as result:
-        output = result.read()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0 and output, "the client running as nobody failed"
-    return int(output)
+    return int(run_as_nobody(lambda: str(_cached_tokens(daemon.endpoint, prompt, salt)).encode()))
 
 
 def _open_dir() -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from client_parity import (
     assert_timed_out,
     error_case,
     python_completion,
+    run_with_planted_tmp,
     stale_socket,
 )
 from daemon_fixtures import REPO, DaemonProcess
@@ -55,19 +55,6 @@ def run_request(js_dir: Path, endpoint: str, mode: str, request: dict, timeout_m
 def test_node_suites_without_a_daemon(js_client: Path):
     proc = node(js_client, "--test", "test/endpoint.test.mjs", "test/no_daemon.test.mjs")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-
-
-def run_with_planted_tmp(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
-    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
-    shared = f"/tmp/kvd-{os.getuid()}"
-    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
-    probe = ["unshare", "--mount", "sh", "-c", plant]
-    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
-        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
-    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
-    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
 
 
 # The client built on the default endpoint: its error as JSON, or {} when it was made.

@@ -95,27 +95,43 @@ def _check_folder(path: Path) -> None:
         )
 
 
-def _remove_stale(path: Path) -> None:
-    """A socket file nobody listens on is a dead gateway's: remove it. One that answers is refused: binding over
-    it would silently take a running gateway's callers."""
+def probe_socket_file(path: Path) -> tuple[os.stat_result, bool] | None:
+    """The unix socket file at `path` and whether a server answers on it (None: no file there). Raises
+    ValueError when the path is no socket, and OSError when a probe cannot tell. The
+    daemon's listener uses it too: binding over a live socket would silently take its server's clients."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     if not stat.S_ISSOCK(st.st_mode):
-        raise GatewayConfigError(f"--uds {path} exists and is not a socket; remove it or choose another path")
+        raise ValueError(f"{path} exists and is not a socket")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(os.fspath(path))
         except OSError as e:
             if e.errno != errno.ECONNREFUSED:
-                raise GatewayConfigError(
-                    f"--uds {path}: cannot check whether a gateway listens there: {e}"
-                ) from None
-        else:
-            raise GatewayConfigError(
-                f"--uds {path}: a program already listens there; stop it or choose another path"
-            )
+                raise
+            return st, False
+    return st, True
+
+
+def _remove_stale(path: Path) -> None:
+    """A socket file nobody listens on is a dead gateway's: remove it. One that answers is refused."""
+    try:
+        found = probe_socket_file(path)
+    except ValueError:
+        raise GatewayConfigError(
+            f"--uds {path} exists and is not a socket; remove it or choose another path"
+        ) from None
+    except OSError as e:
+        raise GatewayConfigError(f"--uds {path}: cannot check whether a gateway listens there: {e}") from None
+    if found is None:
+        return
+    st, listening = found
+    if listening:
+        raise GatewayConfigError(
+            f"--uds {path}: a program already listens there; stop it or choose another path"
+        )
     if st.st_uid != os.geteuid():
         raise GatewayConfigError(
             f"--uds {path} is another user's stale socket; remove it or choose another path"

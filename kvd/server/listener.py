@@ -4,17 +4,16 @@ sockets, and closing them."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import grp
 import ipaddress
 import logging
 import os
-import socket
 import stat
 from pathlib import Path
 
 import zmq
 
+from kvd.gateway.listeners import probe_socket_file
 from kvd.gateway.server import check_port_free
 from kvd.server.config import HEARTBEAT_INTERVAL_S, ServerConfig
 from kvd_client.endpoint import Endpoint, default_socket_dir
@@ -171,18 +170,14 @@ def _remove_stale_socket(endpoint: Endpoint, flag: str) -> None:
     clients: refuse if one answers there, remove the file if it is a leftover of a dead daemon."""
     path = endpoint.path
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+        found = probe_socket_file(path)
+    except ValueError:
+        raise ListenError(f"{path} exists and is not a socket; remove it or choose another path") from None
+    except OSError as e:
+        raise ListenError(f"cannot check whether a daemon listens on {endpoint}: {e}") from None
+    if found is None:
         return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ListenError(f"{path} exists and is not a socket; remove it or choose another path")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(os.fspath(path))
-        except OSError as e:
-            if e.errno != errno.ECONNREFUSED:
-                raise ListenError(f"cannot check whether a daemon listens on {endpoint}: {e}") from None
-            path.unlink()
-            logger.info("removed the stale socket %s left by a daemon that is gone", path)
-            return
-    raise ListenError(f"another daemon already listens on {endpoint}; stop it or choose another {flag}")
+    if found[1]:
+        raise ListenError(f"another daemon already listens on {endpoint}; stop it or choose another {flag}")
+    path.unlink()
+    logger.info("removed the stale socket %s left by a daemon that is gone", path)
