@@ -108,13 +108,21 @@ def stale_socket(path: Path) -> str:
 
 
 def run_with_planted_tmp(args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID having been made by another user (uid
-    65534): in a mount namespace of its own over an empty /tmp, so that the real /tmp is left alone."""
-    shared = f"/tmp/kvd-{os.getuid()}"
-    plant = f"mount -t tmpfs kvd-test /tmp && mkdir -m 700 {shared} && chown 65534 {shared}"
-    probe = ["unshare", "--mount", "sh", "-c", plant]
-    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
-        pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
-    env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
-    cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+    """Run `args` without XDG_RUNTIME_DIR or KVD_ENDPOINT, /tmp/kvd-$UID looking made by another user (uid
+    65534, mode 0700): a tmpfs mounted over that folder in a mount namespace of the run's own, so that the rest
+    of /tmp (where a checkout or a venv may lie) stays visible and the real folder is left alone."""
+    shared = Path(f"/tmp/kvd-{os.getuid()}")
+    created = not shared.exists()
+    if created:
+        shared.mkdir(mode=0o700)  # the mount point; what a daemon would make there, removed after
+    try:
+        plant = f"mount -t tmpfs -o mode=700,uid=65534 kvd-test {shared}"
+        probe = ["unshare", "--mount", "sh", "-c", plant]
+        if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+            pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
+        env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
+        cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+    finally:
+        if created:
+            shared.rmdir()
