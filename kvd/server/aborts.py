@@ -9,7 +9,7 @@ from collections import deque
 
 from kvd.server import protocol
 from kvd.server.protocol import CLIENT_TIMEOUT, INTERNAL, NOT_FOUND, SHUTTING_DOWN
-from kvd.server.router import Router
+from kvd.server.replies import Replies
 from kvd.server.sessions import ClientSession, Generation
 from kvd.server.state import ServerState
 
@@ -20,21 +20,21 @@ TIMEOUT_NOTICE_S = 60.0
 
 
 class Aborts:
-    def __init__(self, state: ServerState, router: Router) -> None:
+    def __init__(self, state: ServerState, replies: Replies) -> None:
         self.state = state
-        self.router = router
+        self.replies = replies
 
     def abort(self, session: ClientSession, generation: Generation) -> None:
         """Abort wherever the generation is (engine, queue, tokenizer) and send its final reply, reason abort."""
         self._forget(session, generation)
         del session.requests[generation.id]
-        self.router.publish_finished(session, generation, "abort")
+        self.replies.publish_finished(session, generation, "abort")
         if generation.embed is None:
-            reply = self.router.final_reply(generation, "abort")
+            reply = self.replies.final_reply(generation, "abort")
         else:  # an embed request has no partial result to give
             code = SHUTTING_DOWN if self.state.draining else NOT_FOUND
             reply = protocol.error_reply(generation.id, code, "the embed request was aborted")
-        self.router.send(session.identity, reply)
+        self.replies.send(session.identity, reply)
 
     def abort_all(self) -> None:
         for session in self.state.sessions:
@@ -47,8 +47,8 @@ class Aborts:
             for generation in list(session.requests.values()):
                 self._forget(session, generation)
                 del session.requests[generation.id]
-                self.router.publish_finished(session, generation, "error")
-                self.router.send(
+                self.replies.publish_finished(session, generation, "error")
+                self.replies.send(
                     session.identity,
                     protocol.error_reply(generation.id, INTERNAL, message),
                 )
@@ -62,7 +62,7 @@ class Aborts:
         notices = deque()
         for generation in session.requests.values():
             self._forget(session, generation)
-            self.router.publish_finished(session, generation, "abort")
+            self.replies.publish_finished(session, generation, "abort")
             if timed_out:
                 message = (
                     f"this client read no reply for {self.state.config.client_timeout:g} s "

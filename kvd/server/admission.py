@@ -5,15 +5,15 @@ from __future__ import annotations
 from kvd.engine.llm_engine import RequestRejectedError, RequestTooLongError
 from kvd.server import events, protocol
 from kvd.server.protocol import BAD_REQUEST, TOO_LARGE
-from kvd.server.router import Router
+from kvd.server.replies import Replies
 from kvd.server.sessions import ClientSession, Generation
 from kvd.server.state import ServerState
 
 
 class Admission:
-    def __init__(self, state: ServerState, router: Router) -> None:
+    def __init__(self, state: ServerState, replies: Replies) -> None:
         self.state = state
-        self.router = router
+        self.replies = replies
         info = state.engine.info()
         self.max_num_seqs = info["max_num_seqs"]
         self.block_size = info["block_size"]
@@ -69,7 +69,7 @@ class Admission:
         self.state.counters.requests_rejected += 1
         self.state.events.publish(events.FINISHED, session, generation.id, finish_reason="error")
         reply = protocol.error_reply(generation.id, code, str(error), error.field or generation.prompt_field)
-        self.router.send(session.identity, reply)
+        self.replies.send(session.identity, reply)
         self.state.sessions.release_if_idle(session)
 
     def _may_admit(self, session: ClientSession) -> bool:

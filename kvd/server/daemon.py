@@ -1,4 +1,4 @@
-"""The serving loop: one thread polls the socket, steps the engine and hands each step's output to the router."""
+"""The serving loop: one thread polls the socket, steps the engine and dispatches each step's output as replies."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvd.server.events import EventStream
 from kvd.server.handlers import RequestHandler
 from kvd.server.isolation import peer_tenant
 from kvd.server.outbox import Outbox
-from kvd.server.router import Router
+from kvd.server.replies import Replies
 from kvd.server.signals import signal_wakeup
 from kvd.server.state import ServerState
 from kvd.server.stats import load_status
@@ -59,10 +59,10 @@ class Daemon:
         outbox = Outbox(
             sock, self.state.sessions, config.client_timeout, lambda *lost: self.aborts.lose_client(*lost)
         )
-        self.router = Router(self.state, outbox)
-        self.aborts = Aborts(self.state, self.router)
-        self.admission = Admission(self.state, self.router)
-        self.handler = RequestHandler(self.state, self.router, self.admission, self.aborts)
+        self.replies = Replies(self.state, outbox)
+        self.aborts = Aborts(self.state, self.replies)
+        self.admission = Admission(self.state, self.replies)
+        self.handler = RequestHandler(self.state, self.replies, self.admission, self.aborts)
         self.notifier = notifier or Notifier({})
         self.drain_deadline: float | None = None
         self.stop_now = False
@@ -96,7 +96,7 @@ class Daemon:
                         self.admission.admit()
                     self._check_workers()
                     self._check_gateway()
-                    self.router.outbox.service()
+                    self.replies.outbox.service()
                     self._tell_manager()
             self._flush_before_close()
         finally:
@@ -140,7 +140,7 @@ class Daemon:
     def _poll_timeout_ms(self) -> int:
         if self.engine.has_unfinished():
             return 0
-        if self.drain_deadline is not None or self.router.outbox.has_backlog:
+        if self.drain_deadline is not None or self.replies.outbox.has_backlog:
             return SHORT_POLL_MS
         if self.notifier.watchdog_interval is not None:
             return min(IDLE_POLL_MS, int(self.notifier.watchdog_interval * 1000))
@@ -183,7 +183,7 @@ class Daemon:
             logger.exception("engine step failed; failing every request in flight")
             self.aborts.fail_all()
             return
-        self.router.route(step)
+        self.replies.dispatch(step)
 
     def _check_workers(self) -> None:
         """A rank that died while the engine was idle fails the daemon as one that dies in a step does."""
@@ -214,7 +214,7 @@ class Daemon:
         )
 
     def _flush_before_close(self) -> None:
-        outbox = self.router.outbox
+        outbox = self.replies.outbox
         deadline = time.monotonic() + CLOSE_FLUSH_S
         while outbox.has_backlog and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -39,7 +39,7 @@ from kvd.server.protocol import (
     ProtocolError,
     TokenizeMessage,
 )
-from kvd.server.router import Router
+from kvd.server.replies import Replies
 from kvd.server.sessions import EmbedJob, Generation
 from kvd.server.state import ServerState
 from kvd.server.stats import client_stats
@@ -48,9 +48,9 @@ logger = logging.getLogger("kvd.server")
 
 
 class RequestHandler:
-    def __init__(self, state: ServerState, router: Router, admission: Admission, aborts: Aborts) -> None:
+    def __init__(self, state: ServerState, replies: Replies, admission: Admission, aborts: Aborts) -> None:
         self.state = state
-        self.router = router
+        self.replies = replies
         self.admission = admission
         self.aborts = aborts
         self.prompts = PromptWorker(self._prepare)
@@ -110,7 +110,7 @@ class RequestHandler:
 
     def _reject(self, identity: bytes, request_id: object, error: ProtocolError) -> None:
         self.state.counters.requests_rejected += 1
-        self.router.send(identity, protocol.error_reply(request_id, error.code, error.message, error.field))
+        self.replies.send(identity, protocol.error_reply(request_id, error.code, error.message, error.field))
 
     def _generate(self, identity: bytes, tenant: str, message: GenerateMessage | EmbedMessage) -> None:
         state = self.state
@@ -199,7 +199,7 @@ class RequestHandler:
             self._reject(job.identity, job.message.id, result.error)
         else:
             reply = protocol.result_reply(job.message.id, {"token_ids": result.token_ids})
-            self.router.send(job.identity, reply)
+            self.replies.send(job.identity, reply)
 
     def _prepare(self, job: PromptJob) -> PromptResult:
         """Tokenize the job's prompt(s); for a generation also compile its grammar and set up its tool-call
@@ -268,7 +268,7 @@ class RequestHandler:
         if any(t >= vocab for t in message.token_ids):
             raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
         text = self.state.engine.decode(message.token_ids)
-        self.router.send(identity, protocol.result_reply(message.id, {"text": text}))
+        self.replies.send(identity, protocol.result_reply(message.id, {"text": text}))
 
     def _abort(self, identity: bytes, tenant: str, message: AbortMessage) -> None:
         session = self.state.sessions.get(identity)
@@ -279,11 +279,11 @@ class RequestHandler:
             )
         self.aborts.abort(session, target)
         self.state.sessions.release_if_idle(session)
-        self.router.send(identity, protocol.result_reply(message.id, {"aborted": True}))
+        self.replies.send(identity, protocol.result_reply(message.id, {"aborted": True}))
 
     def _health(self, identity: bytes, tenant: str, message: Message) -> None:
         status = "draining" if self.state.draining else "ready"
-        self.router.send(identity, protocol.result_reply(message.id, {"status": status}))
+        self.replies.send(identity, protocol.result_reply(message.id, {"status": status}))
 
     def _info(self, identity: bytes, tenant: str, message: Message) -> None:
         config = self.state.config
@@ -311,7 +311,7 @@ class RequestHandler:
                 "client_timeout_s": config.client_timeout,
             },
         }
-        self.router.send(identity, protocol.result_reply(message.id, info))
+        self.replies.send(identity, protocol.result_reply(message.id, info))
 
     def _stats(self, identity: bytes, tenant: str, message: Message) -> None:
         """The load; per-client rows only of the asker's own tenant, unless it is the daemon's owner (another
@@ -335,4 +335,4 @@ class RequestHandler:
                 ],
             }
         }
-        self.router.send(identity, protocol.result_reply(message.id, stats))
+        self.replies.send(identity, protocol.result_reply(message.id, stats))

@@ -11,7 +11,7 @@ from kvd.server.sessions import ClientSession, Generation
 from kvd.server.state import ServerState
 
 
-class Router:
+class Replies:
     def __init__(self, state: ServerState, outbox: Outbox) -> None:
         self.state = state
         self.outbox = outbox
@@ -19,14 +19,14 @@ class Router:
     def send(self, identity: bytes, reply: dict) -> None:
         self.outbox.send(identity, reply)
 
-    def route(self, step: EngineStepOutput) -> None:
+    def dispatch(self, step: EngineStepOutput) -> None:
         """Send each increment to its client, then count and announce the step's preemptions."""
         for out in step.outputs:
-            self._route(out)
+            self._dispatch(out)
         for engine_id in step.preempted:
             self._note_preemption(engine_id)
 
-    def _route(self, out: RequestOutput) -> None:
+    def _dispatch(self, out: RequestOutput) -> None:
         entry = self.state.in_engine.get(out.request_id)
         if entry is None:
             return  # its client was lost earlier in this turn
