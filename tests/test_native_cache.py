@@ -187,7 +187,12 @@ def test_the_narrower_builds_pass_the_kernel_tests(tmp_path, build):
         assert isa == "portable"
     else:
         assert "avx512" not in isa and "amx" not in isa
-    tests = ["tests/test_cpu_native.py", "tests/test_quantized_linear.py", "tests/test_native_decode.py"]
+    tests = [
+        "tests/test_cpu_native.py",
+        "tests/test_quantized_linear.py",
+        "tests/test_super_linear.py",
+        "tests/test_native_decode.py",
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests, "-k", "not smollm2"],
         cwd=ROOT,
@@ -211,6 +216,16 @@ for cls in (NativeInt4Linear, NativeInt8Linear):
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(40, 96) * 2).to(dtype)
         out[cls.bits, str(dtype)] = cpu_native.linear(x, layer.native_weight())
+# GGUF super-block weights: random bytes (every code, scale and high bit), finite fp16 multipliers.
+for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,))):
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]
+    raw = torch.randint(0, 256, (21, 2, size), dtype=torch.uint8)
+    for at in halves:
+        raw[:, :, at : at + 2] = (torch.rand(21, 2, 1) * 0.01 + 1e-4).half().view(torch.uint8)
+    raw = raw.reshape(21, -1).contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(70, 512) * 2).to(dtype)
+        out[name, str(dtype)] = cpu_native.linear(x, cpu_native.super_weight(cpu_native.SUPER_TYPES[name], raw, 512))
 weight, x = torch.randn(48, 96), torch.randn(9, 96)
 panels = cpu_native.pack(weight)
 out["panels"] = cpu_native.linear(x, cpu_native.linear_weight(32, panels, tiles=True))

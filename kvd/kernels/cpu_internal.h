@@ -138,6 +138,33 @@ static inline float load_f(const void* base, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t*)base)[i]) : ((const float*)base)[i];
 }
 
+// An IEEE half (GGUF's block scales) as float32.
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        exp = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
 static inline void store_f(void* base, int64_t i, float v, int bf16) {
     if (bf16)
         ((uint16_t*)base)[i] = f32_to_bf16(v);
@@ -244,6 +271,11 @@ KVD_HIDDEN int float_weight_linear(const kvd_weight* w, const void* x, int x_bf1
                                    int nthreads);
 KVD_HIDDEN int quantized_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y,
                                        int y_bf16, int nthreads);
+// And of GGUF super-block weights (cpu_super_linear.c), with kvd_dequantize's part for them.
+KVD_HIDDEN int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
+                                   int nthreads);
+KVD_HIDDEN void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16,
+                                 int nthreads);
 
 // The longest of the S contexts, or -1 when a context length or a block table entry it covers is out of range
 // (cpu_attention.c; the layer loop checks its indices with it before any layer writes).

@@ -20,6 +20,14 @@ enum kvd_kv8 { KVD_KV8_SCALE_BYTES = 4 };
 // A quantized weight's blocks (kvd_weight): KVD_QBLOCK codes along k a block, in groups of KVD_GROUP_ROWS rows.
 enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 
+// GGUF's super-block types that a linear runs from in the file's own bytes (kvd_weight.ggml, the type ids as
+// GGUF numbers them): KVD_SUPER_BLOCK values along k a block, each row n / KVD_SUPER_BLOCK blocks one after
+// another, as the file stores them (block_q4_K: fp16 d, dmin, 12 bytes of 6-bit sub-block scales and minimums,
+// 128 bytes of 4-bit codes; block_q5_K: the same with 32 bytes of fifth bits before the codes; block_q6_K: 128
+// bytes of low 4 bits, 64 of high 2 bits, 16 int8 sub-block scales, fp16 d).
+enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14 };
+enum kvd_super { KVD_SUPER_BLOCK = 256 };
+
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
 // i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn) or 8-bit (bits 8: 32 int8 codes a block, an
 // fp16 scale d, mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16: qs bf16 [n, k]; d
@@ -29,13 +37,15 @@ enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 // padding (kvd.kernels.cpu_native.group_blocks lays this out). tiles: 1 for a float weight in its kernel's packed
 // order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32 one in panel
 // order (kvd.kernels.cpu_native.pack says both); 0 for a float weight in rows, and for every quantized one.
+// ggml: 0 for the layouts above; a kvd_ggml type for a weight in that type's super-blocks at qs (rows of
+// k / KVD_SUPER_BLOCK blocks; d, mn NULL, bits and tiles 0).
 typedef struct {
     const void* qs;
     const uint16_t* d;
     const uint16_t* mn;
     const float* bias;
     int64_t n, k;
-    int32_t bits, tiles;
+    int32_t bits, tiles, ggml;
 } kvd_weight;
 
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights
@@ -73,7 +83,8 @@ int kvd_bf16_kernel_order(void);
 // products and sums for float weights.
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads);
 
-// out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight.
+// out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight, or of a
+// super-block one.
 int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads);
 
 // out [S, H, D] = softmax(q K^T * scale) V for each query row s (q: row s at s x q_stride) over the first

@@ -22,6 +22,9 @@ from kvd.kernels.native_build import ffi, library
 _BLOCK = ffi.typeof("enum kvd_block").relements
 QBLOCK = _BLOCK["KVD_QBLOCK"]
 GROUP_ROWS = _BLOCK["KVD_GROUP_ROWS"]
+# GGUF's super-block types that run in place (enum kvd_ggml): name as GGUF spells it -> its type number.
+SUPER_TYPES = {name.removeprefix("KVD_GGML_"): v for name, v in ffi.typeof("enum kvd_ggml").relements.items()}
+SUPER_BLOCK = ffi.typeof("enum kvd_super").relements["KVD_SUPER_BLOCK"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
 
@@ -148,6 +151,34 @@ def linear_weight(
         k=k,
         bits=bits,
         tiles=int(tiles),
+        ggml=0,
+    )
+
+
+def super_weight(
+    ggml_type: int, data: torch.Tensor, k: int, bias: torch.Tensor | None = None
+) -> LinearWeight:
+    """The kernel's view of a weight [N, K] in one of GGUF's super-block types (SUPER_TYPES; the type as GGUF
+    numbers it): data uint8 [N, K / 256 x the type's block bytes], the file's bytes, read in place."""
+    if ggml_type not in SUPER_TYPES.values():
+        raise NativeKernelError(f"no native kernel for GGUF tensor type {ggml_type}")
+    if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or k % SUPER_BLOCK:
+        raise NativeKernelError(
+            f"a super-block weight is contiguous uint8 [N, K / {SUPER_BLOCK} x block bytes] with K a multiple "
+            f"of {SUPER_BLOCK}, got {data.dtype} {tuple(data.shape)}, K {k}"
+        )
+    if bias is not None and bias.dtype != torch.float32:
+        raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
+    return LinearWeight(
+        qs=data.data_ptr(),
+        d=0,
+        mn=0,
+        bias=address(bias),
+        n=data.shape[0],
+        k=k,
+        bits=0,
+        tiles=0,
+        ggml=ggml_type,
     )
 
 
@@ -232,7 +263,8 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     bf16 = _is_bf16(x)
     if x.shape[-1] != weight.k or (weight.bits == 32 and bf16):
         raise NativeKernelError(
-            f"linear: {x.dtype} x with {x.shape[-1]} features for a {weight.bits}-bit weight of {weight.k}"
+            f"linear: {x.dtype} x with {x.shape[-1]} features for a weight of {weight.k} (bits {weight.bits}, "
+            f"GGUF type {weight.ggml})"
         )
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype)

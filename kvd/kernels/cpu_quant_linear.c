@@ -113,32 +113,6 @@ static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
 
 #endif
 
-static inline float f16_to_f32(uint16_t h) {
-#ifdef __F16C__
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {  // subnormal: normalize
-        exp = 113;
-        while (!(man & 0x400)) {
-            man <<= 1;
-            exp--;
-        }
-        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 // ---- quantized linears: exact block sums, then one float order ------------------------------------------------
 //
 // For activation row m and output n: acc = 0; for each block b in order, acc = fma(isum, d[n,b] x dx[m,b], acc)
@@ -728,6 +702,10 @@ int quantized_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int6
 // products.
 int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
     if (first < 0 || count < 0 || first + count > w->n) return KVD_BAD_INDEX;
+    if (w->ggml) {
+        super_dequantize(w, first, count, out, out_bf16, nthreads);
+        return KVD_OK;
+    }
     const int64_t K = w->k, nb = K / KVD_QBLOCK;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = first; n < first + count; n++) {

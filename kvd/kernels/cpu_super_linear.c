@@ -1,0 +1,336 @@
+// Linears of GGUF's super-block weights (Q4_K, Q5_K, Q6_K: enum kvd_ggml), read in place in the file's own
+// bytes. Activations are quantized to int8 per super-block of 256 values (one float32 scale each, and the sum of
+// each 16 codes); each weight super-block is unpacked once per work item into codes 0..63, an integer scale and
+// an integer minimum per 16 values and two float multipliers; then, for every activation row, exact integer sums
+// and one float order:
+//
+//   sumi = sum over k of scale[k] x (the codes . the activation codes of the 16 values k)   (int32, exact)
+//   summ = sum over k of min[k] x (the sum of those 16 activation codes)                   (int32, exact)
+//   acc = fma(float(sumi), da x dx, acc), then acc = fma(float(-summ), db x dx, acc), super-block by super-block
+//
+// (da, db: Q4_K and Q5_K's d and dmin; Q6_K's d twice, its codes stored + 32, so min[k] = 32 x scale[k].) The
+// integer sums are the same whichever path computes them (plain C, AVX2, AVX-512), so every output is the same
+// bits whatever the row count, the path or the CPU: batch invariance for these types too.
+#include "cpu_internal.h"
+
+#define SB KVD_SUPER_BLOCK
+#define SUBS (SB / 16)  // the sub-blocks of 16 values: the finest that any of the types scales (Q6_K)
+#define ROW_CHUNK 64    // activation rows a work item: each unpacked weight super-block serves all of them
+
+_Static_assert(SB == 256, "the unpacking below is written for GGUF's 256-value super-blocks");
+
+// One weight super-block, ready for the dot products of every activation row.
+typedef struct {
+    _Alignas(64) uint8_t codes[SB];  // 0..63, in value order
+    _Alignas(32) int16_t scale[SUBS];
+    _Alignas(32) int16_t min[SUBS];
+    float da, db;
+} unpacked;
+
+static inline int64_t type_bytes(int32_t type) {
+    return type == KVD_GGML_Q4_K ? 144 : type == KVD_GGML_Q5_K ? 176 : 210;
+}
+
+static inline float half_at(const uint8_t* p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+// Q4_K and Q5_K's 6-bit scale and minimum of their sub-block j (32 values) from the 12 bytes that pack them.
+static inline void scale_min_k4(int j, const uint8_t* q, int16_t* sc, int16_t* m) {
+    if (j < 4) {
+        *sc = q[j] & 63, *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void unpack_scales(int32_t type, const uint8_t* b, unpacked* u) {
+    if (type == KVD_GGML_Q6_K) {
+        const int8_t* sc = (const int8_t*)(b + 192);
+        for (int k = 0; k < SUBS; k++) u->scale[k] = sc[k], u->min[k] = (int16_t)(32 * sc[k]);
+        u->da = u->db = half_at(b + 208);
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        scale_min_k4(j, b + 4, &u->scale[2 * j], &u->min[2 * j]);
+        u->scale[2 * j + 1] = u->scale[2 * j], u->min[2 * j + 1] = u->min[2 * j];
+    }
+    u->da = half_at(b), u->db = half_at(b + 2);
+}
+
+// The codes of super-block b in value order (GGUF's layouts: Q4_K's byte 32 j + l holds value 64 j + l in its
+// low nibble and 64 j + 32 + l in its high one; Q5_K adds bit 2 j (value 64 j + l) and 2 j + 1 (64 j + 32 + l) of
+// qh[l] as the fifth; Q6_K's halves h of 128 values take ql[64 h + l] and ql[64 h + 32 + l]'s nibbles for values
+// 128 h + l, + 32, + 64, + 96, with bit pairs 0, 2, 4, 6 of qh[32 h + l] above them).
+static void unpack_codes(int32_t type, const uint8_t* b, uint8_t* codes) {
+#if KVD_AVX2
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    if (type == KVD_GGML_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+            // Two bits per byte shifted up by 4 stay inside their byte.
+#define Q6_HIGH(shift) _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m3), 4)
+            __m256i* out = (__m256i*)(codes + 128 * h);
+            _mm256_store_si256(out, _mm256_or_si256(_mm256_and_si256(l0, m15), Q6_HIGH(0)));
+            _mm256_store_si256(out + 1, _mm256_or_si256(_mm256_and_si256(l1, m15), Q6_HIGH(2)));
+            _mm256_store_si256(out + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m15), Q6_HIGH(4)));
+            _mm256_store_si256(out + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m15), Q6_HIGH(6)));
+#undef Q6_HIGH
+        }
+        return;
+    }
+    const int five = type == KVD_GGML_Q5_K;
+    const uint8_t* qs = b + (five ? 48 : 16);
+    const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+        const __m256i lo5 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j)), m1), 4);
+        const __m256i hi5 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j + 1)), m1), 4);
+        _mm256_store_si256((__m256i*)(codes + 64 * j), _mm256_or_si256(_mm256_and_si256(q, m15), lo5));
+        _mm256_store_si256((__m256i*)(codes + 64 * j + 32),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m15), hi5));
+    }
+#else
+    if (type == KVD_GGML_Q6_K) {
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t l0 = b[64 * h + l], l1 = b[64 * h + 32 + l], hb = b[128 + 32 * h + l];
+                uint8_t* out = codes + 128 * h + l;
+                out[0] = (l0 & 15) | (hb & 3) << 4;
+                out[32] = (l1 & 15) | ((hb >> 2) & 3) << 4;
+                out[64] = (l0 >> 4) | ((hb >> 4) & 3) << 4;
+                out[96] = (l1 >> 4) | ((hb >> 6) & 3) << 4;
+            }
+        return;
+    }
+    const int five = type == KVD_GGML_Q5_K;
+    const uint8_t* qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 4; j++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t hb = five ? b[16 + l] : 0;
+            codes[64 * j + l] = (qs[32 * j + l] & 15) | ((hb >> (2 * j)) & 1) << 4;
+            codes[64 * j + 32 + l] = (qs[32 * j + l] >> 4) | ((hb >> (2 * j + 1)) & 1) << 4;
+        }
+#endif
+}
+
+// ---- activations: int8 per super-block -------------------------------------------------------------------------
+
+// x [M, K] -> q int8 [M, K], dx [M, K / 256] (each super-block's scale: its largest magnitude / 127) and bsum
+// [M, K / 256, 16] (each 16 codes' sum). Every path: the same maximum (NaN passed over), the same product and
+// nearest-even rounding, codes saturated to int8 (a NaN's code is -128 in each).
+static void quantize_super(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* bsum,
+                           int nthreads) {
+    const int64_t nb = K / SB;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M > 1)
+    for (int64_t r = 0; r < M; r++) {
+        for (int64_t s = 0; s < nb; s++) {
+            const int64_t at = r * K + s * SB;
+            int8_t* out = q + at;
+            int16_t* sums = bsum + (r * nb + s) * SUBS;
+#if KVD_AVX2
+            const int64_t es = x_bf16 ? 2 : 4;
+            const char* p = (const char*)x + at * es;
+            __m256 amax = _mm256_setzero_ps();
+            for (int i = 0; i < SB / 8; i++)
+                amax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), load8(p + i * 8 * es, x_bf16)), amax);
+            amax = _mm256_max_ps(amax, _mm256_permute2f128_ps(amax, amax, 1));
+            amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0x4e));
+            amax = _mm256_max_ps(amax, _mm256_permute_ps(amax, 0xb1));
+            const float d = _mm256_cvtss_f32(amax) / 127.f;
+            const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+            for (int k = 0; k < SUBS; k++) {
+                __m256i c[2];
+                for (int i = 0; i < 2; i++)
+                    c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(load8(p + (16 * k + 8 * i) * es, x_bf16), inv),
+                                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                // Saturated to int16, then int8: lane 0's four codes in bytes 0-3, lane 1's in bytes 16-19.
+                const __m256i w = _mm256_packs_epi32(c[0], c[1]), b8 = _mm256_packs_epi16(w, w);
+                const int32_t parts[4] = {_mm256_extract_epi32(b8, 0), _mm256_extract_epi32(b8, 4),
+                                          _mm256_extract_epi32(b8, 1), _mm256_extract_epi32(b8, 5)};
+                memcpy(out + 16 * k, parts, 16);
+                // The codes' sum from the int8 codes themselves (1 x code pairs, then pairs of those).
+                const __m128i pairs = _mm_maddubs_epi16(_mm_set1_epi8(1), _mm_loadu_si128((const __m128i*)(out + 16 * k)));
+                __m128i s32 = _mm_madd_epi16(pairs, _mm_set1_epi16(1));
+                s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0x4e));
+                s32 = _mm_add_epi32(s32, _mm_shuffle_epi32(s32, 0xb1));
+                sums[k] = (int16_t)_mm_cvtsi128_si32(s32);
+            }
+#else
+            float amax = 0.f;
+            for (int i = 0; i < SB; i++) {
+                const float a = fabsf(load_f(x, at + i, x_bf16));
+                amax = a > amax ? a : amax;
+            }
+            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            for (int k = 0; k < SUBS; k++) {
+                int sum = 0;
+                for (int i = 16 * k; i < 16 * k + 16; i++) {
+                    const float v = nearbyintf(load_f(x, at + i, x_bf16) * inv);
+                    // cvtps's answer outside int32 (and for NaN) is INT32_MIN: saturated to -128 as packs does.
+                    const int c = v >= -128.f && v <= 127.f ? (int)v : v > 127.f ? 127 : -128;
+                    out[i] = (int8_t)c;
+                    sum += c;
+                }
+                sums[k] = (int16_t)sum;
+            }
+#endif
+            dx[r * nb + s] = d;
+        }
+    }
+}
+
+// ---- the integer sums of one super-block and one activation row ------------------------------------------------
+
+#if KVD_AVX2
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+#if KVD_AVX512 && defined(__AVX512BW__)
+// The scale of each int16 pair of products (lane l: values 64 c + 2 l, + 1, scaled by scale[4 c + l / 8]).
+typedef struct {
+    __m512i sc[SB / 64];
+} scale_lanes;
+
+static inline void scale_vectors(const unpacked* u, scale_lanes* v) {
+    const __m512i all = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)u->scale));
+    for (int c = 0; c < SB / 64; c++) {
+        const __m512i at = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
+                                            _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                                               15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
+        v->sc[c] = _mm512_permutexvar_epi16(at, all);
+    }
+}
+
+static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8_t* a, const int16_t* bs,
+                             int32_t* sumi, int32_t* summ) {
+    __m512i tot = _mm512_setzero_si512();
+    for (int c = 0; c < SB / 64; c++) {
+        // u8 codes <= 63 x int8 codes, two a lane: at most 16002, so the int16 pair sums never saturate.
+        const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512(u->codes + 64 * c), _mm512_loadu_si512(a + 64 * c));
+#if defined(__AVX512VNNI__)
+        tot = _mm512_dpwssd_epi32(tot, p, v->sc[c]);
+#else
+        tot = _mm512_add_epi32(tot, _mm512_madd_epi16(p, v->sc[c]));
+#endif
+    }
+    *sumi = _mm512_reduce_add_epi32(tot);
+    *summ = hsum8(_mm256_madd_epi16(_mm256_load_si256((const __m256i*)u->min), _mm256_loadu_si256((const __m256i*)bs)));
+}
+#elif KVD_AVX2
+// The scale of each int16 pair of products (lane l: values 32 c + 2 l, + 1, scaled by scale[2 c + l / 8]).
+typedef struct {
+    __m256i sc[SB / 32];
+} scale_lanes;
+
+static inline void scale_vectors(const unpacked* u, scale_lanes* v) {
+    for (int c = 0; c < SB / 32; c++)
+        v->sc[c] = _mm256_set_m128i(_mm_set1_epi16(u->scale[2 * c + 1]), _mm_set1_epi16(u->scale[2 * c]));
+}
+
+static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8_t* a, const int16_t* bs,
+                             int32_t* sumi, int32_t* summ) {
+    __m256i tot = _mm256_setzero_si256();
+    for (int c = 0; c < SB / 32; c++) {
+        const __m256i p = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i*)(u->codes + 32 * c)),
+                                               _mm256_loadu_si256((const __m256i*)(a + 32 * c)));
+        tot = _mm256_add_epi32(tot, _mm256_madd_epi16(p, v->sc[c]));
+    }
+    *sumi = hsum8(tot);
+    *summ = hsum8(_mm256_madd_epi16(_mm256_load_si256((const __m256i*)u->min), _mm256_loadu_si256((const __m256i*)bs)));
+}
+#else
+typedef struct {
+    int unused;
+} scale_lanes;
+
+static inline void scale_vectors(const unpacked* u, scale_lanes* v) {
+    (void)u, (void)v;
+}
+
+static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8_t* a, const int16_t* bs,
+                             int32_t* sumi, int32_t* summ) {
+    (void)v;
+    int32_t si = 0, sm = 0;
+    for (int k = 0; k < SUBS; k++) {
+        int32_t s = 0;
+        for (int i = 16 * k; i < 16 * k + 16; i++) s += u->codes[i] * a[i];
+        si += u->scale[k] * s;
+        sm += u->min[k] * bs[k];
+    }
+    *sumi = si, *summ = sm;
+}
+#endif
+
+// ---- the linear ---------------------------------------------------------------------------------------------------
+
+// Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row unpacked once.
+static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
+                        const int16_t* bsum, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
+    const uint8_t* row = (const uint8_t*)w->qs + n * nb * tb;
+    float acc[ROW_CHUNK] = {0};
+    unpacked u;
+    scale_lanes lanes;
+    for (int64_t s = 0; s < nb; s++) {
+        unpack_scales(w->ggml, row + s * tb, &u);
+        unpack_codes(w->ggml, row + s * tb, u.codes);
+        scale_vectors(&u, &lanes);
+        for (int64_t m = m0; m < m1; m++) {
+            int32_t sumi, summ;
+            super_dot(&u, &lanes, q + m * K + s * SB, bsum + (m * nb + s) * SUBS, &sumi, &summ);
+            const float d = dx[m * nb + s];
+            float a = fmaf((float)sumi, u.da * d, acc[m - m0]);
+            acc[m - m0] = fmaf((float)-summ, u.db * d, a);
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
+}
+
+int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
+                        int nthreads) {
+    const int64_t K = w->k, nb = K / SB, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
+    int8_t* q = malloc((size_t)(M * K));
+    float* dx = malloc(sizeof(float) * (size_t)(M * nb));
+    int16_t* bsum = malloc(sizeof(int16_t) * (size_t)(M * nb * SUBS));
+    const int failed = !q || !dx || !bsum;
+    if (!failed) {
+        quantize_super(x, x_bf16, M, K, q, dx, bsum, nthreads);
+        // Row-major items: a thread's consecutive items read consecutive weight rows.
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t item = 0; item < w->n * chunks; item++) {
+            const int64_t n = item / chunks, m0 = item % chunks * ROW_CHUNK;
+            row_outputs(w, n, m0, m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M, q, dx, bsum, y, y_bf16);
+        }
+    }
+    free(q);
+    free(dx);
+    free(bsum);
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+}
+
+void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
+    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = first; n < first + count; n++) {
+        unpacked u;
+        for (int64_t s = 0; s < nb; s++) {
+            const uint8_t* b = (const uint8_t*)w->qs + (n * nb + s) * tb;
+            unpack_scales(w->ggml, b, &u);
+            unpack_codes(w->ggml, b, u.codes);
+            for (int i = 0; i < SB; i++) {
+                const float v = u.da * (float)(u.scale[i / 16] * u.codes[i]) - u.db * (float)u.min[i / 16];
+                store_f(out, (n - first) * K + s * SB + i, v, out_bf16);
+            }
+        }
+    }
+}
