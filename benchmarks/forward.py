@@ -23,11 +23,11 @@ from collections.abc import Callable
 import torch
 
 from kvd.model.config import ModelConfig
+from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention import build_attention_metadata
+from kvd.model.layers.attention.selector import select_attention_backend
 from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.layers.quantized_linear import quantize_model
-from kvd.model.layers.selector import select_attention_backend
-from kvd.model.llama import CausalLM
 
 # SmolLM2-135M's architecture, with random weights (nothing to download).
 SMOLLM2_135M = dict(

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvd import LLM, SamplingParams
-from kvd.model.layers.selector import AttentionBackendError, resolve_backend_name
+from kvd.model.layers.attention.selector import AttentionBackendError, resolve_backend_name
 
 QWEN3_0_6B = dict(
     vocab_size=151936,

@@ -37,7 +37,7 @@ import torch
 from benchmarks.host import bundled_gguf
 from benchmarks.throughput import make_workload
 from kvd import LLM
-from kvd.engine.sampling_params import SamplingParams
+from kvd.request.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
 

@@ -17,7 +17,7 @@ import statistics
 import time
 
 from kvd.engine.llm_engine import LLMEngine
-from kvd.engine.sampling_params import SamplingParams
+from kvd.request.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -21,8 +21,8 @@ import torch
 from benchmarks.gpu_bench import shared_prefix
 from benchmarks.host import bundled_gguf
 from kvd import LLM
-from kvd.engine.sampling_params import SamplingParams
 from kvd.model.layers.quantized_linear import linear_weight_bytes
+from kvd.request.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

@@ -21,7 +21,7 @@ import time
 
 from kvd.distributed import comm
 from kvd.engine.llm_engine import LLMEngine
-from kvd.engine.sampling_params import SamplingParams
+from kvd.request.sampling_params import SamplingParams
 
 
 def measure(

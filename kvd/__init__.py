@@ -13,7 +13,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvd.engine.sampling_params import SamplingParams
+        from kvd.request.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvd' has no attribute {name!r}")

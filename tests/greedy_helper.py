@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.kv_cache import allocate_kv_cache
-from kvd.model.llama import CausalLM
 from kvd.model.loader import LoadedModel
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvd.model.layers.attention import AttentionMetadataError, build_attention_metadata
-from kvd.model.layers.native_attention import NativeAttentionBackend
-from kvd.model.layers.torch_attention import TorchAttentionBackend
+from kvd.model.layers.attention.native_attention import NativeAttentionBackend
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

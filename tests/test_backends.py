@@ -38,25 +38,24 @@ from kvd.engine.gpu_memory import (
     run_profile_step,
 )
 from kvd.kernels.paged_decode_attention import paged_decode_attention_reference
-from kvd.model.layers import selector
-from kvd.model.layers.attention import build_attention_metadata
-from kvd.model.layers.flash_attention import (
+from kvd.model.layers.attention import build_attention_metadata, selector
+from kvd.model.layers.attention.flash_attention import (
     FlashAttentionBackend,
     FlashAttentionMetadata,
     FlashAttnOps,
     load_flash_attn_ops,
 )
-from kvd.model.layers.kv_cache import allocate_kv_cache
-from kvd.model.layers.native_attention import NativeAttentionBackend
-from kvd.model.layers.selector import (
+from kvd.model.layers.attention.native_attention import NativeAttentionBackend
+from kvd.model.layers.attention.selector import (
     AttentionBackendError,
     AttentionBackendUnavailableError,
     resolve_backend_name,
     resolve_block_size,
     select_attention_backend,
 )
-from kvd.model.layers.torch_attention import TorchAttentionBackend
-from kvd.model.layers.triton_attention import TritonAttentionBackend
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
+from kvd.model.layers.attention.triton_attention import TritonAttentionBackend
+from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent

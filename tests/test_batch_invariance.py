@@ -12,8 +12,8 @@ from daemon_fixtures import start_daemon
 from logits_recorder import LogitsRecorder
 
 from kvd import LLM
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native, native_build
+from kvd.request.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not cpu_native.available(), reason="batch invariance on a CPU needs kvd's native kernels (a C compiler)"

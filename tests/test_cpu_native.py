@@ -370,7 +370,7 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
 
 def test_the_struct_views_are_read_from_the_header():
     """Field names and order come from cpu_kernels.h: the C names, not a hand-written mirror."""
-    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits", "tiles")
+    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits", "tiles", "ggml")
     header = (ROOT / "kvd" / "kernels" / "cpu_kernels.h").read_text()
     for struct in (cpu_native.LinearWeight, cpu_native.LayerWeights, cpu_native.ModelShape):
         for name in struct._fields:

@@ -18,7 +18,7 @@ import pytest
 import zmq
 from daemon_fixtures import REPO, DaemonProcess, daemon_env, raw_socket, recv_reply, start_daemon
 
-from kvd.engine.sampling_params import SamplingParams
+from kvd.request.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint
 from kvd.server.outbox import Outbox

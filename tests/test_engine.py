@@ -9,8 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from kvd import LLM, SamplingParams
 from kvd.engine.llm_engine import LLMEngine, RequestRejectedError, RequestTooLongError
-from kvd.engine.sampling_params import SamplingParamsError
 from kvd.engine.sequence import SequenceStatus
+from kvd.request.sampling_params import SamplingParamsError
 
 MAX_TOKENS = 10
 

@@ -9,7 +9,7 @@ import torch
 from conftest import TINY_FAMILIES, load_hf_model, load_kvd_model
 
 from kvd.model.config import ModelConfig, UnsupportedModelError
-from kvd.model.llama import CausalLM, WeightLoadError
+from kvd.model.decoder import CausalLM, WeightLoadError
 
 FAMILIES = list(TINY_FAMILIES)
 PROMPT_LEN = 19  # not a multiple of the runner's block size (4): the last block is partly filled

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvd import LLM
-from kvd.engine.sampling_params import SamplingParams
 from kvd.model.layers.linear import NATIVE_MAX_ROWS
 from kvd.model.layers.quantized_linear import DEQUANTIZE_MIN_ROWS
 from kvd.model.native_decode import NativeDecoder
+from kvd.request.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 33, 2, 17], list(range(40, 90)), [200] * 19]  # crossing 16-token blocks
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvd.engine.sampler import SamplingRow, sample
-from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvd.request.sampling_params import SamplingParams, SamplingParamsError
 
 VOCAB = 50
 

@@ -12,9 +12,10 @@ import chat_templates
 import pytest
 
 from kvd.engine.chat_prompt import encode_chat
-from kvd.engine.tool_calls import ToolError, detect_tool_template, parse_tools, render_messages
 from kvd.model.gguf_loader import GGUFFile, load_gguf_tokenizer
 from kvd.model.hub import default_model_path
+from kvd.request.tool_render import detect_tool_template, render_messages
+from kvd.request.tool_validate import ToolError, parse_tools
 
 # SmolLM2's own template (no tools: kvd's fallback tool prompt) and a Qwen2.5 template (tools rendered natively),
 # both over SmolLM2's vocabulary, whose <|im_start|> and <|im_end|> they write.

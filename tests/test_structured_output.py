@@ -12,7 +12,7 @@ import torch
 
 from kvd import LLM
 from kvd.engine.llm_engine import RequestRejectedError
-from kvd.engine.sampling_params import SamplingParams, SamplingParamsError
+from kvd.request.sampling_params import SamplingParams, SamplingParamsError
 
 # float32: the engine's results are compared with each other and with transformers' in float32.
 DTYPE = "float32"

@@ -28,7 +28,6 @@ from logits_recorder import LogitsRecorder
 from kvd.distributed.shard import Shard, ShardPlan
 from kvd.distributed.step import StepInputs
 from kvd.engine.llm_engine import LLMEngine
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native
 from kvd.model.config import ModelConfig
 from kvd.parallel import group, handshake
@@ -37,6 +36,7 @@ from kvd.parallel.cpu_binding import format_cpulist, parse_cpulist
 from kvd.parallel.errors import DistributedStartupError
 from kvd.parallel.secret import read_secret_file
 from kvd.parallel.wire import recv_frame, send_frame
+from kvd.request.sampling_params import SamplingParams
 from kvd_client import KvdError
 
 SHARED = list(range(3, 43))  # two full 16-token blocks that later prompts hit in the prefix cache

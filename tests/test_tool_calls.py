@@ -11,23 +11,20 @@ import llguidance
 import llguidance.hf
 import pytest
 
-from kvd.engine.tool_calls import (
-    MAX_TOOLS,
-    Tool,
-    ToolCallParser,
-    ToolChoice,
-    ToolError,
-    ToolFormat,
-    ToolTemplate,
-    check_history,
-    detect_tool_template,
-    parse_tool_choice,
-    parse_tools,
-    render_messages,
-    tool_call_grammar,
-)
 from kvd.model.gguf_loader import GGUFFile, load_gguf_tokenizer
 from kvd.model.hub import default_model_path
+from kvd.request.tool_grammar import tool_call_grammar
+from kvd.request.tool_parse import ToolCallParser
+from kvd.request.tool_render import ToolFormat, ToolTemplate, detect_tool_template, render_messages
+from kvd.request.tool_validate import (
+    MAX_TOOLS,
+    Tool,
+    ToolChoice,
+    ToolError,
+    check_history,
+    parse_tool_choice,
+    parse_tools,
+)
 
 WEATHER = {
     "type": "function",

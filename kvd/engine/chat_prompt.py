@@ -20,7 +20,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from kvd.engine.tool_calls import Tool, ToolTemplate, render_messages
+from kvd.request.tool_render import ToolTemplate, render_messages
+from kvd.request.tool_validate import Tool
 
 
 def encode_chat(
@@ -31,7 +32,7 @@ def encode_chat(
     developer_role: bool,
 ) -> list[int]:
     """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt when
-    the template has none (kvd.engine.tool_calls); earlier calls and results included."""
+    the template has none (kvd.request.tool_render); earlier calls and results included."""
     client = ClientText(tokenizer)
     messages, tools = client.mask(messages, tools)
     conversation, template_tools = render_messages(messages, tools, tool_template, developer_role)

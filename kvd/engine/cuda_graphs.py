@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.model.layers.graph_decode import GraphDecodeBackend
-from kvd.model.llama import CausalLM
+from kvd.model.decoder import CausalLM
+from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
 
 # Larger decode batches run eagerly: each graph keeps its own launch parameters, and past a few hundred rows
 # the launch overhead a graph saves is small next to the step's own work (vLLM caps at 512 likewise).

@@ -14,7 +14,8 @@ _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TCP = re.compile(r"^tcp://[^/:]+:\d+/?$")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8")
-# kvd.model.layers.selector's BACKEND_NAMES, spelt out: importing it would load torch for every command.
+# kvd.model.layers.attention.selector's BACKEND_NAMES, spelt out: importing it would load torch for every
+# command.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
 POOLINGS = ("auto", "mean", "last")  # kvd.engine.pooling's, spelt out for the same reason
 

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvd.engine.sampler import SamplingRow, sample
-from kvd.engine.sampling_params import SamplingParams
+from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.kv_cache import allocate_kv_cache
-from kvd.model.llama import CausalLM
 from kvd.model.loader import check_device
+from kvd.request.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

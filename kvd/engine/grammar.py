@@ -11,8 +11,8 @@ import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from kvd.engine.json_schema import closed_schema
-from kvd.engine.sampling_params import SamplingParams
+from kvd.request.json_schema import closed_schema
+from kvd.request.sampling_params import SamplingParams
 
 # JSON in one canonical, terminating shape: `{"a": 1, "b": [2, 3]}`. Flexible whitespace would let a model pad
 # with newlines until max_tokens; these separators are the ones models write most.

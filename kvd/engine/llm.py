@@ -12,15 +12,10 @@ from tqdm.auto import tqdm
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
-from kvd.engine.sampling_params import SamplingParams
-from kvd.engine.tool_calls import (
-    Tool,
-    ToolCallParser,
-    check_history,
-    parse_tool_choice,
-    parse_tools,
-    tool_call_grammar,
-)
+from kvd.request.sampling_params import SamplingParams
+from kvd.request.tool_grammar import tool_call_grammar
+from kvd.request.tool_parse import ToolCallParser
+from kvd.request.tool_validate import Tool, check_history, parse_tool_choice, parse_tools
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]

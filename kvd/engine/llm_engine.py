@@ -1,11 +1,12 @@
-"""The engine: admits requests, steps the scheduler and model, samples, detokenizes and reports increments."""
+"""The engine: admits requests, steps the scheduler and model, and samples; the output processor turns each
+step's tokens into increments, pool_sizing.py sizes the KV pool."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -17,60 +18,35 @@ from kvd.engine.block_manager import BlockManager, BlockUsage
 from kvd.engine.chat_prompt import encode_chat
 from kvd.engine.detokenizer import IncrementalDetokenizer
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
-from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
+from kvd.engine.engine_request import EngineRequest
+from kvd.engine.errors import RequestRejectedError, RequestTooLongError
+from kvd.engine.gpu_memory import DeviceMemory
 from kvd.engine.grammar import LIBRARY, GrammarCompiler, GrammarError
 from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
-from kvd.engine.outputs import EngineStepOutput, RequestOutput
+from kvd.engine.output_processor import OutputProcessor
+from kvd.engine.outputs import EngineStepOutput
+from kvd.engine.pool_sizing import kv_pool_blocks
 from kvd.engine.pooling import EmbeddingState, choose_pooling
 from kvd.engine.prompt_logprobs import PromptLogprobs
-from kvd.engine.sampler import SampledToken, SamplingRow, sample
-from kvd.engine.sampling_params import SamplingParams
+from kvd.engine.sampler import SamplingRow, sample
 from kvd.engine.scheduler import ScheduledChunk, Scheduler
 from kvd.engine.sequence import Sequence
-from kvd.engine.tool_calls import Tool, detect_tool_template
 from kvd.kernels.native_build import native_isa
+from kvd.model.decoder import CausalLM
+from kvd.model.layers.attention.native_attention import NativeAttentionBackend
+from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
-from kvd.model.layers.native_attention import NativeAttentionBackend
-from kvd.model.layers.selector import resolve_block_size
-from kvd.model.llama import CausalLM
 from kvd.parallel.group import fingerprint, weight_bytes
+from kvd.request.sampling_params import SamplingParams
+from kvd.request.tool_render import detect_tool_template
+from kvd.request.tool_validate import Tool
 
 if TYPE_CHECKING:
     from kvd.parallel.launch import TensorParallel
 from kvd.model.loader import load_model
 
 logger = logging.getLogger("kvd.engine")
-
-
-class RequestRejectedError(ValueError):
-    """A request cannot be admitted; the message says why and what to change, `field` names the setting at
-    fault when one is (None: the prompt)."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class RequestTooLongError(RequestRejectedError):
-    """The prompt does not fit in max_model_len or in the KV pool."""
-
-
-@dataclass
-class EngineRequest:
-    """The engine's record of one request, under the id its caller chose (opaque: any hashable value)."""
-
-    request_id: Hashable
-    seq: Sequence
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None  # None for embed requests, which produce no text
-    generator: torch.Generator | None
-    num_cached_tokens: int = 0
-    matcher: llguidance.LLMatcher | None = None  # structured output: the grammar's state after its tokens
-    prompt_logprobs: PromptLogprobs | None = None
-    embedding: EmbeddingState | None = None  # set for embed requests
-    # Sampled tokens waiting for their text to go out (with stop strings; see IncrementalDetokenizer.take_tokens).
-    pending: list[SampledToken] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -117,9 +93,10 @@ class LLMEngine:
         self.tool_template = detect_tool_template(chat_template)
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
-        self.num_blocks = self._pool_blocks(loaded.model, baseline)
+        max_model_len = self.config.cap_max_model_len(args.max_model_len)
+        self.num_blocks = kv_pool_blocks(args, loaded.model, self.kv_dtype, max_model_len, baseline)
         pool_tokens = self.num_blocks * args.block_size
-        self.max_model_len = min(self.config.cap_max_model_len(args.max_model_len), pool_tokens)
+        self.max_model_len = min(max_model_len, pool_tokens)
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.weight_bytes = weight_bytes(loaded.model)
@@ -153,6 +130,7 @@ class LLMEngine:
             channel=self.tp.channel if self.tp else None,
         )
         self.metrics = EngineMetrics()
+        self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.requests: dict[Hashable, EngineRequest] = {}
         self._by_seq_id: dict[int, EngineRequest] = {}
         logger.info(
@@ -168,40 +146,6 @@ class LLMEngine:
             self.attention_backend,
         )
 
-    def _pool_blocks(self, model: CausalLM, baseline: DeviceMemory | None) -> int:
-        args = self.args
-        per_block = kv_cache_bytes_per_block(model.config, args.block_size, self.kv_dtype)
-        budget = args.kv_cache_memory
-        if budget is None and self.tp and baseline is not None:
-            raise RequestRejectedError(
-                "tensor parallel on CUDA needs --kv-cache-memory (the pool of each rank): the profiling pass "
-                "runs on one rank only",
-                "kv_cache_memory",
-            )
-        if budget is None and baseline is not None:
-            budget = profile_kv_cache_budget(
-                model,
-                args.block_size,
-                args.max_num_batched_tokens,
-                args.max_num_seqs,
-                self.config.cap_max_model_len(args.max_model_len),
-                args.gpu_memory_utilization,
-                baseline,
-            )
-        elif budget is None:
-            # The ranks of one host share its memory: each takes its part of the fraction.
-            budget = int(
-                _available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size
-            )
-        num_blocks = budget // per_block
-        if num_blocks < 2:
-            raise RequestRejectedError(
-                f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-                "raise kv_cache_memory (on CUDA: gpu_memory_utilization, or free the device memory that "
-                "another engine or process holds)"
-            )
-        return num_blocks
-
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt)["input_ids"]
@@ -209,7 +153,7 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
         """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt
-        when the template has none (kvd.engine.tool_calls); earlier calls and results included. Only the template
+        when the template has none (kvd.request.tool_render); earlier calls and results included. Only the template
         writes control tokens: a special token's text in the client's messages or tools is tokenized as plain
         text, so a message cannot forge a turn boundary (kvd.engine.chat_prompt)."""
         return encode_chat(self.tokenizer, messages, tools or [], self.tool_template, self.developer_role)
@@ -315,7 +259,8 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        self._finish(request)
+        self.output_processor.release(request)
+        self._forget(request_id)
         return True
 
     def step(self) -> EngineStepOutput:
@@ -324,7 +269,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         preempted = [self._by_seq_id[s.seq_id].request_id for s in out.preempted]
         prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
-        outputs = [self._finish_with(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
+        processor = self.output_processor
+        outputs = [processor.finish(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
         forward_s, tokens = 0.0, []
         if out.chunks:
             forward_started = time.perf_counter()
@@ -344,8 +290,11 @@ class LLMEngine:
             self.scheduler.postprocess(
                 out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)}
             )
-            outputs.extend(self._on_token(r, t) for r, t in zip(requests, tokens, strict=True))
-            outputs.extend(self._on_embedded(r) for r in embedded)
+            outputs.extend(processor.on_token(r, t) for r, t in zip(requests, tokens, strict=True))
+            outputs.extend(processor.on_embedded(r) for r in embedded)
+        for output in outputs:
+            if output.finished:  # its sequence is released already: only the engine's records of it remain
+                self._forget(output.request_id)
         self.metrics.record_step(
             num_prefill_tokens=prefill_tokens,
             num_generated=len(tokens),  # sampled this step (stop strings may hold some back from outputs)
@@ -398,80 +347,9 @@ class LLMEngine:
             first = start if request.embedding.pooling == "mean" else last - 1
             request.embedding.add(begin, hidden[first:last])
 
-    def _on_embedded(self, request: EngineRequest) -> RequestOutput:
-        output = self._finish_with(request, "stop")
-        output.embedding = request.embedding.vector()
-        return output
-
-    def _on_token(self, request: EngineRequest, token: SampledToken) -> RequestOutput:
-        seq = request.seq
-        first = seq.num_output_tokens == 1
-        if first:
-            request.num_cached_tokens = seq.num_cached_tokens
-        if request.matcher is not None:
-            request.matcher.consume_token(token.token_id)
-        request.detokenizer.add_tokens([token.token_id])
-        request.pending.append(token)
-        reason = self._stop_reason(request, token.token_id)
-        if reason is not None:
-            self._finish(request)
-        text = request.detokenizer.take_delta(finished=reason is not None)
-        tokens = self._released(request, finished=reason is not None)
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[t.token_id for t in tokens],
-            new_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            logprobs=tokens if request.params.logprobs is not None else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            prompt_logprobs=request.prompt_logprobs.entries if first and request.prompt_logprobs else None,
-        )
-
-    def _stop_reason(self, request: EngineRequest, token_id: int) -> str | None:
-        params, seq = request.params, request.seq
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return "stop"
-        if request.detokenizer.stopped:
-            return "stop"
-        # The grammar takes no further token (it ended, end-of-sequence included): the output is complete.
-        if request.matcher is not None and (request.matcher.is_stopped() or request.matcher.is_error()):
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, request: EngineRequest) -> None:
-        self.scheduler.finish(request.seq)
-        if request.detokenizer is not None:
-            request.detokenizer.finish()
-        del self.requests[request.request_id]
+    def _forget(self, request_id: Hashable) -> None:
+        request = self.requests.pop(request_id)
         del self._by_seq_id[request.seq.seq_id]
-
-    def _released(self, request: EngineRequest, finished: bool) -> list[SampledToken]:
-        """The pending tokens that go out with the text taken so far."""
-        count = request.detokenizer.take_tokens(finished)
-        tokens, request.pending = request.pending[:count], request.pending[count:]
-        return tokens
-
-    def _finish_with(self, request: EngineRequest, reason: str) -> RequestOutput:
-        self._finish(request)
-        seq = request.seq
-        text = request.detokenizer.take_delta(finished=True) if request.detokenizer else ""
-        tokens = self._released(request, finished=True) if request.detokenizer else []
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[t.token_id for t in tokens],
-            new_text=text,
-            finished=True,
-            finish_reason=reason,
-            logprobs=tokens if request.params.logprobs is not None and tokens else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-        )
 
     def stats(self) -> dict:
         usage = self.block_manager.usage()
@@ -550,11 +428,3 @@ def _eos_token_ids(config: object, tokenizer: object) -> set[int]:
         elif isinstance(value, list | tuple):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def _available_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory explicitly")

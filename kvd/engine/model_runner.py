@@ -11,10 +11,10 @@ from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
+from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention import build_attention_metadata, host_to_device
-from kvd.model.layers.graph_decode import GraphDecodeBackend
+from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
 from kvd.model.layers.kv_cache import allocate_kv_cache
-from kvd.model.llama import CausalLM
 
 
 class MaxModelLenError(ValueError):

@@ -6,7 +6,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from kvd.engine.sampler import SampledToken
-from kvd.engine.tool_calls import ToolCall
+from kvd.request.tool_parse import ToolCall
 
 
 @dataclass

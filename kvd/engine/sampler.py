@@ -8,8 +8,8 @@ import llguidance
 import torch
 
 from kvd.engine.grammar import apply_masks
-from kvd.engine.sampling_params import SamplingParams
 from kvd.kernels import cpu_native
+from kvd.request.sampling_params import SamplingParams
 
 
 @dataclass

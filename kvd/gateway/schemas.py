@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvd.engine.sampling_params import MAX_SEED
+from kvd.request.sampling_params import MAX_SEED
 
 # OpenAI's documented default for /v1/completions; chat completions default to the rest of the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

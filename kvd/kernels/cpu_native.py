@@ -263,8 +263,8 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     bf16 = _is_bf16(x)
     if x.shape[-1] != weight.k or (weight.bits == 32 and bf16):
         raise NativeKernelError(
-            f"linear: {x.dtype} x with {x.shape[-1]} features for a weight of {weight.k} (bits {weight.bits}, "
-            f"GGUF type {weight.ggml})"
+            f"linear: {x.dtype} x with {x.shape[-1]} features for a "
+            f"{f'GGUF type {weight.ggml}' if weight.ggml else f'{weight.bits}-bit'} weight of {weight.k}"
         )
     x = x.contiguous()
     y = torch.empty(*x.shape[:-1], weight.n, dtype=x.dtype)

@@ -1,6 +1,7 @@
-"""The model family and its layers. This package import stays light (no torch)."""
+"""The model families over a shared decoder and its layers. This package import stays light (no torch)."""
 
-from kvd.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from kvd.model.config import ModelConfig, UnsupportedModelError
+from kvd.model.registry import SUPPORTED_ARCHITECTURES
 from kvd.private_cache import pin_compiler_caches
 
 # Before any module of this package imports torch (private_cache.py says why).

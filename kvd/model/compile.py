@@ -11,8 +11,8 @@ import functools
 
 import torch
 
+from kvd.model.decoder import MLP, CausalLM
 from kvd.model.layers.norm import RMSNorm
-from kvd.model.llama import MLP, CausalLM
 
 # Compiled per function (not per module through nn.Module.compile, whose shared _call_impl would pool every
 # module class and dtype under one recompile limit); the instances are arguments, so layers share a graph.

@@ -6,21 +6,27 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.model.registry import SUPPORTED_ARCHITECTURES, family_class
+
 logger = logging.getLogger(__name__)
 
-# architectures[0] -> model_type; one implementation (kvd.model.llama) covers them through config switches.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DEFAULT_ROPE_THETA = 10000.0
 
 
 class UnsupportedModelError(ValueError):
     """The config names an architecture or a feature this implementation does not cover."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The optional pieces of the shared decoder that one family's config turns on (kvd.model.families)."""
+
+    attention_bias: bool = False  # bias on the q/k/v projections
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # the window of every layer's attention; None: full attention
 
 
 @dataclass(frozen=True)
@@ -95,13 +101,11 @@ class ModelConfig:
         if num_heads % int(d.get("num_key_value_heads") or num_heads):
             raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
         rope_theta, rope_scaling = _rope(d)
-        sliding_window = _sliding_window(d, model_type)
+        # The family reads its own keys (importing its module, and torch, on first use).
+        layout = family_class(model_type).read_layout(d)
         max_positions = int(d.get("max_position_embeddings", 2048))
-        if sliding_window is not None:
-            max_positions = min(max_positions, sliding_window)
-        # Qwen2 always has q/k/v bias and never says so; Llama's attention_bias covers o_proj too.
-        qkv_bias = True if model_type == "qwen2" else bool(d.get("attention_bias", False))
-        o_bias = model_type in ("llama", "qwen3") and bool(d.get("attention_bias", False))
+        if layout.sliding_window is not None:
+            max_positions = min(max_positions, layout.sliding_window)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -117,15 +121,15 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            o_proj_bias=o_bias,
-            mlp_bias=model_type == "llama" and bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            attention_bias=layout.attention_bias,
+            o_proj_bias=layout.o_proj_bias,
+            mlp_bias=layout.mlp_bias,
+            qk_norm=layout.qk_norm,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=model_type,
             architectures=tuple(d.get("architectures") or ()),
-            sliding_window=sliding_window,
+            sliding_window=layout.sliding_window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )
 
@@ -165,14 +169,3 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         # transformers falls back to max_position_embeddings when the original length is not given.
         params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
     return theta, {"rope_type": rope_type, **params}
-
-
-def _sliding_window(d: dict[str, Any], model_type: str) -> int | None:
-    window = d.get("sliding_window")
-    if window is None or model_type == "llama":
-        return None
-    if model_type == "mistral":
-        return int(window)
-    # Qwen2/3 keep a sliding_window value but use it only on the layers marked "sliding_attention".
-    uses_window = "sliding_attention" in (d.get("layer_types") or []) or bool(d.get("use_sliding_window"))
-    return int(window) if uses_window else None

@@ -1,22 +1,24 @@
-"""The decoder family Llama / Mistral / Qwen2 / Qwen3 as one module, switched by ModelConfig."""
+"""The decoder every family builds on (kvd.model.families): attention, MLP, the layer stack and CausalLM, whose
+optional pieces (biases, q/k norm) the ModelConfig switches on, and Hugging Face weight loading."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvd.distributed.comm import all_reduce, gather_vocab
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
-from kvd.model.config import ModelConfig
+from kvd.model.config import Layout, ModelConfig
 from kvd.model.layers.activation import silu_and_mul
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 from kvd.model.layers.kv_cache import pool_row
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
-from kvd.model.layers.torch_attention import TorchAttentionBackend
 from kvd.model.native_decode import NativeDecoder
 
 # Hugging Face projection names that live stacked in one of our fused weights: (hf part, our part, shard).
@@ -119,7 +121,10 @@ class CausalLM(nn.Module):
     """forward(input_ids [T], positions [T], attn) -> hidden [T, H]; compute_logits on the rows to sample.
 
     With a sharded `shard` (tensor parallel), `config` is the whole model's and `self.config` this rank's
-    slice (kvd.distributed.shard): its heads, KV heads, MLP columns and vocabulary rows."""
+    slice (kvd.distributed.shard): its heads, KV heads, MLP columns and vocabulary rows.
+
+    A family subclasses it (kvd.model.registry names the class for each architecture) and says in read_layout
+    which optional pieces its config.json turns on."""
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None, shard: Shard = WHOLE
@@ -141,6 +146,11 @@ class CausalLM(nn.Module):
         self.output_proj: nn.Module | None = None
         # The native layer loop for decode steps, bound on first use (None: not yet, False: not applicable).
         self._native_decoder: NativeDecoder | bool | None = None
+
+    @staticmethod
+    def read_layout(hf_config: dict[str, Any]) -> Layout:
+        """The optional pieces this family's config.json (as a dict) turns on; by default none."""
+        return Layout()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata

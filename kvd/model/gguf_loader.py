@@ -25,12 +25,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from kvd.model.config import UnsupportedModelError
+from kvd.model.registry import GGUF_ARCHITECTURES
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
-
-# GGUF architecture -> Hugging Face class. llama.cpp also writes Mistral checkpoints as "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "B",

@@ -18,6 +18,7 @@ from kvd.distributed.shard import WHOLE, Shard, ShardPlan
 from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
+from kvd.model.decoder import CausalLM
 from kvd.model.gguf_loader import (
     GGUFError,
     GGUFFile,
@@ -28,13 +29,13 @@ from kvd.model.gguf_loader import (
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
 from kvd.model.huge_pages import pack_weights
+from kvd.model.layers.attention.selector import create_attention_backend, resolve_backend_name
 from kvd.model.layers.quantized_linear import (
     QUANTIZATIONS,
     QuantizationError,
     quantize_model,
 )
-from kvd.model.layers.selector import create_attention_backend, resolve_backend_name
-from kvd.model.llama import CausalLM
+from kvd.model.registry import family_class
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -112,8 +113,8 @@ def load_model(
 
     `model`: a folder with config.json, *.safetensors and tokenizer files; a .gguf file; a folder holding a
     single .gguf file; a Hugging Face id (cache first, see kvd.model.hub); or None for SmolLM2-135M-Instruct.
-    `attention_backend`: a backend, a name for kvd.model.layers.selector (auto|torch|native|triton|flash-attn), or
-    None for the torch backend.
+    `attention_backend`: a backend, a name for kvd.model.layers.attention.selector
+    (auto|torch|native|triton|flash-attn), or None for the torch backend.
     `quantization`: none | int8 | int4 | auto (on CPU, what a GGUF file holds): the decoder layers' weights stay
     quantized in memory and run through kvd's native CPU kernels, else torch's (kvd.model.layers.quantized_linear).
     `batch_invariant`: every kernel rounds a row the same whatever else shares its step (kvd.model.batch_invariance).
@@ -181,11 +182,11 @@ def build_causal_lm(
     device: torch.device,
     shard: Shard = WHOLE,
 ) -> CausalLM:
-    """The model with uninitialized parameters created in `dtype` on `device`: peak memory is the run
-    dtype's, never float32's. Only the rotary tables are computed in float32 (their code asks for it), then
-    rounded to `dtype` as transformers rounds its cos/sin."""
+    """The model of the config's family (kvd.model.registry) with uninitialized parameters created in `dtype`
+    on `device`: peak memory is the run dtype's, never float32's. Only the rotary tables are computed in float32
+    (their code asks for it), then rounded to `dtype` as transformers rounds its cos/sin."""
     with torch.device(device), _default_dtype(dtype):
-        causal_lm = CausalLM(config, attention_backend, shard)
+        causal_lm = family_class(config.model_type)(config, attention_backend, shard)
     return causal_lm.to(dtype)  # casts the float32 buffers; the parameters are already in dtype
 
 

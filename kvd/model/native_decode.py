@@ -14,8 +14,8 @@ import torch
 
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionMetadata
+from kvd.model.layers.attention.native_attention import NativeAttentionBackend, NativeDecodePlan
 from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
-from kvd.model.layers.native_attention import NativeAttentionBackend, NativeDecodePlan
 from kvd.model.layers.quantized_linear import NativeQuantizedLinear
 
 

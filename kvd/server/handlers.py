@@ -9,8 +9,9 @@ from dataclasses import replace
 
 import kvd
 from kvd.engine.llm_engine import RequestRejectedError
-from kvd.engine.sampling_params import MAX_LOGPROBS
-from kvd.engine.tool_calls import ToolCallParser, tool_call_grammar
+from kvd.request.sampling_params import MAX_LOGPROBS
+from kvd.request.tool_grammar import tool_call_grammar
+from kvd.request.tool_parse import ToolCallParser
 from kvd.server import events, protocol
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission

@@ -9,10 +9,17 @@ from typing import Any
 
 import msgpack
 
-# The one engine import of the wire layer: SamplingParams defines the sampling fields' ranges for the offline API
-# and the wire alike, and needs only the standard library.
-from kvd.engine.sampling_params import STRUCTURED_FIELDS, SamplingParams, SamplingParamsError
-from kvd.engine.tool_calls import Tool, ToolChoice, ToolError, check_history, parse_tool_choice, parse_tools
+# The shared request surface: SamplingParams defines the sampling fields' ranges for the offline API and the wire
+# alike, and needs only the standard library.
+from kvd.request.sampling_params import STRUCTURED_FIELDS, SamplingParams, SamplingParamsError
+from kvd.request.tool_validate import (
+    Tool,
+    ToolChoice,
+    ToolError,
+    check_history,
+    parse_tool_choice,
+    parse_tools,
+)
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)

@@ -13,8 +13,8 @@ import zmq
 
 import kvd
 from kvd.engine.engine_args import EngineArgs
-from kvd.engine.sampling_params import SamplingParams
 from kvd.gateway.server import check_port_free, parse_http_address, spawn_gateway, stop_gateway
+from kvd.request.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint, close_socket, open_publisher, open_router
 from kvd.server.systemd import Notifier

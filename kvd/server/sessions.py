@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvd.engine.sampling_params import SamplingParams
-from kvd.engine.tool_calls import ToolCallParser
+from kvd.request.sampling_params import SamplingParams
+from kvd.request.tool_parse import ToolCallParser
 from kvd.server.protocol import RequestId
 
 

@@ -1,4 +1,5 @@
-"""Mistral: Llama's layout without o_proj or MLP bias, and a sliding window over every layer when it has one."""
+"""Mistral: Llama's layout, but attention_bias puts a bias on q/k/v only (none on o, none on the MLP), and its
+sliding window, when it has one, covers every layer."""
 
 from __future__ import annotations
 

@@ -1,20 +1,22 @@
 """Attention over the paged KV pool: the step metadata every layer shares, built by the model's backend.
 
-Backends build on attention_base; the names model code uses are re-exported here.
+The backends (one module each), the CUDA-graph hook some of them offer (graph_decode) and the choice between
+them (selector) live in this package; they build on attention_base, whose names model code uses are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvd.model.layers.attention_base import (
+from kvd.model.layers.attention.attention_base import (
     AttentionBackend,
     AttentionMetadata,
     AttentionMetadataError,
     StepLayout,
     host_to_device,
 )
-from kvd.model.layers.torch_attention import TorchAttentionBackend
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 
 __all__ = [
     "AttentionBackend",

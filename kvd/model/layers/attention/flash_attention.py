@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels.store_kvcache import store_kvcache
-from kvd.model.layers.attention_base import (
+from kvd.model.layers.attention.attention_base import (
     AttentionBackendUnavailableError,
     AttentionMetadata,
     StepLayout,
     host_to_device,
     resolve_block_size,
 )
-from kvd.model.layers.graph_decode import GraphDecodeBackend
+from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
 
 
 @dataclass(frozen=True)

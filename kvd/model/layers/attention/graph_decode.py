@@ -6,7 +6,7 @@ from abc import abstractmethod
 
 import torch
 
-from kvd.model.layers.attention_base import AttentionBackend, AttentionMetadata
+from kvd.model.layers.attention.attention_base import AttentionBackend, AttentionMetadata
 
 
 class GraphDecodeBackend(AttentionBackend):

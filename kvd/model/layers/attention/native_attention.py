@@ -14,8 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.attention_base import AttentionBackend, StepLayout, host_to_device
-from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata, decode_rows
+from kvd.model.layers.attention.attention_base import AttentionBackend, StepLayout, host_to_device
+from kvd.model.layers.attention.torch_attention import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    decode_rows,
+)
 
 
 @dataclass

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.attention_base import (
+from kvd.model.layers.attention.attention_base import (
     AttentionBackend,
     AttentionBackendError,
     AttentionBackendUnavailableError,
     resolve_block_size,
 )
-from kvd.model.layers.flash_attention import FlashAttentionBackend
-from kvd.model.layers.native_attention import NativeAttentionBackend
-from kvd.model.layers.torch_attention import TorchAttentionBackend
-from kvd.model.layers.triton_attention import TritonAttentionBackend
+from kvd.model.layers.attention.flash_attention import FlashAttentionBackend
+from kvd.model.layers.attention.native_attention import NativeAttentionBackend
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
+from kvd.model.layers.attention.triton_attention import TritonAttentionBackend
 
 # Importing a backend is cheap: triton and flash_attn are imported when a kernel is launched or a backend built.
 BACKENDS: dict[str, type[AttentionBackend]] = {

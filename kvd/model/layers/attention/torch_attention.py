@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvd.model.layers.attention_base import AttentionBackend, AttentionMetadata, StepLayout, host_to_device
+from kvd.model.layers.attention.attention_base import (
+    AttentionBackend,
+    AttentionMetadata,
+    StepLayout,
+    host_to_device,
+)
 
 
 @dataclass

@@ -14,9 +14,9 @@ import torch
 
 from kvd.kernels.paged_decode_attention import default_num_splits, paged_decode_attention
 from kvd.kernels.store_kvcache import store_kvcache
-from kvd.model.layers.attention_base import AttentionMetadata, StepLayout, host_to_device
-from kvd.model.layers.graph_decode import GraphDecodeBackend
-from kvd.model.layers.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
+from kvd.model.layers.attention.attention_base import AttentionMetadata, StepLayout, host_to_device
+from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
+from kvd.model.layers.attention.torch_attention import TorchAttentionBackend, TorchAttentionMetadata
 
 
 @dataclass

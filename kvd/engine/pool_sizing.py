@@ -1,0 +1,61 @@
+"""How many blocks the KV pool gets: an explicit budget, else on CUDA what the memory profile leaves (measured
+by gpu_memory.py), else on a CPU a share of the host's available memory."""
+
+from __future__ import annotations
+
+import torch
+
+from kvd.engine.engine_args import EngineArgs
+from kvd.engine.errors import RequestRejectedError
+from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
+from kvd.model.decoder import CausalLM
+from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+
+
+def kv_pool_blocks(
+    args: EngineArgs,
+    model: CausalLM,
+    kv_dtype: torch.dtype,
+    max_model_len: int,
+    baseline: DeviceMemory | None,
+) -> int:
+    """Blocks of `args.block_size` tokens in this rank's pool. `max_model_len`: the model's cap of the
+    setting, the longest sequence the profile runs; `baseline`: the CUDA device's memory before the model
+    loaded (None off CUDA)."""
+    per_block = kv_cache_bytes_per_block(model.config, args.block_size, kv_dtype)
+    budget = args.kv_cache_memory
+    if budget is None and args.tensor_parallel_size > 1 and baseline is not None:
+        raise RequestRejectedError(
+            "tensor parallel on CUDA needs --kv-cache-memory (the pool of each rank): the profiling pass "
+            "runs on one rank only",
+            "kv_cache_memory",
+        )
+    if budget is None and baseline is not None:
+        budget = profile_kv_cache_budget(
+            model,
+            args.block_size,
+            args.max_num_batched_tokens,
+            args.max_num_seqs,
+            max_model_len,
+            args.gpu_memory_utilization,
+            baseline,
+        )
+    elif budget is None:
+        # The ranks of one host share its memory: each takes its part of the fraction.
+        budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
+    num_blocks = budget // per_block
+    if num_blocks < 2:
+        raise RequestRejectedError(
+            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
+            "raise kv_cache_memory (on CUDA: gpu_memory_utilization, or free the device memory that "
+            "another engine or process holds)"
+        )
+    return num_blocks
+
+
+def _available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass kv_cache_memory explicitly")

@@ -1,0 +1,84 @@
+"""Forced tool calls: the grammar that makes the output call(s) for tool_choice "required" or a named function."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvd.request.json_schema import closed_schema
+from kvd.request.tool_render import HERMES_CLOSE, HERMES_OPEN, ToolFormat, ToolTemplate
+from kvd.request.tool_validate import Tool, ToolChoice, ToolError
+
+# The JSON of a constrained call: one space after ',' and ':' (what json.dumps writes and what the templates
+# render in past turns), nothing else; unknown schema keywords are ignored rather than refused.
+_JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
+
+
+def tool_call_grammar(
+    tools: list[Tool], choice: ToolChoice, template: ToolTemplate, parallel: bool
+) -> str | None:
+    """A Lark grammar (llguidance's dialect) that forces the output to be tool call(s); None unless the choice
+    is "required" (any tool; one or more calls when parallel) or "named" (that tool, once)."""
+    if choice.mode == "required":
+        chosen, many = tools, parallel
+    elif choice.mode == "named":
+        chosen, many = [tool for tool in tools if tool.name == choice.name], False
+    else:
+        return None
+    if not chosen:
+        raise ToolError("tool_choice", "no tool to call")
+    key = "parameters" if template.format is ToolFormat.LLAMA3_JSON else "arguments"
+    schema = _calls_schema(chosen, key)
+    if template.format is ToolFormat.LLAMA3_JSON:
+        separator, call = '"; "', "body"
+    else:
+        separator, call = r'"\n"', rf'"{HERMES_OPEN}\n" body "\n{HERMES_CLOSE}"'
+    start = f"call ({separator} call)*" if many else "call"
+    return f"%llguidance {{}}\nstart: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+
+
+def _calls_schema(tools: list[Tool], key: str) -> dict:
+    """The JSON schema of one call object {"name": NAME, key: ARGUMENTS} to any of `tools`."""
+    defs: dict[str, dict] = {}
+    options = []
+    for i, tool in enumerate(tools):
+        # Closed as json_schema's objects are: a small model would invent keys until max_tokens.
+        arguments = closed_schema(tool.parameters)
+        if _has_local_ref(arguments):
+            # "#..." refs point into the tool's own schema: keep it whole under $defs and re-root them there.
+            defs[f"tool_{i}"] = _reroot_refs(arguments, f"#/$defs/tool_{i}")
+            arguments = {"$ref": f"#/$defs/tool_{i}"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, key: arguments},
+                "required": ["name", key],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema["$defs"] = defs
+    schema["x-guidance"] = _JSON_STYLE
+    return schema
+
+
+def _has_local_ref(node: object) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _reroot_refs(node: Any, root: str) -> Any:
+    if isinstance(node, dict):
+        out = {k: _reroot_refs(v, root) for k, v in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = root + ref[1:]
+        return out
+    if isinstance(node, list):
+        return [_reroot_refs(v, root) for v in node]
+    return node

@@ -1,0 +1,206 @@
+"""Tool calls in the output: split a streamed completion into content text and the calls it holds."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+from kvd.request.tool_render import HERMES_CLOSE, HERMES_OPEN, PYTHON_TAG, ToolFormat, ToolTemplate
+from kvd.request.tool_validate import Tool
+
+
+@dataclass
+class ToolCall:
+    id: str  # "call_" + 24 hex chars
+    name: str
+    arguments: str  # JSON text of the arguments object
+
+
+def _new_call(name: str, arguments: dict) -> ToolCall:
+    return ToolCall("call_" + secrets.token_hex(12), name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _longest_marker_prefix(text: str, marker: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+@dataclass
+class _Hermes:
+    """<tool_call> blocks amid text; whitespace next to a parsed call is dropped, the rest of the text kept."""
+
+    names: set[str]
+    calls: list[ToolCall] = field(default_factory=list)
+    buffer: str = ""  # text not yet settled
+    in_call: bool = False  # buffer is the inside of an open <tool_call> block
+    before: str = ""  # the whitespace before the open block: content again if the block is no call
+    after_call: bool = False  # whitespace now follows a parsed call
+
+    def feed(self, text: str) -> str:
+        self.buffer += text
+        out: list[str] = []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(HERMES_CLOSE)
+                if end < 0:
+                    return "".join(out)
+                block, self.buffer = self.buffer[:end], self.buffer[end + len(HERMES_CLOSE) :]
+                out.append(self._close(block, closed=True))
+                continue
+            if self.after_call:
+                self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    return "".join(out)
+                self.after_call = False
+            start = self.buffer.find(HERMES_OPEN)
+            if start >= 0:
+                text_before = self.buffer[:start]
+                stripped = text_before.rstrip()
+                out.append(stripped)
+                self.before = text_before[len(stripped) :]
+                self.buffer = self.buffer[start + len(HERMES_OPEN) :]
+                self.in_call = True
+                continue
+            # Hold back trailing whitespace and anything that may be the start of a marker.
+            held = _longest_marker_prefix(self.buffer, HERMES_OPEN)
+            settled = self.buffer[: len(self.buffer) - held]
+            keep = settled.rstrip()
+            out.append(keep)
+            self.buffer = self.buffer[len(keep) :]
+            return "".join(out)
+
+    def _close(self, block: str, closed: bool) -> str:
+        """Content for a finished block: none if it is a call, else the block as it came."""
+        self.in_call = False
+        call = _hermes_call(block, self.names)
+        if call is not None:
+            self.calls.append(call)
+            self.after_call = True
+            return ""
+        tail = HERMES_CLOSE if closed else ""
+        return f"{self.before}{HERMES_OPEN}{block}{tail}"
+
+    def finish(self, cut: bool) -> str:
+        if self.in_call:
+            block, self.buffer = self.buffer, ""
+            content = self._close(block, closed=False)
+            # A block cut short by max_tokens is an unfinished call, not content.
+            return "" if cut else content
+        rest, self.buffer = self.buffer, ""
+        if cut:  # the start of a <tool_call> marker, cut short, is no content either
+            rest = rest[: len(rest) - _longest_marker_prefix(rest, HERMES_OPEN)].rstrip()
+        return rest
+
+
+def _hermes_call(block: str, names: set[str]) -> ToolCall | None:
+    try:
+        value, end = json.JSONDecoder().raw_decode(block.strip())
+    except json.JSONDecodeError:
+        return None
+    if end != len(block.strip()):
+        return None
+    return _as_call(value, names)
+
+
+def _as_call(value: object, names: set[str]) -> ToolCall | None:
+    """The call a parsed JSON value stands for, if it is one to a known tool with an object of arguments."""
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters"))
+    if not isinstance(arguments, dict):
+        return None
+    return _new_call(value["name"], arguments)
+
+
+@dataclass
+class _Llama3:
+    """A whole output that is JSON call object(s) separated by ";", or else content."""
+
+    names: set[str]
+    calls: list[ToolCall] = field(default_factory=list)
+    buffer: str = ""
+    mode: str = "undecided"  # "undecided" | "content" | "call"
+
+    def feed(self, text: str) -> str:
+        if self.mode == "content":
+            return text
+        self.buffer += text
+        if self.mode == "call":
+            return ""
+        head = self.buffer.lstrip()
+        if head.startswith(PYTHON_TAG):
+            head = head[len(PYTHON_TAG) :].lstrip()
+        elif PYTHON_TAG.startswith(head):
+            return ""  # empty, whitespace or the start of <|python_tag|>: too early to tell
+        if not head:
+            return ""
+        if head.startswith("{"):
+            self.mode = "call"
+            return ""
+        self.mode = "content"
+        out, self.buffer = self.buffer, ""
+        return out
+
+    def finish(self, cut: bool) -> str:
+        text, self.buffer = self.buffer, ""
+        if self.mode != "call":
+            return text
+        calls = _llama3_calls(text, self.names, cut)
+        if calls is None:
+            return text
+        self.calls.extend(calls)
+        return ""
+
+
+def _llama3_calls(text: str, names: set[str], cut: bool) -> list[ToolCall] | None:
+    """The calls `text` holds, or None if it is not calls alone; when `cut` (by max_tokens), whole calls
+    followed by the start of another are the whole ones."""
+    rest = text.strip()
+    if rest.startswith(PYTHON_TAG):
+        rest = rest[len(PYTHON_TAG) :].lstrip()
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    while True:
+        try:
+            value, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            return calls if cut and calls else None
+        call = _as_call(value, names)
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[end:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        rest = rest[1:].lstrip()
+        if not rest:  # a trailing ";"
+            return calls
+
+
+class ToolCallParser:
+    """Splits a streamed completion into content text and tool calls, holding back text that may start a call.
+    `forced`: a grammar makes the output calls alone (tool_choice "required" or a named function)."""
+
+    def __init__(self, template: ToolTemplate, tools: list[Tool], forced: bool = False) -> None:
+        names = {tool.name for tool in tools}
+        self._impl = _Llama3(names) if template.format is ToolFormat.LLAMA3_JSON else _Hermes(names)
+        self.forced = forced
+
+    def feed(self, text: str) -> str:
+        """The content text that is safe to emit now (never a prefix of a tool-call marker, never inside a call)."""
+        return self._impl.feed(text)
+
+    def finish(self, reason: str) -> tuple[str, list[ToolCall], str]:
+        """The rest of the content, the calls parsed, and the finish reason: "tool_calls" for an output with calls
+        that ended on its own; one cut by max_tokens ("length") drops an unfinished call rather than returning it
+        as content, and keeps its reason, as "abort" does."""
+        rest, calls = self._impl.finish(reason == "length"), self._impl.calls
+        if self.forced and reason == "length":
+            rest = ""  # whatever is left of a forced output cut short is a call cut short
+        return rest, calls, "tool_calls" if calls and reason == "stop" else reason
