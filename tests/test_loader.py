@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import gguf
+import gguf_quants
 import numpy as np
 import pytest
 import torch
@@ -211,12 +212,12 @@ def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def tiny_hf_model(arch: str) -> transformers.PreTrainedModel:
+def tiny_hf_model(arch: str, **shape: int) -> transformers.PreTrainedModel:
+    """A tiny random model of the family; `shape` overrides SHAPE's sizes."""
     config_class, settings = TINY[arch]
     tokens = tiny_vocab()[0]
     config = config_class(
-        **SHAPE,
-        **settings,
+        **(SHAPE | settings | shape),
         vocab_size=len(tokens),
         bos_token_id=tokens.index("<|im_start|>"),
         eos_token_id=tokens.index("<|im_end|>"),
@@ -245,10 +246,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def write_tiny_gguf(
-    model: transformers.PreTrainedModel, path: Path, extra_tensors: dict[str, np.ndarray] | None = None
+    model: transformers.PreTrainedModel,
+    path: Path,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    tensor_types: dict[str, Q] | None = None,
 ) -> None:
     """Convert as llama.cpp does: its tensor names (gguf-py's own map), metadata keys, and for llama the
-    q/k row permutation."""
+    q/k row permutation. `tensor_types`: GGUF tensor name -> the type to store it in (else float32)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = config.model_type
@@ -282,7 +286,12 @@ def write_tiny_gguf(
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
             data = llama_cpp_permute(data, config.num_attention_heads, kv)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", np.ascontiguousarray(data))
+        name = f"{names.get_name(base)}.{suffix}"
+        qtype = (tensor_types or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+        else:
+            writer.add_tensor(name, gguf_quants.quantize(data, qtype), raw_dtype=qtype)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
     write_gguf(writer)

@@ -12,7 +12,7 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _TCP = re.compile(r"^tcp://[^/:]+:\d+/?$")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8")
 # kvd.model.layers.attention.selector's BACKEND_NAMES, spelt out: importing it would load torch for every
 # command.
@@ -88,7 +88,8 @@ class EngineArgs:
         type=positive_int,
     )
     # Decoder weights kept quantized (CPU): auto = what a GGUF file holds (int4 for Q4_0/Q4_1, int8 for
-    # Q8_0), none = dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
+    # Q8_0, gguf for files with other types: each matrix in its own type, kvd.model.gguf_native), none =
+    # dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
     quantization: str = setting(
         "auto",
         "CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",

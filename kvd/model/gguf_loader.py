@@ -358,14 +358,16 @@ def native_quantization(file: GGUFFile) -> str:
     return "none"
 
 
-def iter_gguf_weights(file: GGUFFile, hf_config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for every weight, dequantized to float32, q/k rows put back in HF order for
-    llama (llama.cpp permutes only that architecture)."""
+def iter_gguf_weights(
+    file: GGUFFile, hf_config: dict[str, Any], skip: set[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight but those named in `skip`, dequantized to float32, q/k rows
+    put back in HF order for llama (llama.cpp permutes only that architecture)."""
     permuted = file.architecture == "llama"
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     for name in file.tensors:
-        if name == _ROPE_FACTORS:
-            continue  # folded into hf_config["rope_scaling"]
+        if name == _ROPE_FACTORS or name in skip:
+            continue  # folded into hf_config["rope_scaling"], or installed in its own type
         hf_name = hf_tensor_name(name)
         if hf_name is None:
             raise GGUFError(

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
+from kvd.model import gguf_native
 from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.cpu_dtype import DtypeChoice, cpu_flags, pick_cpu_dtype
@@ -25,7 +27,6 @@ from kvd.model.gguf_loader import (
     hf_config_from_gguf,
     iter_gguf_weights,
     load_gguf_tokenizer,
-    native_quantization,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
 from kvd.model.huge_pages import pack_weights
@@ -138,16 +139,25 @@ def load_model(
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
     causal_lm = build_causal_lm(config, attention_backend, run_dtype, device, shard)
     plan = ShardPlan(config, shard)
+    taken = set()
+    if quantization == "gguf":
+        if checkpoint.install_native is None or shard.sharded:
+            raise QuantizationError(
+                "quantization 'gguf' runs a whole GGUF file on one rank; use int8 or int4 for tensor parallel "
+                "or a safetensors model"
+            )
+        taken = checkpoint.install_native(causal_lm, run_dtype)
     causal_lm.load_weights(  # casts to the parameters' dtype
         tqdm(
-            ((n, plan.tensor(n, t)) for n, t in checkpoint.weights()),
-            total=checkpoint.num_tensors,
+            ((n, plan.tensor(n, t)) for n, t in checkpoint.weights(taken)),
+            total=checkpoint.num_tensors - len(taken),
             desc=f"Loading {name}",
             unit="tensor",
             disable=None,
         )
     )
-    quantize_model(causal_lm, quantization)
+    if quantization != "gguf":
+        quantize_model(causal_lm, quantization)
     set_batch_invariant(causal_lm, batch_invariant)
     causal_lm.eval()
     if device.type == "cpu":
@@ -205,8 +215,10 @@ class _Checkpoint:
     hf_config: dict[str, Any]
     num_tensors: int
     load_tokenizer: Callable[[], PreTrainedTokenizerFast]
-    weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]]  # all but the names given
     native_quantization: str = "none"  # what "auto" quantization picks (GGUF files only)
+    # GGUF files: installs the matrices in their own types (quantization "gguf"); returns the names it took.
+    install_native: Callable[[nn.Module, torch.dtype], set[str]] | None = None
 
 
 def _open_gguf(path: Path) -> _Checkpoint:
@@ -216,8 +228,9 @@ def _open_gguf(path: Path) -> _Checkpoint:
         hf_config,
         len(file.tensors),
         lambda: load_gguf_tokenizer(file),
-        lambda: iter_gguf_weights(file, hf_config),
-        native_quantization(file),
+        lambda skip: iter_gguf_weights(file, hf_config, skip),
+        gguf_native.auto_quantization(file),
+        lambda model, dtype: gguf_native.install(model, file, hf_config, dtype),
     )
 
 
@@ -234,7 +247,7 @@ def _open_folder(path: Path) -> _Checkpoint:
         hf_config,
         _safetensors_count(files),
         lambda: _folder_tokenizer(path),
-        lambda: iter_safetensors(files),
+        lambda skip: iter_safetensors(files),
     )
 
 
@@ -242,8 +255,8 @@ def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.devi
     on_cpu = device.type == "cpu"
     if mode == "auto":
         return checkpoint.native_quantization if on_cpu else "none"
-    if mode not in QUANTIZATIONS:
-        raise QuantizationError(f"quantization {mode!r} is not one of auto, {', '.join(QUANTIZATIONS)}")
+    if mode not in (*QUANTIZATIONS, "gguf"):
+        raise QuantizationError(f"quantization {mode!r} is not one of auto, gguf, {', '.join(QUANTIZATIONS)}")
     if mode != "none" and not on_cpu:
         raise QuantizationError(
             f"quantization {mode!r} runs on CPU only (torch's weight-only CPU kernels); use none on {device}"

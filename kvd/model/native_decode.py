@@ -15,6 +15,7 @@ import torch
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionMetadata
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend, NativeDecodePlan
+from kvd.model.layers.gguf_linear import GGUFLinear
 from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
 from kvd.model.layers.quantized_linear import NativeQuantizedLinear
 
@@ -37,6 +38,8 @@ def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     bias), float32, or bfloat16 with batch invariance and no bias (torch adds a bf16 bias after rounding)."""
     if isinstance(module, NativeQuantizedLinear):
         return True
+    if isinstance(module, GGUFLinear):  # one part in a native type (several parts: the Python loop)
+        return len(module.specs) == 1 and module.specs[0].kind != "float"
     if not isinstance(module, Linear) or module.weight.dtype != dtype:
         return False
     return dtype == torch.float32 or (module.batch_invariant and module.bias is None)

@@ -1,0 +1,108 @@
+"""Quantization "gguf": a GGUF file's matrices installed in their own types (kvd.model.layers.gguf_linear).
+
+The decoder layers' linears, the token embedding and the output projection are built from the file's bytes,
+before the float weights load; the float tensors that remain (norms, biases of linears not replaced) load as
+usual. A matrix of a type without a native kernel is dequantized, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from kvd.model.gguf_loader import GGUFFile, dequantize, native_quantization, unpermute_qk
+from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
+
+logger = logging.getLogger(__name__)
+
+# Our fused linear -> the GGUF matrices stacked in it, in order.
+_LINEARS = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
+
+
+def file_types(file: GGUFFile) -> dict[str, tuple[int, int]]:
+    """Matrices' type name -> (tensor count, bytes), for `info`."""
+    counts: dict[str, tuple[int, int]] = {}
+    for info in file.tensors.values():
+        count, nbytes = counts.get(info.qtype.name, (0, 0))
+        counts[info.qtype.name] = (count + 1, nbytes + info.nbytes)
+    return counts
+
+
+def uses_native_types(file: GGUFFile) -> bool:
+    """Whether any layer matrix of the file is of a type this mode runs in place."""
+    return any(
+        name.startswith("blk.") and len(info.shape) > 1 and native_type(info.qtype)
+        for name, info in file.tensors.items()
+    )
+
+
+class _Reader:
+    def __init__(self, file: GGUFFile, hf_config: dict) -> None:
+        self.file = file
+        self.heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
+        self.permuted = file.architecture == "llama"  # llama.cpp reorders q/k rows for llama alone
+
+    def part(self, name: str, kind: str | None = None) -> tuple[str, np.ndarray, GGMLQuantizationType]:
+        """(name, rows, type) of one matrix: its bytes when its type runs natively, else float32 values."""
+        info = self.file.tensors[name]
+        raw = self.file.raw(info)
+        qtype = info.qtype
+        if not native_type(qtype):
+            if qtype not in (GGMLQuantizationType.F32,):
+                logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
+            raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
+        rows = np.array(raw)  # a private copy: the file's map is read-only
+        if self.permuted and kind in self.heads:
+            rows = unpermute_qk(torch.from_numpy(rows), self.heads[kind]).numpy()
+        return name, rows, qtype
+
+    def bias(self, names: list[str]) -> torch.Tensor | None:
+        present = [n for n in names if n in self.file.tensors]
+        if not present:
+            return None
+        if len(present) != len(names):
+            raise ValueError(f"{self.file.path}: biases for only some of {names}")
+        infos = [self.file.tensors[n] for n in names]
+        return torch.cat([torch.from_numpy(dequantize(self.file.raw(info), info.qtype)) for info in infos])
+
+
+def install(model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtype) -> set[str]:
+    """Replace the model's linears, embedding and output projection by their file-typed forms; returns the GGUF
+    tensor names they took (the loader skips those)."""
+    reader, taken = _Reader(file, hf_config), set()
+    hidden = model.config.hidden_size
+    for i, layer in enumerate(model.model.layers):
+        for path, kinds in _LINEARS.items():
+            names = [f"blk.{i}.{kind}.weight" for kind in kinds]
+            biases = [f"blk.{i}.{kind}.bias" for kind in kinds]
+            parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+            k = getattr(parent, attr).weight.shape[1]
+            parts = [reader.part(n, kind) for n, kind in zip(names, kinds, strict=True)]
+            setattr(parent, attr, GGUFLinear(k, parts, reader.bias(biases), dtype))
+            taken.update(names, (b for b in biases if b in file.tensors))
+    table = GGUFLinear(hidden, [reader.part("token_embd.weight")], None, dtype)
+    model.model.embed_tokens = GGUFEmbedding(table, dtype)
+    # Tied: the one table serves both.
+    untied = "output.weight" in file.tensors
+    model.output_proj = GGUFLinear(hidden, [reader.part("output.weight")], None, dtype) if untied else table
+    model.lm_head = None  # the output runs from output_proj alone
+    taken.update(("token_embd.weight", "output.weight"))
+    return taken
+
+
+def auto_quantization(file: GGUFFile) -> str:
+    """What quantization "auto" runs a GGUF file in: int4 / int8 where those hold every layer matrix exactly
+    (kvd's own kernels, tuned for them), else "gguf" where some layer matrix runs in its own type, else none."""
+    mode = native_quantization(file)
+    if mode == "none" and uses_native_types(file):
+        return "gguf"
+    return mode

@@ -1,0 +1,133 @@
+"""Quantization "gguf": a GGUF file's matrices run in their own types (Q4_K, Q5_K, Q6_K in place; Q4_0, Q8_0,
+Q5_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too, without a float copy."""
+
+from __future__ import annotations
+
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_loader import tiny_hf_model, write_tiny_gguf
+
+from kvd.kernels import cpu_native
+from kvd.model.gguf_loader import GGUFFile
+from kvd.model.layers.attention import build_attention_metadata
+from kvd.model.layers.gguf_linear import GGUFLinear, to_kvd_blocks
+from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels built")
+
+# Rows of 256 values or more, so that every super-block type fits.
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+}
+# A Q4_K_M-like mix, with the other native types and one without a kernel (IQ4_XS: dequantized) in layer 1.
+TYPES = {
+    "token_embd.weight": Q.Q6_K,
+    "output.weight": Q.Q8_0,
+    "blk.0.attn_q.weight": Q.Q4_K,
+    "blk.0.attn_k.weight": Q.Q4_K,
+    "blk.0.attn_v.weight": Q.Q6_K,
+    "blk.0.attn_output.weight": Q.Q5_K,
+    "blk.0.ffn_gate.weight": Q.Q4_K,
+    "blk.0.ffn_up.weight": Q.Q4_K,
+    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.1.attn_q.weight": Q.Q4_0,
+    "blk.1.attn_k.weight": Q.Q5_0,
+    "blk.1.attn_v.weight": Q.Q8_0,
+    "blk.1.attn_output.weight": Q.IQ4_NL,
+    "blk.1.ffn_gate.weight": Q.IQ4_XS,
+    "blk.1.ffn_up.weight": Q.Q4_1,
+    "blk.1.ffn_down.weight": Q.Q4_K,
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def files(request, tmp_path_factory):
+    model = tiny_hf_model(request.param, **SHAPE)
+    with torch.no_grad():  # a trained model's scales (unit-variance layers), not one that amplifies rounding
+        for name, param in model.named_parameters():
+            param.mul_(param.shape[-1] ** -0.5 if param.dim() > 1 else 0.1).add_(
+                1.0 if "norm" in name else 0.0
+            )
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.gguf"
+    write_tiny_gguf(model, path, tensor_types=TYPES)
+    return path
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.IQ4_NL], ids=lambda q: q.name)
+def test_block_types_convert_to_kvd_blocks_exactly(qtype):
+    import gguf_quants
+
+    values = np.random.default_rng(0).standard_normal((24, 256)).astype(np.float32)
+    raw = gguf_quants.quantize(values, qtype)
+    layer = GGUFLinear(256, [("t", raw, qtype)], None, torch.float32)
+    out = cpu_native.dequantize(layer.part_weight(0), 0, torch.empty(24, 256))
+    np.testing.assert_array_equal(out.numpy(), gguf.quants.dequantize(raw, qtype))
+    assert to_kvd_blocks(raw, qtype)[0] in (4, 8)
+
+
+def _logits(loaded, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Last-position logits of each sequence, all prefilled together in one varlen step."""
+    model, block = loaded.model, 16
+    per_seq = -(-max(len(s) for s in sequences) // block)
+    dtype = next(model.parameters()).dtype
+    model.bind_kv_cache(
+        allocate_kv_cache(model.config, per_seq * len(sequences), block, dtype, torch.device("cpu"))
+    )
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(sequences))]
+    lens = [len(s) for s in sequences]
+    attn = build_attention_metadata(tables, lens, lens, block, torch.device("cpu"), model.attention_backend)
+    ids = torch.tensor([t for s in sequences for t in s])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        hidden = model(ids, positions, attn)
+        last = torch.tensor(lens).cumsum(0) - 1
+        return list(model.compute_logits(hidden[last]))
+
+
+def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, caplog):
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(str(files), dtype="float32", quantization="auto")
+    assert loaded.quantization == "gguf"
+    # The one type without a kernel is dequantized, and said so by name.
+    assert any(
+        "blk.1.ffn_gate.weight" in r.getMessage() and "IQ4_XS" in r.getMessage() for r in caplog.records
+    )
+    matrices = [n for n, p in loaded.model.named_parameters() if p.dim() > 1]
+    assert matrices == []  # no float embedding table, lm_head or linear weight left
+    qkv = loaded.model.model.layers[0].self_attn.qkv_proj
+    assert [s.kind for s in qkv.specs] == ["super", "super", "super"]
+    assert [s.ggml for s in qkv.specs] == [12, 12, 14]
+    file = GGUFFile(files)
+    matrix_bytes = sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
+    held = sum(b.numel() * b.element_size() for b in loaded.model.buffers() if b.dim() > 1)
+    # The file's bytes (IQ4_XS's [512, 256] dequantized, 8-bit blocks at one byte a code) and no more.
+    assert matrix_bytes < held < matrix_bytes + 512 * 256 * 4 + 3 * 256 * 256
+
+
+def test_logits_follow_the_dequantized_model(files):
+    prompt = [5, 77, 120, 33, 9, 250, 14, 3]
+    native = _logits(load_model(str(files), dtype="float32", quantization="gguf"), [prompt])[0]
+    reference = _logits(load_model(str(files), dtype="float32", quantization="none"), [prompt])[0]
+    # Only the activations' int8 rounding separates them.
+    cosine = torch.nn.functional.cosine_similarity(native, reference, dim=0)
+    assert cosine > 0.995, cosine
+    assert (native - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sequence_is_the_same_bits_alone_and_in_a_batch(files, dtype):
+    loaded = load_model(str(files), dtype=dtype, quantization="gguf", attention_backend="native")
+    a, b, c = [5, 77, 120, 33, 9], list(range(40, 90)), [1, 2, 3]
+    alone = _logits(loaded, [a])[0]
+    together = _logits(loaded, [b, a, c])
+    assert torch.equal(alone, together[1])
