@@ -37,6 +37,7 @@ import torch
 from benchmarks.host import bundled_gguf
 from benchmarks.throughput import make_workload
 from kvd import LLM
+from kvd.engine.engine_args import QUANTIZATIONS
 from kvd.request.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], int]]  # (prompt token ids, output tokens)
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2-135M Q4_1)")
     p.add_argument("--peer-model", default=None, help="the .gguf llama-server loads (default: --model)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS)
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="kvd's KV pool elements"
     )
