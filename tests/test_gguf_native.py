@@ -98,6 +98,15 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
     with caplog.at_level(logging.WARNING):
         loaded = load_model(str(files), dtype="float32", quantization="auto")
     assert loaded.quantization == "gguf"
+    # What `info` reports: tensors and bytes per type, as the file holds them.
+    stored = GGUFFile(files).tensors  # a tied model has no output.weight
+    for qtype in set(TYPES.values()):
+        count = sum(1 for name, t in TYPES.items() if t == qtype and name in stored)
+        assert loaded.file_types[qtype.name][0] == count
+        assert (
+            loaded.file_types[qtype.name][1]
+            >= count * 256 * 256 * gguf.GGML_QUANT_SIZES[qtype][1] // 256 // 2
+        )
     # The one type without a kernel is dequantized, and said so by name.
     assert any(
         "blk.1.ffn_gate.weight" in r.getMessage() and "IQ4_XS" in r.getMessage() for r in caplog.records

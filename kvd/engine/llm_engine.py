@@ -100,6 +100,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.weight_bytes = weight_bytes(loaded.model)
+        self.file_types = loaded.file_types
         if self.tp:
             self.tp.finish_startup(
                 {
@@ -390,6 +391,7 @@ class LLMEngine:
             },
             "threads": torch.get_num_threads(),
             "weight_bytes": self.weight_bytes,
+            "file_types": {name: {"tensors": n, "bytes": b} for name, (n, b) in self.file_types.items()},
             "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }
 

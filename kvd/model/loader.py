@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +76,9 @@ class LoadedModel:
     dtype: torch.dtype
     path: Path  # the folder or .gguf file the weights came from
     dtype_reason: str = ""  # why this dtype (see choose_dtype)
-    quantization: str = "none"  # of the decoder layers' weights: none | int8 | int4
+    quantization: str = "none"  # of the decoder layers' weights: none | int8 | int4 | gguf
+    # A GGUF file's tensor types: name -> (tensor count, bytes), as the file stores them.
+    file_types: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.dtype:
@@ -163,7 +165,15 @@ def load_model(
     if device.type == "cpu":
         pack_weights(causal_lm)
     return LoadedModel(
-        causal_lm, config, tokenizer, name, run_dtype, gguf_path or path, dtype_choice.reason, quantization
+        causal_lm,
+        config,
+        tokenizer,
+        name,
+        run_dtype,
+        gguf_path or path,
+        dtype_choice.reason,
+        quantization,
+        checkpoint.file_types,
     )
 
 
@@ -219,6 +229,7 @@ class _Checkpoint:
     native_quantization: str = "none"  # what "auto" quantization picks (GGUF files only)
     # GGUF files: installs the matrices in their own types (quantization "gguf"); returns the names it took.
     install_native: Callable[[nn.Module, torch.dtype], set[str]] | None = None
+    file_types: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _open_gguf(path: Path) -> _Checkpoint:
@@ -231,6 +242,7 @@ def _open_gguf(path: Path) -> _Checkpoint:
         lambda skip: iter_gguf_weights(file, hf_config, skip),
         gguf_native.auto_quantization(file),
         lambda model, dtype: gguf_native.install(model, file, hf_config, dtype),
+        gguf_native.file_types(file),
     )
 
 
