@@ -92,7 +92,7 @@ class Linear(KernelOrder, nn.Module):
             return list(self.forward(x).split(self.out_sizes, dim=-1))
         # Only float32 on CPU splits: there MKL's sgemm ran a whole SmolLM2 step 3-6 % faster with the stacked
         # matrices one by one (decode batch 16, prefill; AVX2, one thread), while bfloat16 ran 5 % faster
-        # fused at decode batches 1-16 (benchmarks in docs/architecture.md). The views cost no copy.
+        # fused at decode batches 1-16 (benchmarks in docs/cpu_kernels.md). The views cost no copy.
         weights = self.row_weight().split(self.out_sizes)
         biases = [None] * len(weights) if self.bias is None else self.bias.split(self.out_sizes)
         return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
