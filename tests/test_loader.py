@@ -154,6 +154,31 @@ def test_not_a_gguf_file(tmp_path, quant_file):
         GGUFFile(truncated)
 
 
+def _patched_tensor_entry(source: Path, target: Path, name: str, field: str, value: int) -> None:
+    """A copy of a GGUF file with one field of a tensor's table entry changed: its first dimension or its type."""
+    data = bytearray(source.read_bytes())
+    at = data.index(name.encode()) + len(name)
+    (dims,) = np.frombuffer(bytes(data[at : at + 4]), np.uint32)
+    where = at + 4 if field == "dim" else at + 4 + 8 * int(dims)
+    width = 8 if field == "dim" else 4
+    data[where : where + width] = int(value).to_bytes(width, "little")
+    target.write_bytes(bytes(data))
+
+
+def test_a_corrupt_tensor_table_names_the_file_the_tensor_and_the_fault(tmp_path, quant_file):
+    path = quant_file[0]
+    unknown = tmp_path / "unknown-type.gguf"
+    _patched_tensor_entry(path, unknown, "t.Q8_0", "type", 99)
+    with pytest.raises(GGUFError, match=r"unknown-type.gguf.*tensor t.Q8_0 has unknown type id 99"):
+        GGUFFile(unknown)
+    ragged = tmp_path / "ragged.gguf"
+    _patched_tensor_entry(path, ragged, "t.Q8_0", "dim", COLS - 8)
+    with pytest.raises(
+        GGUFError, match=r"ragged.gguf.*tensor t.Q8_0: rows of .* not whole Q8_0 blocks of 32"
+    ):
+        GGUFFile(ragged)
+
+
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of Llama q/k rows (the reference the loader must undo)."""
     if n_head_kv is not None and n_head != n_head_kv:

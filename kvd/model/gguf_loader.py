@@ -152,13 +152,23 @@ class GGUFFile:
         for _ in range(tensor_count):
             name = cursor.string()
             dims = cursor.unpack(f"{cursor.unpack('I')[0]}Q")
-            qtype, offset = cursor.unpack("IQ")
-            entries.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), offset))
+            type_id, offset = cursor.unpack("IQ")
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise ValueError(
+                    f"tensor {name} has unknown type id {type_id} (written by a newer llama.cpp?)"
+                ) from None
+            entries.append((name, tuple(reversed(dims)), qtype, offset))
         alignment = metadata.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
         data_start = -(-cursor.pos // alignment) * alignment
         tensors = {}
         for name, shape, qtype, offset in entries:
             block, type_size = GGML_QUANT_SIZES[qtype]
+            if shape and shape[-1] % block:
+                raise ValueError(
+                    f"tensor {name}: rows of {shape[-1]} values are not whole {qtype.name} blocks of {block}"
+                )
             nbytes = math.prod(shape) // block * type_size
             if data_start + offset + nbytes > len(self._map):
                 raise ValueError(f"tensor {name} runs past the end of the file (truncated download?)")
