@@ -57,7 +57,7 @@ class _Reader:
         raw = self.file.raw(info)
         qtype = info.qtype
         if not native_type(qtype):
-            if qtype not in (GGMLQuantizationType.F32,):
+            if qtype != GGMLQuantizationType.F32:
                 logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
             raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
         rows = np.array(raw)  # a private copy: the file's map is read-only
