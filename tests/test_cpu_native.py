@@ -341,7 +341,7 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
     shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32, 0, 0)
-    layer = cpu_native.LayerWeights(0, 0, 0, 0, empty, empty, empty, empty, 0)
+    layer = cpu_native.LayerWeights(0, 0, 0, 0, (empty,), empty, (empty,), empty, 0)
     hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
 

@@ -12,12 +12,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_loader import tiny_hf_model, write_tiny_gguf
 
+from kvd import LLM
 from kvd.kernels import cpu_native
 from kvd.model.gguf_loader import GGUFFile
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.gguf_linear import GGUFLinear, to_kvd_blocks
 from kvd.model.layers.kv_cache import allocate_kv_cache
 from kvd.model.loader import load_model
+from kvd.model.native_decode import NativeDecoder
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels built")
 
@@ -114,8 +116,10 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
     matrices = [n for n, p in loaded.model.named_parameters() if p.dim() > 1]
     assert matrices == []  # no float embedding table, lm_head or linear weight left
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
-    assert [s.kind for s in qkv.specs] == ["super", "super", "super"]
-    assert [s.ggml for s in qkv.specs] == [12, 12, 14]
+    # q and k (Q4_K) share a part, v (Q6_K) has its own; layer 1's Q5_0 k and Q8_0 v share one of 8-bit blocks.
+    assert [(s.kind, s.ggml, s.rows) for s in qkv.specs] == [("super", 12, 256 + 128), ("super", 14, 128)]
+    qkv1 = loaded.model.model.layers[1].self_attn.qkv_proj
+    assert [(s.kind, s.bits, s.rows) for s in qkv1.specs] == [("blocks", 4, 256), ("blocks", 8, 256)]
     file = GGUFFile(files)
     matrix_bytes = sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
     held = sum(b.numel() * b.element_size() for b in loaded.model.buffers() if b.dim() > 1)
@@ -140,3 +144,26 @@ def test_a_sequence_is_the_same_bits_alone_and_in_a_batch(files, dtype):
     alone = _logits(loaded, [a])[0]
     together = _logits(loaded, [b, a, c])
     assert torch.equal(alone, together[1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_run_natively_with_the_python_loops_bits_alone_and_batched(files, dtype):
+    """The native layer loop takes projections of several parts in their own types (layer 0's Q4_K q, k beside
+    a Q6_K v; layer 1's dequantized IQ4_XS gate beside a Q4_1 up): the Python loop's bits, one sequence at a
+    time or all together."""
+    from test_native_decode import GREEDY, PROMPTS
+
+    def run(native_loop: bool, max_num_seqs: int):
+        llm = LLM(
+            str(files), dtype=dtype, quantization="gguf", kv_cache_memory=2**24, max_num_seqs=max_num_seqs
+        )
+        model = llm.engine.runner.model
+        if not native_loop:
+            model._native_decoder = False
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert isinstance(model._native_decoder, NativeDecoder) == native_loop
+        return [(o.token_ids, [s.logprob for s in o.logprobs]) for o in outputs]
+
+    native = run(True, 4)
+    assert native == run(False, 4)
+    assert native == run(True, 1)

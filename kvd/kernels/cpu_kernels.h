@@ -48,6 +48,11 @@ typedef struct {
     int32_t bits, tiles, ggml;
 } kvd_weight;
 
+// A fused projection (q, k, v or gate, up) holds up to KVD_MAX_PARTS weights stacked by rows, each in its own
+// layout (a GGUF file's attn_v in Q6_K beside Q4_K q and k): its output's columns are part 0's, then part 1's...;
+// the parts after the last have n = 0.
+enum kvd_parts { KVD_MAX_PARTS = 3 };
+
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights
 // and the pool in the model's dtype (kvd_shape.bf16).
 typedef struct {
@@ -55,7 +60,10 @@ typedef struct {
     const void* post_attention_norm;
     const void* q_norm;  // NULL without per-head q/k norms
     const void* k_norm;
-    kvd_weight qkv, o, gate_up, down;
+    kvd_weight qkv[KVD_MAX_PARTS];
+    kvd_weight o;
+    kvd_weight gate_up[KVD_MAX_PARTS];
+    kvd_weight down;
     void* kv_cache;
 } kvd_layer;
 

@@ -191,6 +191,33 @@ int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int6
 
 // ---- a decode step through every decoder layer ----------------------------------------------------------------
 
+// y [S, the parts' n summed] = x [S, k] @ the parts' rows stacked: one part writes y itself; more write their
+// columns through scratch [S, the widest part's n] (a copy of S rows, little beside the products).
+static int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_t S, char* y, char* scratch,
+                        int nthreads) {
+    const size_t elem = bf16 ? 2 : 4;
+    if (parts[1].n == 0) return kvd_linear(parts, x, bf16, S, y, bf16, nthreads);
+    int64_t width = 0, col = 0;
+    for (int p = 0; p < KVD_MAX_PARTS; p++) width += parts[p].n;
+    for (int p = 0; p < KVD_MAX_PARTS && parts[p].n; col += parts[p].n, p++) {
+        const int status = kvd_linear(parts + p, x, bf16, S, scratch, bf16, nthreads);
+        if (status != KVD_OK) return status;
+        for (int64_t s = 0; s < S; s++)
+            memcpy(y + (s * width + col) * elem, scratch + s * parts[p].n * elem, parts[p].n * elem);
+    }
+    return KVD_OK;
+}
+
+// The widest part of a layer's projections (the scratch rows parts_linear needs).
+static int64_t widest_part(const kvd_layer* L) {
+    int64_t n = 0;
+    for (int p = 0; p < KVD_MAX_PARTS; p++) {
+        n = L->qkv[p].n > n ? L->qkv[p].n : n;
+        n = L->gate_up[p].n > n ? L->gate_up[p].n : n;
+    }
+    return n;
+}
+
 // The indices are checked once, before layer 0 writes anything; after that only memory can run out.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
                       void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
@@ -209,11 +236,14 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     char* att = malloc(elem * (size_t)(S * q_size));
     char* gate_up = malloc(elem * (size_t)(S * 2 * I));
     char* act = malloc(elem * (size_t)(S * I));
-    int failed = !x || !qkv || !att || !gate_up || !act;
+    int64_t widest = 0;
+    for (int64_t l = 0; l < num_layers; l++) widest = widest_part(layers + l) > widest ? widest_part(layers + l) : widest;
+    char* scratch = malloc(elem * (size_t)(S * widest));
+    int failed = !x || !qkv || !att || !gate_up || !act || !scratch;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;
         kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, bf16, nthreads);
-        failed |= kvd_linear(&L->qkv, x, bf16, S, qkv, bf16, nthreads) != KVD_OK;
+        failed |= parts_linear(L->qkv, x, bf16, S, qkv, scratch, nthreads) != KVD_OK;
         char *q = qkv, *k = qkv + q_size * elem, *v = k + kv_size * elem;
         if (L->q_norm) {
             kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps, bf16);
@@ -227,7 +257,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
                                       nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
-        failed |= kvd_linear(&L->gate_up, x, bf16, S, gate_up, bf16, nthreads) != KVD_OK;
+        failed |= parts_linear(L->gate_up, x, bf16, S, gate_up, scratch, nthreads) != KVD_OK;
         kvd_silu_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, nthreads);
         failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
     }
@@ -236,6 +266,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     free(att);
     free(gate_up);
     free(act);
+    free(scratch);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 

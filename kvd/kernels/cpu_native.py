@@ -25,6 +25,7 @@ GROUP_ROWS = _BLOCK["KVD_GROUP_ROWS"]
 # GGUF's super-block types that run in place (enum kvd_ggml): name as GGUF spells it -> its type number.
 SUPER_TYPES = {name.removeprefix("KVD_GGML_"): v for name, v in ffi.typeof("enum kvd_ggml").relements.items()}
 SUPER_BLOCK = ffi.typeof("enum kvd_super").relements["KVD_SUPER_BLOCK"]
+MAX_PARTS = ffi.typeof("enum kvd_parts").relements["KVD_MAX_PARTS"]  # of a fused projection in the layer loop
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
 
@@ -44,10 +45,16 @@ ModelShape = namedtuple("ModelShape", _fields("kvd_shape"))
 
 
 def _fill(target: object, value: tuple) -> None:
-    """Copy a named tuple into the cffi struct `target`, field by field (pointers from integers)."""
+    """Copy a named tuple into the cffi struct `target`, field by field (pointers from integers; an array of
+    structs from a sequence, the entries after it left zero)."""
     for (name, field), item in zip(ffi.typeof(target).fields, value, strict=True):
         if field.type.kind == "struct":
             _fill(getattr(target, name), item)
+        elif field.type.kind == "array":
+            if len(item) > field.type.length:
+                raise NativeKernelError(f"{name}: at most {field.type.length} entries, got {len(item)}")
+            for i, element in enumerate(item):
+                _fill(getattr(target, name)[i], element)
         elif field.type.kind == "pointer":
             setattr(target, name, ffi.cast(field.type, item))
         else:

@@ -38,11 +38,16 @@ def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     bias), float32, or bfloat16 with batch invariance and no bias (torch adds a bf16 bias after rounding)."""
     if isinstance(module, NativeQuantizedLinear):
         return True
-    if isinstance(module, GGUFLinear):  # one part in a native type (several parts: the Python loop)
-        return len(module.specs) == 1 and module.specs[0].kind != "float"
+    if isinstance(module, GGUFLinear):  # its float parts are in the model's dtype, run by the same kernels
+        return len(module.specs) <= cpu_native.MAX_PARTS
     if not isinstance(module, Linear) or module.weight.dtype != dtype:
         return False
     return dtype == torch.float32 or (module.batch_invariant and module.bias is None)
+
+
+def _parts(module: torch.nn.Module) -> tuple[cpu_native.LinearWeight, ...]:
+    """A fused projection's weights as the layer loop takes them: one, or a GGUF file's parts in their types."""
+    return tuple(module.native_weights()) if isinstance(module, GGUFLinear) else (module.native_weight(),)
 
 
 def _norm(module: torch.nn.Module | None) -> int:
@@ -75,9 +80,9 @@ class NativeDecoder:
                 post_attention_norm=_norm(layer.post_attention_layernorm),
                 q_norm=_norm(layer.self_attn.q_norm),
                 k_norm=_norm(layer.self_attn.k_norm),
-                qkv=layer.self_attn.qkv_proj.native_weight(),
+                qkv=_parts(layer.self_attn.qkv_proj),
                 o=layer.self_attn.o_proj.native_weight(),
-                gate_up=layer.mlp.gate_up_proj.native_weight(),
+                gate_up=_parts(layer.mlp.gate_up_proj),
                 down=layer.mlp.down_proj.native_weight(),
                 kv_cache=layer.self_attn.kv_cache.data_ptr(),
             )
@@ -93,8 +98,8 @@ class NativeDecoder:
         """The first layer's projection and where its weight and pool lie: a model whose modules were replaced
         or whose buffers moved is bound anew."""
         attn = model.model.layers[0].self_attn
-        weight = getattr(attn.qkv_proj, "native_weight", None)
-        return id(attn.qkv_proj), weight().qs if weight else 0, attn.kv_cache.data_ptr()
+        native = hasattr(attn.qkv_proj, "native_weight")
+        return id(attn.qkv_proj), _parts(attn.qkv_proj)[0].qs if native else 0, attn.kv_cache.data_ptr()
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:

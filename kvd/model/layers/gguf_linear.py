@@ -71,12 +71,24 @@ def to_kvd_blocks(
 
 @dataclass(frozen=True)
 class PartSpec:
-    """One checkpoint matrix of a linear: rows, and how its buffers are read (kind: "super", "blocks", "float")."""
+    """A run of rows of one layout (kind: "super", "blocks", "float") and how its buffers are read."""
 
     kind: str
     rows: int
     bits: int = 0  # kvd blocks: 4 or 8; float: 32 or 16
     ggml: int = 0  # super: the GGUF type number
+
+
+def _converted(name: str, raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[tuple, list[np.ndarray]]:
+    """(layout key, arrays by rows) of one file matrix as a part holds it: rows of the same key stack."""
+    if qtype.name in cpu_native.SUPER_TYPES:
+        return ("super", cpu_native.SUPER_TYPES[qtype.name]), [raw]
+    if qtype in BLOCK_TYPES:
+        bits, codes, scales, mins = to_kvd_blocks(raw, qtype)
+        return ("blocks", bits), [codes, scales] + ([] if mins is None else [mins])
+    if qtype != Q.F32:
+        raise ValueError(f"{name}: GGUF type {qtype.name} has no native kernel; pass its values as F32")
+    return ("float",), [raw]
 
 
 class GGUFLinear(nn.Module):
@@ -91,34 +103,37 @@ class GGUFLinear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
     ) -> None:
-        """parts: (tensor name, its rows' bytes [N, row bytes], its type), or float32 values [N, K] as F32."""
+        """parts: (tensor name, its rows' bytes [N, row bytes], its type), or float32 values [N, K] as F32.
+        Consecutive matrices of one layout share a part (Q5_0 q and k beside a Q8_0 v: one 8-bit part), so that
+        most fused projections run as one kernel call."""
         super().__init__()
         self.in_features = in_features
-        self.specs: list[PartSpec] = []
-        for i, (name, raw, qtype) in enumerate(parts):
-            self.specs.append(self._add_part(i, name, raw, qtype, dtype))
-        self.out_sizes = [spec.rows for spec in self.specs]
+        self.out_sizes = [raw.shape[0] for _, raw, _ in parts]
         self.out_features = sum(self.out_sizes)
+        runs: list[tuple[tuple, list[list[np.ndarray]]]] = []
+        for name, raw, qtype in parts:
+            key, arrays = _converted(name, raw, qtype)
+            if runs and runs[-1][0] == key:
+                runs[-1][1].append(arrays)
+            else:
+                runs.append((key, [arrays]))
+        self.specs = [self._add_part(i, key, stacked, dtype) for i, (key, stacked) in enumerate(runs)]
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def _add_part(
-        self, i: int, name: str, raw: np.ndarray, qtype: GGMLQuantizationType, dtype: torch.dtype
-    ) -> PartSpec:
-        rows = raw.shape[0]
-        if qtype.name in cpu_native.SUPER_TYPES:
-            self.register_buffer(f"data{i}", torch.from_numpy(np.ascontiguousarray(raw)))
-            return PartSpec("super", rows, ggml=cpu_native.SUPER_TYPES[qtype.name])
-        if qtype in BLOCK_TYPES:
-            bits, codes, scales, mins = to_kvd_blocks(raw, qtype)
-            tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in (codes, scales)]
-            if mins is not None:
-                tensors.append(torch.from_numpy(np.ascontiguousarray(mins)))
-            for j, t in enumerate(cpu_native.group_blocks(*tensors)):
+    def _add_part(self, i: int, key: tuple, stacked: list[list[np.ndarray]], dtype: torch.dtype) -> PartSpec:
+        """Part i from its matrices' arrays, stacked by rows."""
+        arrays = [
+            torch.from_numpy(np.ascontiguousarray(np.concatenate(a))) for a in zip(*stacked, strict=True)
+        ]
+        rows = arrays[0].shape[0]
+        if key[0] == "super":
+            self.register_buffer(f"data{i}", arrays[0])
+            return PartSpec("super", rows, ggml=key[1])
+        if key[0] == "blocks":
+            for j, t in enumerate(cpu_native.group_blocks(*arrays)):
                 self.register_buffer(f"data{i}_{j}", t)
-            return PartSpec("blocks", rows, bits=bits)
-        if qtype != Q.F32:
-            raise ValueError(f"{name}: GGUF type {qtype.name} has no native kernel; pass its values as F32")
-        self.register_buffer(f"data{i}", torch.from_numpy(np.ascontiguousarray(raw)).to(dtype).contiguous())
+            return PartSpec("blocks", rows, bits=key[1])
+        self.register_buffer(f"data{i}", arrays[0].to(dtype).contiguous())
         return PartSpec("float", rows, bits=32 if dtype == torch.float32 else 16)
 
     def part_weight(self, i: int) -> cpu_native.LinearWeight:
@@ -134,8 +149,8 @@ class GGUFLinear(nn.Module):
     def _part_bias(self, i: int) -> torch.Tensor | None:
         if self.bias is None:
             return None
-        start = sum(self.out_sizes[:i])
-        return self.bias[start : start + self.out_sizes[i]]
+        start = sum(spec.rows for spec in self.specs[:i])
+        return self.bias[start : start + self.specs[i].rows]
 
     def native_weight(self) -> cpu_native.LinearWeight:
         """The kernels' view of a linear of one part (the native layer loop takes those alone)."""
@@ -143,16 +158,18 @@ class GGUFLinear(nn.Module):
             raise ValueError("a linear of several parts has no single native weight")
         return self.part_weight(0)
 
-    def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
-        rows = x.reshape(-1, self.in_features)
-        return [
-            cpu_native.linear(rows, self.part_weight(i)).view(*x.shape[:-1], -1)
-            for i in range(len(self.specs))
-        ]
+    def native_weights(self) -> list[cpu_native.LinearWeight]:
+        """Every part's view, in order (the native layer loop's multi-part projections)."""
+        return [self.part_weight(i) for i in range(len(self.specs))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.forward_shards(x)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        rows = x.reshape(-1, self.in_features)
+        parts = [cpu_native.linear(rows, weight) for weight in self.native_weights()]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).view(*x.shape[:-1], -1)
+
+    def forward_shards(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One output per file matrix (q, k, v or gate, up): views of the parts' outputs."""
+        return list(self.forward(x).split(self.out_sizes, dim=-1))
 
 
 class GGUFEmbedding(nn.Module):
