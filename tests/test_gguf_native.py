@@ -4,6 +4,9 @@ Q5_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too,
 from __future__ import annotations
 
 import logging
+import re
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -167,3 +170,25 @@ def test_decode_steps_run_natively_with_the_python_loops_bits_alone_and_batched(
     native = run(True, 4)
     assert native == run(False, 4)
     assert native == run(True, 1)
+
+
+@pytest.mark.parametrize("fault", ["truncated", "unknown type", "ragged rows"])
+def test_serving_a_corrupt_file_is_one_line_and_status_2(files, tmp_path, fault):
+    from daemon_fixtures import REPO, daemon_env
+    from test_loader import _patched_tensor_entry
+
+    bad = tmp_path / "bad.gguf"
+    if fault == "truncated":
+        bad.write_bytes(files.read_bytes()[: files.stat().st_size - 1000])
+        expected = "past the end"
+    elif fault == "unknown type":
+        _patched_tensor_entry(files, bad, "blk.0.attn_v.weight", "type", 99)
+        expected = "blk.0.attn_v.weight has unknown type id 99"
+    else:
+        _patched_tensor_entry(files, bad, "blk.0.attn_v.weight", "dim", 250)
+        expected = "blk.0.attn_v.weight: rows of .* not whole Q6_K blocks"
+    command = [sys.executable, "-m", "kvd.cli", "serve", "--model", str(bad), "--listen", f"ipc://{tmp_path}/s"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(rf"kvd serve: .*bad.gguf.*{expected}", result.stderr), result.stderr
