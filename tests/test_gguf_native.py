@@ -80,6 +80,29 @@ def test_block_types_convert_to_kvd_blocks_exactly(qtype):
     assert to_kvd_blocks(raw, qtype)[0] in (4, 8)
 
 
+def test_a_part_converted_in_chunks_equals_one_converted_whole(monkeypatch):
+    """Matrices of one layout stack into one part, converted CHUNK_ROWS rows at a time: chunk edges inside a
+    matrix and between two of different types, and rows that are no whole group, give the whole's buffers."""
+    import gguf_quants
+
+    from kvd.model.layers import gguf_linear
+
+    rng = np.random.default_rng(1)
+    parts = [
+        (name, gguf_quants.quantize(rng.standard_normal((rows, 64)).astype(np.float32), qtype), qtype)
+        for name, rows, qtype in (("q", 20, Q.Q5_0), ("k", 13, Q.Q8_0), ("v", 7, Q.IQ4_NL))
+    ]
+    whole = GGUFLinear(64, parts, None, torch.float32)
+    monkeypatch.setattr(gguf_linear, "CHUNK_ROWS", 16)
+    chunked = GGUFLinear(64, parts, None, torch.float32)
+    assert [s.rows for s in chunked.specs] == [40] and chunked.out_sizes == [20, 13, 7]
+    for (name, a), (_, b) in zip(whole.named_buffers(), chunked.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    expected = np.concatenate([gguf.quants.dequantize(raw, qtype) for _, raw, qtype in parts])
+    out = cpu_native.dequantize(chunked.part_weight(0), 0, torch.empty(40, 64))
+    np.testing.assert_array_equal(out.numpy(), expected)
+
+
 def _logits(loaded, sequences: list[list[int]]) -> list[torch.Tensor]:
     """Last-position logits of each sequence, all prefilled together in one varlen step."""
     model, block = loaded.model, 16
@@ -187,7 +210,16 @@ def test_serving_a_corrupt_file_is_one_line_and_status_2(files, tmp_path, fault)
     else:
         _patched_tensor_entry(files, bad, "blk.0.attn_v.weight", "dim", 250)
         expected = "blk.0.attn_v.weight: rows of .* not whole Q6_K blocks"
-    command = [sys.executable, "-m", "kvd.cli", "serve", "--model", str(bad), "--listen", f"ipc://{tmp_path}/s"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvd.cli",
+        "serve",
+        "--model",
+        str(bad),
+        "--listen",
+        f"ipc://{tmp_path}/s",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvd.model.gguf_loader import GGUFFile, dequantize, native_quantization, unpermute_qk
+from kvd.model.huge_pages import Arenas, return_freed_heap
 from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
 
 logger = logging.getLogger(__name__)
@@ -46,8 +47,9 @@ def uses_native_types(file: GGUFFile) -> bool:
 
 
 class _Reader:
-    def __init__(self, file: GGUFFile, hf_config: dict) -> None:
-        self.file = file
+    def __init__(self, file: GGUFFile, hf_config: dict, dtype: torch.dtype) -> None:
+        self.file, self.dtype = file, dtype
+        self.arenas = Arenas()  # the weights go straight to their 2 MiB pages: no copy moves them later
         self.heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
         self.permuted = file.architecture == "llama"  # llama.cpp reorders q/k rows for llama alone
 
@@ -60,10 +62,21 @@ class _Reader:
             if qtype != GGMLQuantizationType.F32:
                 logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
             raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
-        rows = np.array(raw)  # a private copy: the file's map is read-only
-        if self.permuted and kind in self.heads:
-            rows = unpermute_qk(torch.from_numpy(rows), self.heads[kind]).numpy()
-        return name, rows, qtype
+        if (
+            self.permuted and kind in self.heads
+        ):  # (GGUFLinear copies the file's read-only rows as it stacks them)
+            raw = unpermute_qk(torch.from_numpy(np.array(raw)), self.heads[kind]).numpy()
+        return name, raw, qtype
+
+    def linear(
+        self, k: int, names: list[str], kinds: tuple[str | None, ...], biases: list[str]
+    ) -> GGUFLinear:
+        """The linear of these matrices; their pages leave this process's memory once it holds them."""
+        parts = [self.part(n, kind) for n, kind in zip(names, kinds, strict=True)]
+        linear = GGUFLinear(k, parts, self.bias(biases), self.dtype, self.arenas.empty)
+        self.file.drop_pages()
+        return_freed_heap()  # the conversion's temporaries, before the next matrix's
+        return linear
 
     def bias(self, names: list[str]) -> torch.Tensor | None:
         present = [n for n in names if n in self.file.tensors]
@@ -71,14 +84,13 @@ class _Reader:
             return None
         if len(present) != len(names):
             raise ValueError(f"{self.file.path}: biases for only some of {names}")
-        infos = [self.file.tensors[n] for n in names]
-        return torch.cat([torch.from_numpy(dequantize(self.file.raw(info), info.qtype)) for info in infos])
+        return torch.cat([self.file.dequantize(n) for n in names])
 
 
 def install(model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtype) -> set[str]:
     """Replace the model's linears, embedding and output projection by their file-typed forms; returns the GGUF
     tensor names they took (the loader skips those)."""
-    reader, taken = _Reader(file, hf_config), set()
+    reader, taken = _Reader(file, hf_config, dtype), set()
     hidden = model.config.hidden_size
     for i, layer in enumerate(model.model.layers):
         for path, kinds in _LINEARS.items():
@@ -86,14 +98,13 @@ def install(model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtyp
             biases = [f"blk.{i}.{kind}.bias" for kind in kinds]
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             k = getattr(parent, attr).weight.shape[1]
-            parts = [reader.part(n, kind) for n, kind in zip(names, kinds, strict=True)]
-            setattr(parent, attr, GGUFLinear(k, parts, reader.bias(biases), dtype))
+            setattr(parent, attr, reader.linear(k, names, kinds, biases))
             taken.update(names, (b for b in biases if b in file.tensors))
-    table = GGUFLinear(hidden, [reader.part("token_embd.weight")], None, dtype)
+    table = reader.linear(hidden, ["token_embd.weight"], (None,), [])
     model.model.embed_tokens = GGUFEmbedding(table, dtype)
     # Tied: the one table serves both.
     untied = "output.weight" in file.tensors
-    model.output_proj = GGUFLinear(hidden, [reader.part("output.weight")], None, dtype) if untied else table
+    model.output_proj = reader.linear(hidden, ["output.weight"], (None,), []) if untied else table
     model.lm_head = None  # the output runs from output_proj alone
     taken.update(("token_embd.weight", "output.weight"))
     return taken

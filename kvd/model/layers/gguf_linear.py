@@ -13,6 +13,7 @@ float order, or the float kernels' one order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,7 @@ from torch import nn
 from kvd.kernels import cpu_native
 
 Q = GGMLQuantizationType
+Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an empty tensor
 # IQ4_NL's sixteen code values (GGUF's kvalues_iq4nl).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 # The 32-value block types held exactly in kvd's 4-bit (Q4_1-like) or 8-bit (Q8_0-like) blocks.
@@ -79,16 +81,50 @@ class PartSpec:
     ggml: int = 0  # super: the GGUF type number
 
 
-def _converted(name: str, raw: np.ndarray, qtype: GGMLQuantizationType) -> tuple[tuple, list[np.ndarray]]:
-    """(layout key, arrays by rows) of one file matrix as a part holds it: rows of the same key stack."""
+# Rows of 32-value blocks converted at a time (a multiple of GROUP_ROWS, so chunks group as the whole would): the
+# conversion's temporaries stay a few MB beside the part, where a whole embedding table's were ~4x its size.
+CHUNK_ROWS = 4096
+
+
+def _layout(name: str, qtype: GGMLQuantizationType) -> tuple:
+    """How a part holds a file matrix of this type: matrices of one layout stack into one part."""
     if qtype.name in cpu_native.SUPER_TYPES:
-        return ("super", cpu_native.SUPER_TYPES[qtype.name]), [raw]
+        return ("super", cpu_native.SUPER_TYPES[qtype.name])
     if qtype in BLOCK_TYPES:
-        bits, codes, scales, mins = to_kvd_blocks(raw, qtype)
-        return ("blocks", bits), [codes, scales] + ([] if mins is None else [mins])
+        return ("blocks", BLOCK_TYPES[qtype])
     if qtype != Q.F32:
         raise ValueError(f"{name}: GGUF type {qtype.name} has no native kernel; pass its values as F32")
-    return ("float",), [raw]
+    return ("float",)
+
+
+def _rows(matrices: list[tuple[np.ndarray, GGMLQuantizationType]], start: int, stop: int):
+    """(rows, type) of each matrix's share of rows [start, stop) of their stack."""
+    offset = 0
+    for raw, qtype in matrices:
+        lo, hi = max(start - offset, 0), min(stop - offset, raw.shape[0])
+        if lo < hi:
+            yield raw[lo:hi], qtype
+        offset += raw.shape[0]
+
+
+def _grouped_blocks(
+    matrices: list[tuple[np.ndarray, GGMLQuantizationType]], rows: int, empty: Allocator
+) -> list[torch.Tensor]:
+    """The kernels' grouped blocks (cpu_native.group_blocks) of the stacked matrices, converted chunk by chunk
+    into the tensors the part keeps."""
+    out: list[torch.Tensor] = []
+    for start in range(0, rows, CHUNK_ROWS):
+        pieces = [to_kvd_blocks(raw, qtype)[1:] for raw, qtype in _rows(matrices, start, start + CHUNK_ROWS)]
+        arrays = [
+            np.concatenate([p[j] for p in pieces]) for j in range(len(pieces[0])) if pieces[0][j] is not None
+        ]
+        grouped = cpu_native.group_blocks(*(torch.from_numpy(a) for a in arrays))
+        if not out:
+            padded = rows + -rows % cpu_native.GROUP_ROWS
+            out = [empty((padded, t.shape[1]), t.dtype) for t in grouped]
+        for whole, chunk in zip(out, grouped, strict=True):
+            whole[start : start + chunk.shape[0]] = chunk
+    return out
 
 
 class GGUFLinear(nn.Module):
@@ -102,38 +138,54 @@ class GGUFLinear(nn.Module):
         parts: list[tuple[str, np.ndarray, GGMLQuantizationType]],
         bias: torch.Tensor | None,
         dtype: torch.dtype,
+        empty: Allocator = lambda shape, dtype: torch.empty(shape, dtype=dtype),
     ) -> None:
-        """parts: (tensor name, its rows' bytes [N, row bytes], its type), or float32 values [N, K] as F32.
+        """parts: (tensor name, its rows' bytes [N, row bytes], its type), or float32 values [N, K] as F32;
+        empty(shape, dtype) gives the tensors the parts keep (the loader's: 2 MiB-page arenas).
         Consecutive matrices of one layout share a part (Q5_0 q and k beside a Q8_0 v: one 8-bit part), so that
         most fused projections run as one kernel call."""
         super().__init__()
         self.in_features = in_features
         self.out_sizes = [raw.shape[0] for _, raw, _ in parts]
         self.out_features = sum(self.out_sizes)
-        runs: list[tuple[tuple, list[list[np.ndarray]]]] = []
+        runs: list[tuple[tuple, list[tuple[np.ndarray, GGMLQuantizationType]]]] = []
         for name, raw, qtype in parts:
-            key, arrays = _converted(name, raw, qtype)
-            if runs and runs[-1][0] == key:
-                runs[-1][1].append(arrays)
+            layout = _layout(name, qtype)
+            if runs and runs[-1][0] == layout:
+                runs[-1][1].append((raw, qtype))
             else:
-                runs.append((key, [arrays]))
-        self.specs = [self._add_part(i, key, stacked, dtype) for i, (key, stacked) in enumerate(runs)]
+                runs.append((layout, [(raw, qtype)]))
+        self.specs = [
+            self._add_part(i, layout, matrices, dtype, empty) for i, (layout, matrices) in enumerate(runs)
+        ]
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def _add_part(self, i: int, key: tuple, stacked: list[list[np.ndarray]], dtype: torch.dtype) -> PartSpec:
-        """Part i from its matrices' arrays, stacked by rows."""
-        arrays = [
-            torch.from_numpy(np.ascontiguousarray(np.concatenate(a))) for a in zip(*stacked, strict=True)
-        ]
-        rows = arrays[0].shape[0]
-        if key[0] == "super":
-            self.register_buffer(f"data{i}", arrays[0])
-            return PartSpec("super", rows, ggml=key[1])
-        if key[0] == "blocks":
-            for j, t in enumerate(cpu_native.group_blocks(*arrays)):
+    def _add_part(
+        self,
+        i: int,
+        layout: tuple,
+        matrices: list[tuple[np.ndarray, GGMLQuantizationType]],
+        dtype: torch.dtype,
+        empty: Allocator,
+    ) -> PartSpec:
+        """Part i from its matrices stacked by rows, copied out of the file's (read-only) map."""
+        rows = sum(raw.shape[0] for raw, _ in matrices)
+        if layout[0] == "blocks":
+            for j, t in enumerate(_grouped_blocks(matrices, rows, empty)):
                 self.register_buffer(f"data{i}_{j}", t)
-            return PartSpec("blocks", rows, bits=key[1])
-        self.register_buffer(f"data{i}", arrays[0].to(dtype).contiguous())
+            return PartSpec("blocks", rows, bits=layout[1])
+        first = matrices[0][0]
+        stacked = empty((rows, first.shape[1]), torch.uint8 if layout[0] == "super" else dtype)
+        at = 0
+        for raw, _ in matrices:
+            if layout[0] == "super":
+                stacked.numpy()[at : at + raw.shape[0]] = raw
+            else:  # float32 values, cast as they are copied (torch reads no read-only array: copy those)
+                stacked[at : at + raw.shape[0]] = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+            at += raw.shape[0]
+        self.register_buffer(f"data{i}", stacked)
+        if layout[0] == "super":
+            return PartSpec("super", rows, ggml=layout[1])
         return PartSpec("float", rows, bits=32 if dtype == torch.float32 else 16)
 
     def part_weight(self, i: int) -> cpu_native.LinearWeight:
