@@ -8,6 +8,7 @@ ignored and nothing else changes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import sys
@@ -45,10 +46,8 @@ def return_freed_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim, where there is one). glibc keeps the
     holes freed tensors leave in its heap: after a load's conversions and the moves below, ~150 MB of them beside
     a 95 MB GGUF model's weights."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _own_storage(t: torch.Tensor) -> bool:
