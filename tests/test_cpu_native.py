@@ -340,7 +340,7 @@ def test_dequantize_refuses_rows_past_the_weight():
 def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
     shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
-    empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 32, 0, 0)
+    empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     layer = cpu_native.LayerWeights(0, 0, 0, 0, (empty,), empty, (empty,), empty, 0)
     hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
@@ -370,7 +370,18 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
 
 def test_the_struct_views_are_read_from_the_header():
     """Field names and order come from cpu_kernels.h: the C names, not a hand-written mirror."""
-    assert cpu_native.LinearWeight._fields == ("qs", "d", "mn", "bias", "n", "k", "bits", "tiles", "ggml")
+    assert cpu_native.LinearWeight._fields == (
+        "qs",
+        "d",
+        "mn",
+        "qh",
+        "bias",
+        "n",
+        "k",
+        "bits",
+        "tiles",
+        "ggml",
+    )
     header = (ROOT / "kvd" / "kernels" / "cpu_kernels.h").read_text()
     for struct in (cpu_native.LinearWeight, cpu_native.LayerWeights, cpu_native.ModelShape):
         for name in struct._fields:

@@ -1,5 +1,5 @@
-"""Quantization "gguf": a GGUF file's matrices run in their own types (Q4_K, Q5_K, Q6_K in place; Q4_0, Q8_0,
-Q5_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too, without a float copy."""
+"""Quantization "gguf": a GGUF file's matrices run in their own types (Q4_K, Q5_K, Q6_K in place; Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too, without a float copy."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ TYPES = {
     "blk.0.attn_output.weight": Q.Q5_K,
     "blk.0.ffn_gate.weight": Q.Q4_K,
     "blk.0.ffn_up.weight": Q.Q4_K,
-    "blk.0.ffn_down.weight": Q.Q6_K,
-    "blk.1.attn_q.weight": Q.Q4_0,
+    "blk.0.ffn_down.weight": Q.IQ4_NL,
+    "blk.1.attn_q.weight": Q.Q5_1,
     "blk.1.attn_k.weight": Q.Q5_0,
     "blk.1.attn_v.weight": Q.Q8_0,
-    "blk.1.attn_output.weight": Q.IQ4_NL,
+    "blk.1.attn_output.weight": Q.Q4_0,
     "blk.1.ffn_gate.weight": Q.IQ4_XS,
     "blk.1.ffn_up.weight": Q.Q4_1,
     "blk.1.ffn_down.weight": Q.Q4_K,
@@ -68,7 +68,7 @@ def files(request, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.IQ4_NL], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL], ids=lambda q: q.name)
 def test_block_types_convert_to_kvd_blocks_exactly(qtype):
     import gguf_quants
 
@@ -77,10 +77,15 @@ def test_block_types_convert_to_kvd_blocks_exactly(qtype):
     layer = GGUFLinear(256, [("t", raw, qtype)], None, torch.float32)
     out = cpu_native.dequantize(layer.part_weight(0), 0, torch.empty(24, 256))
     np.testing.assert_array_equal(out.numpy(), gguf.quants.dequantize(raw, qtype))
-    assert to_kvd_blocks(raw, qtype)[0] in (4, 8)
+    assert to_kvd_blocks(raw, qtype)[0] == {"Q4": 4, "Q5": 5}.get(qtype.name[:2], 8)
 
 
-def test_a_part_converted_in_chunks_equals_one_converted_whole(monkeypatch):
+@pytest.mark.parametrize(
+    "types",
+    [(Q.Q8_0, Q.IQ4_NL), (Q.Q5_0, Q.Q5_1), (Q.Q4_0, Q.Q4_1)],
+    ids=lambda t: "+".join(q.name for q in t),
+)
+def test_a_part_converted_in_chunks_equals_one_converted_whole(monkeypatch, types):
     """Matrices of one layout stack into one part, converted CHUNK_ROWS rows at a time: chunk edges inside a
     matrix and between two of different types, and rows that are no whole group, give the whole's buffers."""
     import gguf_quants
@@ -90,7 +95,7 @@ def test_a_part_converted_in_chunks_equals_one_converted_whole(monkeypatch):
     rng = np.random.default_rng(1)
     parts = [
         (name, gguf_quants.quantize(rng.standard_normal((rows, 64)).astype(np.float32), qtype), qtype)
-        for name, rows, qtype in (("q", 20, Q.Q5_0), ("k", 13, Q.Q8_0), ("v", 7, Q.IQ4_NL))
+        for name, rows, qtype in (("q", 20, types[0]), ("k", 13, types[1]), ("v", 7, types[0]))
     ]
     whole = GGUFLinear(64, parts, None, torch.float32)
     monkeypatch.setattr(gguf_linear, "CHUNK_ROWS", 16)
@@ -142,10 +147,10 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
     matrices = [n for n, p in loaded.model.named_parameters() if p.dim() > 1]
     assert matrices == []  # no float embedding table, lm_head or linear weight left
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
-    # q and k (Q4_K) share a part, v (Q6_K) has its own; layer 1's Q5_0 k and Q8_0 v share one of 8-bit blocks.
+    # q and k (Q4_K) share a part, v (Q6_K) has its own; layer 1's Q5_1 q and Q5_0 k share one of 5-bit blocks.
     assert [(s.kind, s.ggml, s.rows) for s in qkv.specs] == [("super", 12, 256 + 128), ("super", 14, 128)]
     qkv1 = loaded.model.model.layers[1].self_attn.qkv_proj
-    assert [(s.kind, s.bits, s.rows) for s in qkv1.specs] == [("blocks", 4, 256), ("blocks", 8, 256)]
+    assert [(s.kind, s.bits, s.rows) for s in qkv1.specs] == [("blocks", 5, 256 + 128), ("blocks", 8, 128)]
     file = GGUFFile(files)
     matrix_bytes = sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
     held = sum(b.numel() * b.element_size() for b in loaded.model.buffers() if b.dim() > 1)

@@ -226,6 +226,18 @@ for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,))):
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(70, 512) * 2).to(dtype)
         out[name, str(dtype)] = cpu_native.linear(x, cpu_native.super_weight(cpu_native.SUPER_TYPES[name], raw, 512))
+# GGUF's 5-bit blocks (the 4-bit kernels with fifth bits): random bytes, finite fp16 multipliers; 2 rows take eight
+# weight rows at a time, 70 VNNI outer products where the build has them.
+from gguf import GGMLQuantizationType as Q
+from kvd.model.layers.gguf_linear import GGUFLinear
+for qtype, size, halves in ((Q.Q5_0, 22, (0,)), (Q.Q5_1, 24, (0, 2))):
+    raw = torch.randint(0, 256, (37, 9, size), dtype=torch.uint8)
+    for at in halves:
+        raw[:, :, at : at + 2] = (torch.rand(37, 9, 1) * 0.01 + 1e-4).half().view(torch.uint8)
+    layer = GGUFLinear(288, [("w", raw.reshape(37, -1).numpy(), qtype)], torch.randn(37), torch.float32)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(70, 288) * 2).to(dtype)
+        out[qtype.name, str(dtype)] = torch.cat([layer(x[:2]), layer(x)])
 weight, x = torch.randn(48, 96), torch.randn(9, 96)
 panels = cpu_native.pack(weight)
 out["panels"] = cpu_native.linear(x, cpu_native.linear_weight(32, panels, tiles=True))

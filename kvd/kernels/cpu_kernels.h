@@ -29,11 +29,12 @@ enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14 };
 enum kvd_super { KVD_SUPER_BLOCK = 256 };
 
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
-// i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn) or 8-bit (bits 8: 32 int8 codes a block, an
-// fp16 scale d, mn NULL) blocks of 32 along k, or float (bits 32: qs float32 [n, k]; bits 16: qs bf16 [n, k]; d
-// and mn NULL); bias float32 [n] or NULL. The blocks lie in groups of 8 rows, each read as one stream: group g
+// i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn), 5-bit (bits 5: GGUF's Q5_0 and Q5_1; the
+// 4-bit layout holds each code's low four bits and qh its fifth: bit i of a block's word is code i's, codes 0..31)
+// or 8-bit (bits 8: 32 int8 codes a block, an fp16 scale d, mn NULL) blocks of 32 along k, or float (bits 32: qs
+// float32 [n, k]; bits 16: qs bf16 [n, k]; d and mn NULL); qh NULL but for bits 5; bias float32 [n] or NULL. The blocks lie in groups of 8 rows, each read as one stream: group g
 // holds blocks 2p and 2p + 1 of its 8 rows (row after row, the two blocks of a row side by side) for p = 0, 1, ...,
-// then an odd last block of its 8 rows; d and mn are [groups][k / 32][8]; rows past n up to a whole group are
+// then an odd last block of its 8 rows; d, mn and qh are [groups][k / 32][8]; rows past n up to a whole group are
 // padding (kvd.kernels.cpu_native.group_blocks lays this out). tiles: 1 for a float weight in its kernel's packed
 // order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32 one in panel
 // order (kvd.kernels.cpu_native.pack says both); 0 for a float weight in rows, and for every quantized one.
@@ -43,6 +44,7 @@ typedef struct {
     const void* qs;
     const uint16_t* d;
     const uint16_t* mn;
+    const uint32_t* qh;  // bits 5 alone
     const float* bias;
     int64_t n, k;
     int32_t bits, tiles, ggml;

@@ -141,21 +141,25 @@ def linear_weight(
     bias: torch.Tensor | None = None,
     tiles: bool = False,
     rows: int | None = None,
+    fifth: torch.Tensor | None = None,
 ) -> LinearWeight:
-    """The kernel's view of a weight [N, K]: 4-bit (data uint8, scales/mins float16) or 8-bit (data int8, scales
+    """The kernel's view of a weight [N, K]: 4-bit (data uint8, scales/mins float16), 5-bit (4-bit's and `fifth`,
+    the codes' fifth bits: int32 [N, K / 32], bit i of a block's word code i's) or 8-bit (data int8, scales
     float16) in blocks of 32 along K as group_blocks lays them out, `rows` = N of them (data's rows without the
     padding), or float32 / bf16 (bits 32 / 16: data [N, K]); an optional float32 bias [N]; `tiles`: a float
     weight in its kernel's packed order (pack). Cheap: callers make one per call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
-    k = data.shape[1] * 2 if bits == 4 else data.shape[1]
+    if (bits == 5) != (fifth is not None):
+        raise NativeKernelError("a 5-bit weight, and only one, has its codes' fifth bits")
     return LinearWeight(
         qs=data.data_ptr(),
         d=address(scales),
         mn=address(mins),
+        qh=address(fifth),
         bias=address(bias),
         n=data.shape[0] if rows is None else rows,
-        k=k,
+        k=data.shape[1] * 2 if bits in (4, 5) else data.shape[1],
         bits=bits,
         tiles=int(tiles),
         ggml=0,
@@ -180,6 +184,7 @@ def super_weight(
         qs=data.data_ptr(),
         d=0,
         mn=0,
+        qh=0,
         bias=address(bias),
         n=data.shape[0],
         k=k,

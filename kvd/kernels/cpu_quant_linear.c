@@ -1,5 +1,5 @@
-// Linears of 4- and 8-bit weights: GGUF's blocks of 32 along K (KVD_QBLOCK), 4-bit (Q4_1's layout) or 8-bit
-// (Q8_0's), in groups of KVD_GROUP_ROWS rows (kvd_weight), against activations quantized per block to int8:
+// Linears of 4-, 5- and 8-bit weights: GGUF's blocks of 32 along K (KVD_QBLOCK), 4-bit (Q4_1's layout), 5-bit
+// (Q5_1's: the 4-bit layout and a fifth bit per code) or 8-bit (Q8_0's), in groups of KVD_GROUP_ROWS rows (kvd_weight), against activations quantized per block to int8:
 // exact integer block sums (integer SIMD, AVX-512 VNNI or AMX int8 tiles), then one float chain, so each output
 // is computed in one order whatever the number of rows (batch invariance). And the weights' dequantization, for
 // the float GEMMs of prefill.
@@ -99,6 +99,19 @@ static inline __m256i unpack_q4(const uint8_t* qs) {
     return _mm256_set_m128i(hi, lo);  // element i of the block in byte i
 }
 
+// 32 bytes, byte i = 16 where bit i of m is set, else 0: the fifth bits of 32 5-bit codes, in place.
+static inline __m256i fifth_bytes(uint32_t m) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_set1_epi8(m, 16);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m),
+                                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                                2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+#endif
+}
+
 // acc + eight int32 sums of unsigned w x signed a, lane l = products 4l .. 4l + 3 (w <= 15, or |w| with w's signs
 // moved to a: no saturation, so the sums are exact). VNNI's dot product gives the same integers in one instruction.
 static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
@@ -116,7 +129,7 @@ static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
 // ---- quantized linears: exact block sums, then one float order ------------------------------------------------
 //
 // For activation row m and output n: acc = 0; for each block b in order, acc = fma(isum, d[n,b] x dx[m,b], acc)
-// and, for 4-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
+// and, for 4- and 5-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
 // activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
 // steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
 // (batch invariance). Small batches run weight rows eight at a time, one float lane each; from VNNI_MIN_ROWS on a
@@ -134,7 +147,8 @@ typedef struct {
 // group_rows holds a group's outputs in one register of eight float lanes.
 _Static_assert(KVD_GROUP_ROWS == 8, "a group of weight rows is one 8-lane register of outputs");
 
-static inline int64_t block_bytes(const kvd_weight* w) { return w->bits == 4 ? KVD_QBLOCK / 2 : KVD_QBLOCK; }
+// 4- and 5-bit blocks keep 16 bytes of nibbles (and a 5-bit one its word in qh), with a minimum term; 8-bit ones 32 codes.
+static inline int64_t block_bytes(const kvd_weight* w) { return w->bits == 8 ? KVD_QBLOCK : KVD_QBLOCK / 2; }
 
 // Bytes from one row's block b to the next row's in a group: a pair of blocks, or the odd last block alone.
 static inline int64_t row_stride(const kvd_weight* w, int64_t b) {
@@ -158,11 +172,14 @@ static inline void store_output(const kvd_weight* w, int64_t n, int64_t m, float
 }
 
 #if !KVD_AVX2
-// The exact sum of one weight block's codes (bytes at p) times one activation block (plain C).
-static inline int32_t block_isum(int bits, const uint8_t* p, const int8_t* a) {
+// The exact sum of one weight block's codes (bytes at p, fifth bits qh) times one activation block (plain C).
+static inline int32_t block_isum(int bits, const uint8_t* p, uint32_t qh, const int8_t* a) {
     int32_t sum = 0;
-    if (bits == 4) {
-        for (int i = 0; i < KVD_QBLOCK / 2; i++) sum += (p[i] & 15) * a[i] + (p[i] >> 4) * a[i + KVD_QBLOCK / 2];
+    if (bits != 8) {
+        for (int i = 0; i < KVD_QBLOCK / 2; i++) {
+            const int lo = (p[i] & 15) | ((qh >> i) & 1) << 4, hi = (p[i] >> 4) | ((qh >> (i + 16)) & 1) << 4;
+            sum += lo * a[i] + hi * a[i + KVD_QBLOCK / 2];
+        }
     } else {
         for (int i = 0; i < KVD_QBLOCK; i++) sum += ((const int8_t*)p)[i] * a[i];
     }
@@ -177,26 +194,34 @@ static float row_dot(const kvd_weight* w, int64_t n, const quantized_rows* x, in
     float acc = 0.f;
     for (int64_t b = 0; b < nb; b++) {
         const float scale = f16_to_f32(w->d[scale_at(w, n, b)]) * dx[b];
-        acc = fmaf((float)block_isum(w->bits, block_at(w, n, b), x->q + m * K + b * KVD_QBLOCK), scale, acc);
-        if (w->bits == 4) acc = fmaf(f16_to_f32(w->mn[scale_at(w, n, b)]), sx[b], acc);
+        const uint32_t qh = w->bits == 5 ? w->qh[scale_at(w, n, b)] : 0;
+        acc = fmaf((float)block_isum(w->bits, block_at(w, n, b), qh, x->q + m * K + b * KVD_QBLOCK), scale, acc);
+        if (w->bits != 8) acc = fmaf(f16_to_f32(w->mn[scale_at(w, n, b)]), sx[b], acc);
     }
     return acc;
 }
 #endif
 
 #if KVD_AVX2
-// The eight int32 lane sums of one weight block (bytes at p) against the activation block a.
-static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const uint8_t* p, __m256i a) {
+// The eight int32 lane sums of one weight block (bytes at p, fifth bits qh) against the activation block a.
+static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const uint8_t* p, uint32_t qh, __m256i a) {
+    if (bits == 5) return dot_u8_i8(_mm256_setzero_si256(), _mm256_or_si256(unpack_q4(p), fifth_bytes(qh)), a);
     if (bits == 4) return dot_u8_i8(_mm256_setzero_si256(), unpack_q4(p), a);
     const __m256i w = _mm256_loadu_si256((const __m256i*)p);
     return dot_u8_i8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
 
 // One row's pair of 4-bit blocks (32 bytes at p) against a_lo (codes 0-15 of both activation blocks) and a_hi
-// (codes 16-31): lanes 0-3 sum the first block, lanes 4-7 the second. No lane crossing, unlike unpack_q4.
-static inline __attribute__((always_inline)) __m256i pair_lanes(const uint8_t* p, __m256i a_lo, __m256i a_hi) {
+// (codes 16-31): lanes 0-3 sum the first block, lanes 4-7 the second. No lane crossing, unlike unpack_q4. 5-bit
+// blocks: q0, q1 the pair's fifth bits.
+static inline __attribute__((always_inline)) __m256i pair_lanes(int bits, const uint8_t* p, uint32_t q0, uint32_t q1,
+                                                               __m256i a_lo, __m256i a_hi) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)p), low = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    if (bits == 5) {
+        lo = _mm256_or_si256(lo, fifth_bytes((q0 & 0xffff) | q1 << 16));
+        hi = _mm256_or_si256(hi, fifth_bytes(q0 >> 16 | (q1 & 0xffff0000u)));
+    }
     return dot_u8_i8(dot_u8_i8(_mm256_setzero_si256(), lo, a_lo), hi, a_hi);
 }
 
@@ -225,7 +250,7 @@ static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 
                                                               int64_t i) {
     const __m256 scale = _mm256_mul_ps(load_f16x8(d + b * KVD_GROUP_ROWS), _mm256_set1_ps(x->dx[i]));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc);
-    return bits == 4 ? _mm256_fmadd_ps(load_f16x8(mn + b * KVD_GROUP_ROWS), _mm256_set1_ps(x->sx[i]), acc) : acc;
+    return bits != 8 ? _mm256_fmadd_ps(load_f16x8(mn + b * KVD_GROUP_ROWS), _mm256_set1_ps(x->sx[i]), acc) : acc;
 }
 
 // Bytes ahead of the 4-bit pass that it prefetches (the next groups; a thread's groups are consecutive): the
@@ -237,9 +262,10 @@ static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 
 // pair of 4-bit blocks per load.
 static inline __attribute__((always_inline)) void group_rows(int bits, const kvd_weight* w, int64_t n0, int64_t rows,
                                                             const quantized_rows* x, void* y, int y_bf16) {
-    const int64_t K = w->k, nb = K / KVD_QBLOCK, pairs = bits == 4 ? nb / 2 : 0;
+    const int64_t K = w->k, nb = K / KVD_QBLOCK, pairs = bits != 8 ? nb / 2 : 0;
     const uint16_t* d = w->d + scale_at(w, n0, 0);
-    const uint16_t* mn = bits == 4 ? w->mn + scale_at(w, n0, 0) : NULL;
+    const uint16_t* mn = bits != 8 ? w->mn + scale_at(w, n0, 0) : NULL;
+    const uint32_t* qh = bits == 5 ? w->qh + scale_at(w, n0, 0) : NULL;  // [nb][8], as d
     for (int64_t m = 0; m < x->M; m++) {
         const int8_t* a = x->q + m * K;
         __m256 acc = _mm256_setzero_ps();
@@ -250,7 +276,9 @@ static inline __attribute__((always_inline)) void group_rows(int bits, const kvd
             const __m256i a_lo = _mm256_permute2x128_si256(a0, a1, 0x20), a_hi = _mm256_permute2x128_si256(a0, a1, 0x31);
             const uint8_t* p = block_at(w, n0, b);
             for (int i = 0; i < 4; i++) _mm_prefetch((const char*)p + WEIGHT_AHEAD + 64 * i, _MM_HINT_T0);
-            for (int j = 0; j < KVD_GROUP_ROWS; j++) lanes[j] = pair_lanes(p + j * KVD_QBLOCK, a_lo, a_hi);
+            for (int j = 0; j < KVD_GROUP_ROWS; j++)
+                lanes[j] = pair_lanes(bits, p + j * KVD_QBLOCK, qh ? qh[b * KVD_GROUP_ROWS + j] : 0,
+                                      qh ? qh[(b + 1) * KVD_GROUP_ROWS + j] : 0, a_lo, a_hi);
             hsum8x8_halves(lanes, &first, &second);
             acc = block_step(bits, acc, first, d, mn, b, x, m * nb + b);
             acc = block_step(bits, acc, second, d, mn, b + 1, x, m * nb + b + 1);
@@ -259,7 +287,8 @@ static inline __attribute__((always_inline)) void group_rows(int bits, const kvd
             const __m256i av = _mm256_loadu_si256((const __m256i*)(a + b * KVD_QBLOCK));
             const uint8_t* p = block_at(w, n0, b);
             const int64_t stride = row_stride(w, b);
-            for (int j = 0; j < KVD_GROUP_ROWS; j++) lanes[j] = block_lanes(bits, p + j * stride, av);
+            for (int j = 0; j < KVD_GROUP_ROWS; j++)
+                lanes[j] = block_lanes(bits, p + j * stride, qh ? qh[b * KVD_GROUP_ROWS + j] : 0, av);
             hsum8x8_halves(lanes, &first, &second);
             acc = block_step(bits, acc, _mm256_add_epi32(first, second), d, mn, b, x, m * nb + b);
         }
@@ -281,6 +310,8 @@ static void simd_rows(const kvd_weight* w, int64_t first, const quantized_rows* 
 #if KVD_AVX2
         if (w->bits == 4)
             group_rows(4, w, n0, rows, x, y, y_bf16);
+        else if (w->bits == 5)
+            group_rows(5, w, n0, rows, x, y, y_bf16);
         else
             group_rows(8, w, n0, rows, x, y, y_bf16);
 #else
@@ -311,6 +342,14 @@ static inline void group_block_dwords(const kvd_weight* w, int64_t n, int64_t b,
     *hi = _mm512_permutex2var_epi32(_mm512_loadu_si512(p + 128), at, _mm512_loadu_si512(p + 192));
 }
 
+// Lane j: bits at .. at + 3 of qh's lane j, each as 16 in its own byte (the fifth bits of four codes): the four bits
+// times 0x00204081 land at bits 0, 8, 16 and 24 with no carries between them.
+static inline __m512i fifth_dword(__m512i qh, int at) {
+    const __m512i four = _mm512_and_si512(_mm512_srli_epi32(qh, (unsigned)at), _mm512_set1_epi32(15));
+    const __m512i spread = _mm512_mullo_epi32(four, _mm512_set1_epi32(0x00204081));
+    return _mm512_slli_epi32(_mm512_and_si512(spread, _mm512_set1_epi32(0x01010101)), 4);
+}
+
 // Bytes ahead of the unpack that each of its two groups' streams asks for while it unpacks, when the linear has
 // few activation rows (past the weight's end a prefetch is a no-op, never a fault). With few rows the products
 // between unpacks are short, so the burst for the next pair (prefetch_rows16) arrives late; on Zen 4 8 KiB ahead
@@ -337,7 +376,7 @@ static inline __attribute__((always_inline)) void unpack_rows16(const kvd_weight
                 for (int64_t i = 0; i < KVD_GROUP_ROWS * 2 * block_bytes(w); i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
             }
         __m512i* dst = (__m512i*)(out + b * OUT16 * KVD_QBLOCK);
-        if (w->bits == 4) {
+        if (w->bits != 8) {
             // Dword r of the 16 rows (lane j: row j) by two transposes of the groups' 8 x 4 dwords, not gathers.
             __m512i lo[2], hi[2], pairs[2][2];
             for (int g = 0; g < 2; g++) {
@@ -345,11 +384,16 @@ static inline __attribute__((always_inline)) void unpack_rows16(const kvd_weight
                 for (int h = 0; h < 2; h++)  // lanes 0-7: dword 2 h of rows 0-7, lanes 8-15: dword 2 h + 1
                     pairs[g][h] = _mm512_permutex2var_epi32(lo[g], _mm512_add_epi32(pair_rows, _mm512_set1_epi32(2 * h)), hi[g]);
             }
+            // 5-bit: lane j = row j's fifth bits of the block (the two groups' words, as their scales lie).
+            const __m512i qh = w->bits == 5 ? _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(w->qh + scale_at(w, n0, b)))),
+                                                                 _mm256_loadu_si256((const __m256i*)(w->qh + scale_at(w, n0 + KVD_GROUP_ROWS, b))), 1)
+                                            : _mm512_setzero_si512();
             for (int r = 0; r < 4; r++) {
                 const __m512i v = r % 2 ? _mm512_shuffle_i64x2(pairs[0][r / 2], pairs[1][r / 2], 0xee)
                                         : _mm512_shuffle_i64x2(pairs[0][r / 2], pairs[1][r / 2], 0x44);
-                _mm512_storeu_si512(dst + r, _mm512_and_si512(v, low));
-                _mm512_storeu_si512(dst + r + 4, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                _mm512_storeu_si512(dst + r, _mm512_or_si512(_mm512_and_si512(v, low), fifth_dword(qh, 4 * r)));
+                _mm512_storeu_si512(dst + r + 4, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                                                  fifth_dword(qh, 16 + 4 * r)));
             }
         } else {
             // Four dwords of rows 4 l + r in 128-bit lane l of p[r], then a 4 x 4 transpose in every lane: lane l of
@@ -375,7 +419,7 @@ static inline __attribute__((always_inline)) void unpack_rows16(const kvd_weight
         for (int g = 0; g < 2; g++) {
             const int64_t at = scale_at(w, n0 + g * KVD_GROUP_ROWS, b);
             _mm256_storeu_ps(wd + b * stride + g * KVD_GROUP_ROWS, load_f16x8(w->d + at));
-            _mm256_storeu_ps(wm + b * stride + g * KVD_GROUP_ROWS, w->bits == 4 ? load_f16x8(w->mn + at) : _mm256_setzero_ps());
+            _mm256_storeu_ps(wm + b * stride + g * KVD_GROUP_ROWS, w->bits != 8 ? load_f16x8(w->mn + at) : _mm256_setzero_ps());
         }
     }
 }
@@ -388,7 +432,8 @@ static void prefetch_rows16(const kvd_weight* w, int64_t n0) {
     for (int64_t i = 0; i < 2 * group_bytes; i += 64) _mm_prefetch(codes + i, _MM_HINT_T0);
     for (int64_t i = 0; i < scale_bytes; i += 64) {
         _mm_prefetch((const char*)(w->d + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
-        if (w->bits == 4) _mm_prefetch((const char*)(w->mn + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
+        if (w->bits != 8) _mm_prefetch((const char*)(w->mn + scale_at(w, n0, 0)) + i, _MM_HINT_T0);
+        if (w->bits == 5) _mm_prefetch((const char*)(w->qh + scale_at(w, n0, 0)) + 2 * i, _MM_HINT_T0);
     }
 }
 
@@ -436,7 +481,7 @@ static inline __attribute__((always_inline)) void vnni_pass(int bits, int rows, 
         __m512i isum[VNNI_ROWS][2];
         for (int r = 0; r < rows; r++)
             for (int j = 0; j < ng; j++)
-                isum[r][j] = bits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(base[(m + r) * nb + b]);
+                isum[r][j] = bits != 8 ? _mm512_setzero_si512() : _mm512_set1_epi32(base[(m + r) * nb + b]);
         for (int qd = 0; qd < KVD_QBLOCK / 4; qd++) {
             __m512i wv[2];
             for (int j = 0; j < ng; j++) wv[j] = _mm512_loadu_si512(wt + ((j * nb + b) * 8 + qd) * 64);
@@ -454,7 +499,7 @@ static inline __attribute__((always_inline)) void vnni_pass(int bits, int rows, 
                 const int64_t i = (m + r) * nb + b;
                 acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), _mm512_mul_ps(d, _mm512_set1_ps(x->dx[i])),
                                             acc[r][j]);
-                if (bits == 4) acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->sx[i]), acc[r][j]);
+                if (bits != 8) acc[r][j] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x->sx[i]), acc[r][j]);
             }
         }
     }
@@ -508,7 +553,7 @@ static int vnni_linear(const kvd_weight* w, const quantized_rows* x, void* y, in
                 unpack_pair(w, n0, ng, groups, wt, wd, wm, (char)0x80, x->M <= UNPACK_STREAM_ROWS);
                 unpacked = pair;
             }
-            if (w->bits == 4)
+            if (w->bits != 8)  // 5-bit codes unpack to bytes as 4-bit ones do, then run alike
                 vnni_item(4, w, x, m0, m1, n0, ng, wt, wd, wm, base, y, y_bf16);
             else
                 vnni_item(8, w, x, m0, m1, n0, ng, wt, wd, wm, base, y, y_bf16);
@@ -712,26 +757,27 @@ int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out,
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t* p = block_at(w, n, b);
             const float d = f16_to_f32(w->d[scale_at(w, n, b)]);
-            const float m = w->bits == 4 ? f16_to_f32(w->mn[scale_at(w, n, b)]) : 0.f;
+            const float m = w->bits != 8 ? f16_to_f32(w->mn[scale_at(w, n, b)]) : 0.f;
+            const uint32_t qh = w->bits == 5 ? w->qh[scale_at(w, n, b)] : 0;
 #if KVD_AVX2
             if (!out_bf16) {  // 8 values at a time: bytes widened to int32, converted, scaled
-                const __m256i codes = w->bits == 4 ? unpack_q4(p)
+                const __m256i codes = w->bits != 8 ? _mm256_or_si256(unpack_q4(p), fifth_bytes(qh))
                                                    : _mm256_loadu_si256((const __m256i*)p);
                 const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
                 float* dst = (float*)out + (n - first) * K + b * KVD_QBLOCK;
                 for (int j = 0; j < 4; j++) {
                     const __m128i part = _mm_loadl_epi64((const __m128i*)((const int8_t*)&codes + 8 * j));
-                    const __m256i wide = w->bits == 4 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
+                    const __m256i wide = w->bits != 8 ? _mm256_cvtepu8_epi32(part) : _mm256_cvtepi8_epi32(part);
                     _mm256_storeu_ps(dst + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), dv, mv));
                 }
                 continue;
             }
 #endif
             float v[KVD_QBLOCK];
-            if (w->bits == 4) {
+            if (w->bits != 8) {
                 for (int i = 0; i < KVD_QBLOCK / 2; i++) {
-                    v[i] = (float)(p[i] & 15) * d + m;
-                    v[i + KVD_QBLOCK / 2] = (float)(p[i] >> 4) * d + m;
+                    v[i] = (float)((p[i] & 15) | ((qh >> i) & 1) << 4) * d + m;
+                    v[i + KVD_QBLOCK / 2] = (float)((p[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) * d + m;
                 }
             } else {
                 for (int i = 0; i < KVD_QBLOCK; i++) v[i] = (float)((const int8_t*)p)[i] * d;

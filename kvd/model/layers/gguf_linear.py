@@ -3,12 +3,13 @@
 Each checkpoint matrix keeps its file type and runs in kvd's native kernels without a float copy:
 - GGUF's super-block types (Q4_K, Q5_K, Q6_K) as the file stores them (kvd_weight.ggml);
 - the 32-value block types in kvd's own block layouts, converted exactly: Q4_0 and Q4_1 as 4-bit blocks (an fp16
-  scale and minimum: Q4_0's minimum is -8 x its scale), Q8_0, Q5_0 and IQ4_NL as 8-bit ones (their values are
-  small integers times the block's fp16 scale: Q5_0's codes - 16, IQ4_NL's table entries);
+  scale and minimum: Q4_0's minimum is -8 x its scale), Q5_0 and Q5_1 as 5-bit ones (the same, and each code's
+  fifth bit: Q5_0's minimum is -16 x its scale), Q8_0 and IQ4_NL as 8-bit ones (IQ4_NL's values are its table's
+  small integers times the block's fp16 scale);
 - any other type dequantized to the model's dtype by the loader (kvd.model.gguf_native), which warns.
-A fused projection (q/k/v, gate/up) keeps one part per checkpoint matrix, as its types may differ (a Q4_K_M file
-often holds attn_v in Q6_K beside Q4_K q and k). Every part is batch invariant: integer block sums then one
-float order, or the float kernels' one order.
+A fused projection (q/k/v, gate/up) keeps one part per run of matrices of one layout, as its types may differ (a
+Q4_K_M file often holds attn_v in Q6_K beside Q4_K q and k). Every part is batch invariant: integer block sums
+then one float order, or the float kernels' one order.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ Q = GGMLQuantizationType
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an empty tensor
 # IQ4_NL's sixteen code values (GGUF's kvalues_iq4nl).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
-# The 32-value block types held exactly in kvd's 4-bit (Q4_1-like) or 8-bit (Q8_0-like) blocks.
-BLOCK_TYPES = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q8_0: 8, Q.Q5_0: 8, Q.IQ4_NL: 8}
+# The 32-value block types held exactly in kvd's 4-bit (Q4_1-like), 5-bit (Q5_1-like) or 8-bit (Q8_0-like) blocks.
+BLOCK_TYPES = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.IQ4_NL: 8}
+# The kernels' buffers of a part of each width: codes, scales, then minimums and fifth bits where it has them.
+_BUFFERS = {4: 3, 5: 4, 8: 2}
 
 
 def native_type(qtype: GGMLQuantizationType) -> bool:
@@ -48,26 +51,35 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def to_kvd_blocks(
     raw: np.ndarray, qtype: GGMLQuantizationType
-) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
-    """(bits, codes [N, bytes a row], fp16 scales [N, nb], fp16 minimums [N, nb] or None) holding exactly the
-    values of a 32-value block type's rows `raw` [N, row bytes]."""
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """(bits, codes [N, bytes a row], fp16 scales [N, nb], fp16 minimums [N, nb] or None, fifth bits int32 [N, nb]
+    or None) holding exactly the values of a 32-value block type's rows `raw` [N, row bytes]."""
     _, size = GGML_QUANT_SIZES[qtype]
     n = raw.shape[0]
     blocks = raw.reshape(n, -1, size)
     d = _half(blocks, 0)
+
+    def words(at: int) -> np.ndarray:  # Q5's 32 fifth bits of a block (bit i: code i's)
+        return np.ascontiguousarray(blocks[:, :, at : at + 4]).view(np.int32)[..., 0]
+
     if qtype == Q.Q4_0:
-        return 4, blocks[:, :, 2:].reshape(n, -1), d, (d.astype(np.float32) * -8).astype(np.float16)
+        return 4, blocks[:, :, 2:].reshape(n, -1), d, (d.astype(np.float32) * -8).astype(np.float16), None
     if qtype == Q.Q4_1:
-        return 4, blocks[:, :, 4:].reshape(n, -1), d, _half(blocks, 2)
-    if qtype == Q.Q8_0:
-        return 8, blocks[:, :, 2:].reshape(n, -1).view(np.int8), d, None
+        return 4, blocks[:, :, 4:].reshape(n, -1), d, _half(blocks, 2), None
     if qtype == Q.Q5_0:
-        high = np.ascontiguousarray(blocks[:, :, 2:6]).view(np.uint32)  # bit j: code j's fifth bit
-        fifth = (high >> np.arange(32, dtype=np.uint32)) & 1
-        codes = _nibbles(blocks[:, :, 6:]).astype(np.int16) | (fifth.astype(np.int16) << 4)
-        return 8, (codes - 16).astype(np.int8).reshape(n, -1), d, None
+        return (
+            5,
+            blocks[:, :, 6:].reshape(n, -1),
+            d,
+            (d.astype(np.float32) * -16).astype(np.float16),
+            words(2),
+        )
+    if qtype == Q.Q5_1:
+        return 5, blocks[:, :, 8:].reshape(n, -1), d, _half(blocks, 2), words(4)
+    if qtype == Q.Q8_0:
+        return 8, blocks[:, :, 2:].reshape(n, -1).view(np.int8), d, None, None
     if qtype == Q.IQ4_NL:
-        return 8, IQ4_NL_VALUES[_nibbles(blocks[:, :, 2:])].reshape(n, -1), d, None
+        return 8, IQ4_NL_VALUES[_nibbles(blocks[:, :, 2:])].reshape(n, -1), d, None, None
     raise ValueError(f"{qtype.name} is not a 32-value block type kvd holds exactly")
 
 
@@ -142,7 +154,7 @@ class GGUFLinear(nn.Module):
     ) -> None:
         """parts: (tensor name, its rows' bytes [N, row bytes], its type), or float32 values [N, K] as F32;
         empty(shape, dtype) gives the tensors the parts keep (the loader's: 2 MiB-page arenas).
-        Consecutive matrices of one layout share a part (Q5_0 q and k beside a Q8_0 v: one 8-bit part), so that
+        Consecutive matrices of one layout share a part (Q4_K q and k: one part, beside a Q6_K v), so that
         most fused projections run as one kernel call."""
         super().__init__()
         self.in_features = in_features
@@ -194,8 +206,15 @@ class GGUFLinear(nn.Module):
         if spec.kind == "super":
             return cpu_native.super_weight(spec.ggml, getattr(self, f"data{i}"), self.in_features, bias)
         if spec.kind == "blocks":
-            buffers = [getattr(self, f"data{i}_{j}") for j in range(3 if spec.bits == 4 else 2)]
-            return cpu_native.linear_weight(spec.bits, *buffers, bias=bias, rows=spec.rows)
+            codes, *rest = (getattr(self, f"data{i}_{j}") for j in range(_BUFFERS[spec.bits]))
+            return cpu_native.linear_weight(
+                spec.bits,
+                codes,
+                *rest[:2],
+                bias=bias,
+                rows=spec.rows,
+                fifth=rest[2] if spec.bits == 5 else None,
+            )
         return cpu_native.linear_weight(spec.bits, getattr(self, f"data{i}"), bias=bias)
 
     def _part_bias(self, i: int) -> torch.Tensor | None:
