@@ -196,35 +196,106 @@ static inline int32_t hsum8(__m256i v) {
 #endif
 
 #if KVD_AVX512 && defined(__AVX512BW__)
-// The scale of each int16 pair of products (lane l: values 64 c + 2 l, + 1, scaled by scale[4 c + l / 8]).
-typedef struct {
-    __m512i sc[SB / 64];
-} scale_lanes;
+// AVX-512: each weight super-block decoded straight into registers (no unpacked copy): four vectors of 64 codes,
+// each with the int16 scale of every pair of products, and the minimums per 16 values. Q4_K and Q5_K's nibbles
+// split into the values [0, 32) + [64, 96), [32, 64) + [96, 128), then the same of the second 128: the activation
+// codes are laid out in that order once per call (permute_k4), so no code moves. Q6_K's come in value order.
+#define DIRECT_SUPER 1
 
-static inline void scale_vectors(const unpacked* u, scale_lanes* v) {
-    const __m512i all = _mm512_castsi256_si512(_mm256_load_si256((const __m256i*)u->scale));
-    for (int c = 0; c < SB / 64; c++) {
-        const __m512i at = _mm512_add_epi16(_mm512_set1_epi16((short)(4 * c)),
-                                            _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
-                                                                               15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3));
-        v->sc[c] = _mm512_permutexvar_epi16(at, all);
+typedef struct {
+    __m512i codes[4], sc[4];
+    __m256i min16;  // each 16 values' minimum, in value order (against the activation codes' sums bsum)
+    float da, db;
+} direct_block;
+
+// Lanes 0-15 of x (int16) to every lane of a vector whose int16 lane l holds x[first + l / 16] (l < 16) or
+// x[second + (l - 16) / 16]: a 32-value sub-block's scale over the halves of one code vector.
+static inline __m512i halves16(__m512i x, int first, int second) {
+    return _mm512_permutexvar_epi16(_mm512_inserti64x4(_mm512_set1_epi16((short)first), _mm256_set1_epi16((short)second), 1), x);
+}
+
+// Bits c0 (first half) and c1 (second half) of every byte of h, shifted up to bit 4 (width: 1 or 3 for two bits).
+static inline __m512i high_bits(__m512i h, int c0, int c1, int width) {
+    const __m512i count = _mm512_inserti64x4(_mm512_set1_epi16((short)c0), _mm256_set1_epi16((short)c1), 1);
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, count), _mm512_set1_epi8((char)width)), 4);
+}
+
+static inline void decode_k4(const uint8_t* b, int five, direct_block* o) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    const uint8_t* qs = b + (five ? 48 : 16);
+    const __m512i r0 = _mm512_loadu_si512(qs), r1 = _mm512_loadu_si512(qs + 64);
+    o->codes[0] = _mm512_and_si512(r0, m15), o->codes[1] = _mm512_and_si512(_mm512_srli_epi16(r0, 4), m15);
+    o->codes[2] = _mm512_and_si512(r1, m15), o->codes[3] = _mm512_and_si512(_mm512_srli_epi16(r1, 4), m15);
+    if (five) {  // value 64 j + l's fifth bit is bit 2 j of qh[l], value 64 j + 32 + l's bit 2 j + 1
+        const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 16)));
+        for (int v = 0; v < 4; v++) {
+            const int bit = 4 * (v / 2) + v % 2;
+            o->codes[v] = _mm512_or_si512(o->codes[v], high_bits(h, bit, bit + 2, 1));
+        }
+    }
+    // The eight 6-bit scales and minimums (scale_min_k4), four a word at once.
+    uint32_t u[3];
+    memcpy(u, b + 4, 12);
+    const uint64_t sc = (uint64_t)((u[2] & 0x0f0f0f0fu) | ((u[0] >> 2) & 0x30303030u)) << 32 | (u[0] & 0x3f3f3f3fu);
+    const uint64_t mn = (uint64_t)(((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 2) & 0x30303030u)) << 32 | (u[1] & 0x3f3f3f3fu);
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    for (int v = 0; v < 4; v++) {  // vector v holds sub-blocks 4 (v / 2) + v % 2 and that + 2
+        const int first = 4 * (v / 2) + v % 2;
+        o->sc[v] = halves16(s16, first, first + 2);
+    }
+    const __m256i m8 = _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn)));
+    o->min16 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), m8);
+    o->da = half_at(b), o->db = half_at(b + 2);
+}
+
+static inline void decode_q6k(const uint8_t* b, direct_block* o) {
+    const __m512i m15 = _mm512_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  // ql[64 h + i]: value 128 h + i in its low nibble, 128 h + 64 + i in its high one
+        const __m512i l = _mm512_loadu_si512(b + 64 * h);
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h)));
+        o->codes[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m15), high_bits(q, 0, 2, 3));
+        o->codes[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m15), high_bits(q, 4, 6, 3));
+    }
+    const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+    for (int v = 0; v < 4; v++)  // int16 lane l of vector v: values 64 v + 2 l, + 1, of sub-block 4 v + l / 8
+        o->sc[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * v)),
+                                                             _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                                                                15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3)),
+                                            _mm512_castsi256_si512(s16));
+    o->min16 = _mm256_slli_epi16(s16, 5);  // codes stored + 32
+    o->da = o->db = half_at(b + 208);
+}
+
+static inline void decode_block(int32_t type, const uint8_t* b, direct_block* o) {
+    if (type == KVD_GGML_Q6_K)
+        decode_q6k(b, o);
+    else
+        decode_k4(b, type == KVD_GGML_Q5_K, o);
+}
+
+// Each super-block's activation codes in decode_k4's order: [32, 64) and [64, 96) swapped in each 128.
+static void permute_k4(int8_t* q, int64_t M, int64_t K) {
+    for (int64_t at = 0; at < M * K; at += 128) {
+        int8_t t[32];
+        memcpy(t, q + at + 32, 32);
+        memcpy(q + at + 32, q + at + 64, 32);
+        memcpy(q + at + 64, t, 32);
     }
 }
 
-static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8_t* a, const int16_t* bs,
-                             int32_t* sumi, int32_t* summ) {
+static inline void direct_dot(const direct_block* o, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
     __m512i tot = _mm512_setzero_si512();
-    for (int c = 0; c < SB / 64; c++) {
+    for (int v = 0; v < 4; v++) {
         // u8 codes <= 63 x int8 codes, two a lane: at most 16002, so the int16 pair sums never saturate.
-        const __m512i p = _mm512_maddubs_epi16(_mm512_load_si512(u->codes + 64 * c), _mm512_loadu_si512(a + 64 * c));
+        const __m512i p = _mm512_maddubs_epi16(o->codes[v], _mm512_loadu_si512(a + 64 * v));
 #if defined(__AVX512VNNI__)
-        tot = _mm512_dpwssd_epi32(tot, p, v->sc[c]);
+        tot = _mm512_dpwssd_epi32(tot, p, o->sc[v]);
 #else
-        tot = _mm512_add_epi32(tot, _mm512_madd_epi16(p, v->sc[c]));
+        tot = _mm512_add_epi32(tot, _mm512_madd_epi16(p, o->sc[v]));
 #endif
     }
     *sumi = _mm512_reduce_add_epi32(tot);
-    *summ = hsum8(_mm256_madd_epi16(_mm256_load_si256((const __m256i*)u->min), _mm256_loadu_si256((const __m256i*)bs)));
+    *summ = hsum8(_mm256_madd_epi16(o->min16, _mm256_loadu_si256((const __m256i*)bs)));
 }
 #elif KVD_AVX2
 // The scale of each int16 pair of products (lane l: values 32 c + 2 l, + 1, scaled by scale[2 c + l / 8]).
@@ -270,9 +341,34 @@ static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8
     *sumi = si, *summ = sm;
 }
 #endif
+#ifndef DIRECT_SUPER
+#define DIRECT_SUPER 0  // AVX2 and plain C: super-blocks unpacked once per work item (row_outputs below)
+#endif
 
 // ---- the linear ---------------------------------------------------------------------------------------------------
 
+#if DIRECT_SUPER
+// Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row decoded once, into
+// registers.
+static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
+                        const int16_t* bsum, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
+    const uint8_t* row = (const uint8_t*)w->qs + n * nb * tb;
+    float acc[ROW_CHUNK] = {0};
+    direct_block o;
+    for (int64_t s = 0; s < nb; s++) {
+        decode_block(w->ggml, row + s * tb, &o);
+        for (int64_t m = m0; m < m1; m++) {
+            int32_t sumi, summ;
+            direct_dot(&o, q + m * K + s * SB, bsum + (m * nb + s) * SUBS, &sumi, &summ);
+            const float d = dx[m * nb + s];
+            float a = fmaf((float)sumi, o.da * d, acc[m - m0]);
+            acc[m - m0] = fmaf((float)-summ, o.db * d, a);
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
+}
+#else
 // Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row unpacked once.
 static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
                         const int16_t* bsum, void* y, int y_bf16) {
@@ -295,6 +391,7 @@ static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, 
     }
     for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
 }
+#endif
 
 int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
                         int nthreads) {
@@ -305,6 +402,9 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     const int failed = !q || !dx || !bsum;
     if (!failed) {
         quantize_super(x, x_bf16, M, K, q, dx, bsum, nthreads);
+#if DIRECT_SUPER
+        if (w->ggml != KVD_GGML_Q6_K) permute_k4(q, M, K);
+#endif
         // Row-major items: a thread's consecutive items read consecutive weight rows.
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t item = 0; item < w->n * chunks; item++) {
