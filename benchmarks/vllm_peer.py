@@ -11,7 +11,8 @@ request and kept up across its turns; its start (which compiles the model with I
 no figure. It gets vLLM's CPU settings: $VLLM_CPU_KVCACHE_SPACE (--vllm-kv-gib), $VLLM_CPU_OMP_THREADS_BIND
 (cores 0 to --threads - 1) and, where present, tcmalloc and the venv's Intel OpenMP in $LD_PRELOAD.
 kvd runs in this process on the bundled GGUF: `bf16` is `--quantization none --dtype bfloat16`, the weights
-vLLM loads; `int4` is kvd's default (`auto`: Q4_1 as int4); `-kv8` adds `--kv-cache-dtype int8` (an 8-bit pool).
+vLLM loads; `int4` is `--quantization int4`, the file's Q4_1 blocks in kvd's kernels (its default, auto, runs the
+same blocks in quantization gguf, the embedding and output projection in Q4_1 too); `-kv8` adds `--kv-cache-dtype int8` (an 8-bit pool).
 Workloads (token-id prompts, greedy, ignore_eos; each side must produce exactly the requested tokens): single
 stream (--single-len in and out: decode tok/s after the first token, prefill tok/s), then --concurrency N
 requests of benchmarks.throughput's workload at once (output tok/s; 64 is that workload, 16 its first 16).
@@ -42,9 +43,9 @@ ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
 # name: (quantization, dtype, kv_cache_dtype)
 KVD_MODES = {
     "bf16": ("none", "bfloat16", "auto"),
-    "int4": ("auto", "auto", "auto"),
+    "int4": ("int4", "auto", "auto"),
     "bf16-kv8": ("none", "bfloat16", "int8"),
-    "int4-kv8": ("auto", "auto", "int8"),
+    "int4-kv8": ("int4", "auto", "int8"),
 }
 TARGETS = {
     "kvd bf16": 2.0,

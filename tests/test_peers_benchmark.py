@@ -19,7 +19,7 @@ def test_without_a_peer_says_so_and_measures_kvd():
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_BIN"}
     stdout, result = run_quick(env)
     assert "llama.cpp peer skipped: $LLAMA_CPP_BIN is unset" in stdout
-    assert result["peer_model"] is None and result["kvd_quantization"] == "int4"  # the bundled Q4_1 file
+    assert result["peer_model"] is None and result["kvd_quantization"] == "gguf"  # Q4_1 in place
     assert result["kvd_kv_cache_dtype"] == result["kvd_dtype"]  # auto: the model's dtype
     assert list(result["workloads"]) == WORKLOADS
     single = result["workloads"]["single stream"]

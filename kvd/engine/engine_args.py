@@ -87,9 +87,9 @@ class EngineArgs:
         aliases=("--threads",),
         type=positive_int,
     )
-    # Decoder weights kept quantized (CPU): auto = what a GGUF file holds (int4 for Q4_0/Q4_1, int8 for
-    # Q8_0, gguf for files with other types: each matrix in its own type, kvd.model.gguf_native), none =
-    # dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
+    # Decoder weights kept quantized (CPU): auto = what a GGUF file holds (gguf: each matrix in its own type,
+    # kvd.model.gguf_native; under tensor parallel or without the native kernels int4 for Q4_0/Q4_1, int8 for
+    # Q8_0), none = dequantized to dtype; int8 | int4 force one (kvd.model.layers.quantized_linear).
     quantization: str = setting(
         "auto",
         "CPU: keep decoder weights quantized; auto = what a GGUF file holds, none = dequantize (%(default)s)",
@@ -161,7 +161,9 @@ class EngineArgs:
                 f"num_threads must be >= 1 (leave it unset for all cores), got {self.num_threads}"
             )
         if self.quantization not in QUANTIZATIONS:
-            raise EngineArgsError(f"quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+            raise EngineArgsError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineArgsError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.pooling not in POOLINGS:

@@ -110,10 +110,11 @@ def install(model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtyp
     return taken
 
 
-def auto_quantization(file: GGUFFile) -> str:
-    """What quantization "auto" runs a GGUF file in: int4 / int8 where those hold every layer matrix exactly
-    (kvd's own kernels, tuned for them), else "gguf" where some layer matrix runs in its own type, else none."""
-    mode = native_quantization(file)
-    if mode == "none" and uses_native_types(file):
+def auto_quantization(file: GGUFFile, whole_file_native: bool) -> str:
+    """What quantization "auto" runs a GGUF file in on a CPU: "gguf" (every matrix in its file's type) where some
+    layer matrix has a native kernel and `whole_file_native` (one rank, the kernels built); else int4 / int8 where
+    those hold every layer matrix exactly (tensor parallel shards them; torch's kernels run them without ours),
+    else none."""
+    if whole_file_native and uses_native_types(file):
         return "gguf"
-    return mode
+    return native_quantization(file)

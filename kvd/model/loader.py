@@ -16,6 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
+from kvd.kernels import cpu_native
 from kvd.model import gguf_native
 from kvd.model.batch_invariance import set_batch_invariant
 from kvd.model.config import ModelConfig, UnsupportedModelError
@@ -129,7 +130,7 @@ def load_model(
     gguf_path = _gguf_file(path)
     checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
     config = ModelConfig.from_hf_dict(checkpoint.hf_config)  # before the slow parts: fail fast if unsupported
-    quantization = _resolve_quantization(quantization, checkpoint, device)
+    quantization = _resolve_quantization(quantization, checkpoint, device, shard)
     dtype_choice = choose_dtype(dtype, checkpoint.hf_config, device)
     run_dtype = dtype_choice.dtype
     logger.info("dtype %s: %s", str(run_dtype).removeprefix("torch."), dtype_choice.reason)
@@ -226,7 +227,9 @@ class _Checkpoint:
     num_tensors: int
     load_tokenizer: Callable[[], PreTrainedTokenizerFast]
     weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]]  # all but the names given
-    native_quantization: str = "none"  # what "auto" quantization picks (GGUF files only)
+    # What "auto" quantization picks on a CPU, given whether the whole file may run in the native kernels there
+    # (one rank, kernels built): GGUF files only.
+    auto_quantization: Callable[[bool], str] = lambda whole_file_native: "none"
     # GGUF files: installs the matrices in their own types (quantization "gguf"); returns the names it took.
     install_native: Callable[[nn.Module, torch.dtype], set[str]] | None = None
     file_types: dict[str, tuple[int, int]] = field(default_factory=dict)
@@ -240,7 +243,7 @@ def _open_gguf(path: Path) -> _Checkpoint:
         len(file.tensors),
         lambda: load_gguf_tokenizer(file),
         lambda skip: iter_gguf_weights(file, hf_config, skip),
-        gguf_native.auto_quantization(file),
+        lambda whole_file_native: gguf_native.auto_quantization(file, whole_file_native),
         lambda model, dtype: gguf_native.install(model, file, hf_config, dtype),
         gguf_native.file_types(file),
     )
@@ -263,10 +266,12 @@ def _open_folder(path: Path) -> _Checkpoint:
     )
 
 
-def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.device) -> str:
+def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.device, shard: Shard) -> str:
     on_cpu = device.type == "cpu"
     if mode == "auto":
-        return checkpoint.native_quantization if on_cpu else "none"
+        return (
+            checkpoint.auto_quantization(not shard.sharded and cpu_native.available()) if on_cpu else "none"
+        )
     if mode not in (*QUANTIZATIONS, "gguf"):
         raise QuantizationError(f"quantization {mode!r} is not one of auto, gguf, {', '.join(QUANTIZATIONS)}")
     if mode != "none" and not on_cpu:
