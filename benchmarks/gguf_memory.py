@@ -1,7 +1,7 @@
 """Memory and load time of a GGUF file: kvd against llama-server, the two alternating in one run.
 
     LLAMA_CPP_BIN=/path/to/llama.cpp/build/bin python -m benchmarks.gguf_memory --model FILE.gguf
-        [--rounds 3] [--context 4096] [--json]
+        [--rounds 3] [--context 4096] [--quick] [--json]
 
 kvd: a fresh interpreter imports kvd and torch, then loads the file as `kvd serve` does (kvd.LLM, quantization
 auto, a KV pool sized for --context tokens of one sequence); it reports its RSS after the imports (what any
@@ -52,8 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=4096, help="KV tokens of both sides' one sequence")
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--quick", action="store_true", help="one round, a 256-token KV pool: a smoke run")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.context = 1, 256
+    return args
 
 
 def kv_bytes(model: str, context: int, element_bytes: int) -> int:
