@@ -347,51 +347,54 @@ static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8
 
 // ---- the linear ---------------------------------------------------------------------------------------------------
 
+// A super-block ready for the dot products of every activation row: decoded into registers (AVX-512BW), or
+// unpacked into memory with its scales' lanes (AVX2, plain C).
 #if DIRECT_SUPER
-// Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row decoded once, into
-// registers.
-static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
-                        const int16_t* bsum, void* y, int y_bf16) {
-    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
-    const uint8_t* row = (const uint8_t*)w->qs + n * nb * tb;
-    float acc[ROW_CHUNK] = {0};
-    direct_block o;
-    for (int64_t s = 0; s < nb; s++) {
-        decode_block(w->ggml, row + s * tb, &o);
-        for (int64_t m = m0; m < m1; m++) {
-            int32_t sumi, summ;
-            direct_dot(&o, q + m * K + s * SB, bsum + (m * nb + s) * SUBS, &sumi, &summ);
-            const float d = dx[m * nb + s];
-            float a = fmaf((float)sumi, o.da * d, acc[m - m0]);
-            acc[m - m0] = fmaf((float)-summ, o.db * d, a);
-        }
-    }
-    for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
+typedef direct_block prepared_block;
+
+static inline void prepare_block(int32_t type, const uint8_t* b, prepared_block* p) { decode_block(type, b, p); }
+
+static inline void block_dot(const prepared_block* p, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
+    direct_dot(p, a, bs, sumi, summ);
 }
 #else
-// Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row unpacked once.
+typedef struct {
+    unpacked u;
+    scale_lanes lanes;
+    float da, db;
+} prepared_block;
+
+static inline void prepare_block(int32_t type, const uint8_t* b, prepared_block* p) {
+    unpack_scales(type, b, &p->u);
+    unpack_codes(type, b, p->u.codes);
+    scale_vectors(&p->u, &p->lanes);
+    p->da = p->u.da, p->db = p->u.db;
+}
+
+static inline void block_dot(const prepared_block* p, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
+    super_dot(&p->u, &p->lanes, a, bs, sumi, summ);
+}
+#endif
+
+// Output n for activation rows m0 .. m1 - 1 (at most ROW_CHUNK): each super-block of the row prepared once.
 static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
                         const int16_t* bsum, void* y, int y_bf16) {
     const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
     const uint8_t* row = (const uint8_t*)w->qs + n * nb * tb;
     float acc[ROW_CHUNK] = {0};
-    unpacked u;
-    scale_lanes lanes;
+    prepared_block p;
     for (int64_t s = 0; s < nb; s++) {
-        unpack_scales(w->ggml, row + s * tb, &u);
-        unpack_codes(w->ggml, row + s * tb, u.codes);
-        scale_vectors(&u, &lanes);
+        prepare_block(w->ggml, row + s * tb, &p);
         for (int64_t m = m0; m < m1; m++) {
             int32_t sumi, summ;
-            super_dot(&u, &lanes, q + m * K + s * SB, bsum + (m * nb + s) * SUBS, &sumi, &summ);
+            block_dot(&p, q + m * K + s * SB, bsum + (m * nb + s) * SUBS, &sumi, &summ);
             const float d = dx[m * nb + s];
-            float a = fmaf((float)sumi, u.da * d, acc[m - m0]);
-            acc[m - m0] = fmaf((float)-summ, u.db * d, a);
+            float a = fmaf((float)sumi, p.da * d, acc[m - m0]);
+            acc[m - m0] = fmaf((float)-summ, p.db * d, a);
         }
     }
     for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
 }
-#endif
 
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
 // ---- many activation rows: AVX-512 VNNI outer products over 16 weight rows ------------------------------------
