@@ -195,7 +195,7 @@ static inline int32_t hsum8(__m256i v) {
 }
 #endif
 
-#if KVD_AVX512 && defined(__AVX512BW__)
+#if KVD_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX-512: each weight super-block decoded straight into registers (no unpacked copy): four vectors of 64 codes,
 // each with the int16 scale of every pair of products, and the minimums per 16 values. Q4_K and Q5_K's nibbles
 // split into the values [0, 32) + [64, 96), [32, 64) + [96, 128), then the same of the second 128: the activation
@@ -458,7 +458,7 @@ static void decode_group(const kvd_weight* w, int64_t n0, int64_t s, group_block
         da[j] = u.da, db[j] = u.db;
     }
     for (int v = 0; v < 4; v++) transpose16(rows[v], g->codes + 16 * v);
-    for (int r = 0; r < SUBS; r++) g->scale[r] = _mm512_load_si512(sc[r]);
+    for (int r = 0; r < (k4 ? SUBS / 2 : SUBS); r++) g->scale[r] = _mm512_load_si512(sc[r]);
     for (int p = 0; p < SUBS / 2; p++) g->mins[p] = _mm512_load_si512(mn[p]);
     g->da = _mm512_load_ps(da), g->db = _mm512_load_ps(db);
 }
