@@ -208,13 +208,10 @@ static int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_
     return KVD_OK;
 }
 
-// The widest part of a layer's projections (the scratch rows parts_linear needs).
-static int64_t widest_part(const kvd_layer* L) {
+// The widest part of a projection of several parts (the scratch rows parts_linear needs), 0 for one part.
+static int64_t widest_part(const kvd_weight* parts) {
     int64_t n = 0;
-    for (int p = 0; p < KVD_MAX_PARTS; p++) {
-        n = L->qkv[p].n > n ? L->qkv[p].n : n;
-        n = L->gate_up[p].n > n ? L->gate_up[p].n : n;
-    }
+    for (int p = 0; p < KVD_MAX_PARTS && parts[1].n; p++) n = parts[p].n > n ? parts[p].n : n;
     return n;
 }
 
@@ -237,8 +234,12 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     char* gate_up = malloc(elem * (size_t)(S * 2 * I));
     char* act = malloc(elem * (size_t)(S * I));
     int64_t widest = 0;
-    for (int64_t l = 0; l < num_layers; l++) widest = widest_part(layers + l) > widest ? widest_part(layers + l) : widest;
-    char* scratch = malloc(elem * (size_t)(S * widest));
+    for (int64_t l = 0; l < num_layers; l++)
+        for (int j = 0; j < 2; j++) {
+            const int64_t n = widest_part(j ? layers[l].gate_up : layers[l].qkv);
+            widest = n > widest ? n : widest;
+        }
+    char* scratch = malloc(elem * (size_t)(S * (widest ? widest : 1)));  // not NULL when no layer needs it
     int failed = !x || !qkv || !att || !gate_up || !act || !scratch;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;

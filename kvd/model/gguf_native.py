@@ -62,9 +62,8 @@ class _Reader:
             if qtype != GGMLQuantizationType.F32:
                 logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
             raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
-        if (
-            self.permuted and kind in self.heads
-        ):  # (GGUFLinear copies the file's read-only rows as it stacks them)
+        # Rows stay the file's read-only bytes here: GGUFLinear copies them as it stacks them.
+        if self.permuted and kind in self.heads:
             raw = unpermute_qk(torch.from_numpy(np.array(raw)), self.heads[kind]).numpy()
         return name, raw, qtype
 
