@@ -1,5 +1,6 @@
-"""Quantization "gguf": a GGUF file's matrices run in their own types (Q4_K, Q5_K, Q6_K in place; Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too, without a float copy."""
+"""Quantization "gguf": a GGUF file's matrices run in their own types (Q4_K, Q5_K, Q6_K, IQ4_XS in place; Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL in kvd's blocks, exactly), the embedding and output projection too, without a float
+copy."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
-# A Q4_K_M-like mix, with the other native types and one without a kernel (IQ4_XS: dequantized) in layer 1.
+# A Q4_K_M-like mix, with the other native types and one without a kernel (MXFP4: dequantized) in layer 1.
 TYPES = {
     "token_embd.weight": Q.Q6_K,
     "output.weight": Q.Q8_0,
@@ -46,12 +47,12 @@ TYPES = {
     "blk.0.ffn_up.weight": Q.Q4_K,
     "blk.0.ffn_down.weight": Q.IQ4_NL,
     "blk.1.attn_q.weight": Q.Q5_1,
-    "blk.1.attn_k.weight": Q.Q5_0,
-    "blk.1.attn_v.weight": Q.Q8_0,
-    "blk.1.attn_output.weight": Q.Q4_0,
+    "blk.1.attn_k.weight": Q.Q8_0,
+    "blk.1.attn_v.weight": Q.MXFP4,
+    "blk.1.attn_output.weight": Q.Q5_0,
     "blk.1.ffn_gate.weight": Q.IQ4_XS,
     "blk.1.ffn_up.weight": Q.Q4_1,
-    "blk.1.ffn_down.weight": Q.Q4_K,
+    "blk.1.ffn_down.weight": Q.Q4_0,
 }
 
 
@@ -141,21 +142,26 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
             >= count * 256 * 256 * gguf.GGML_QUANT_SIZES[qtype][1] // 256 // 2
         )
     # The one type without a kernel is dequantized, and said so by name.
-    assert any(
-        "blk.1.ffn_gate.weight" in r.getMessage() and "IQ4_XS" in r.getMessage() for r in caplog.records
-    )
+    assert any("blk.1.attn_v.weight" in r.getMessage() and "MXFP4" in r.getMessage() for r in caplog.records)
     matrices = [n for n, p in loaded.model.named_parameters() if p.dim() > 1]
     assert matrices == []  # no float embedding table, lm_head or linear weight left
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
-    # q and k (Q4_K) share a part, v (Q6_K) has its own; layer 1's Q5_1 q and Q5_0 k share one of 5-bit blocks.
+    # q and k (Q4_K) share a part, v (Q6_K) has its own; layer 1's q, k and v are three parts (5-bit blocks,
+    # 8-bit blocks, v's float values); its IQ4_XS gate runs in the file's super-blocks beside a Q4_1 up.
     assert [(s.kind, s.ggml, s.rows) for s in qkv.specs] == [("super", 12, 256 + 128), ("super", 14, 128)]
     qkv1 = loaded.model.model.layers[1].self_attn.qkv_proj
-    assert [(s.kind, s.bits, s.rows) for s in qkv1.specs] == [("blocks", 5, 256 + 128), ("blocks", 8, 128)]
+    assert [(s.kind, s.bits, s.rows) for s in qkv1.specs] == [
+        ("blocks", 5, 256),
+        ("blocks", 8, 128),
+        ("float", 32, 128),
+    ]
+    gate_up1 = loaded.model.model.layers[1].mlp.gate_up_proj
+    assert [(s.kind, s.ggml, s.bits) for s in gate_up1.specs] == [("super", 23, 0), ("blocks", 0, 4)]
     file = GGUFFile(files)
     matrix_bytes = sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
     held = sum(b.numel() * b.element_size() for b in loaded.model.buffers() if b.dim() > 1)
-    # The file's bytes (IQ4_XS's [512, 256] dequantized, 8-bit blocks at one byte a code) and no more.
-    assert matrix_bytes < held < matrix_bytes + 512 * 256 * 4 + 3 * 256 * 256
+    # The file's bytes (MXFP4's [128, 256] dequantized, 8-bit blocks at one byte a code) and no more.
+    assert matrix_bytes < held < matrix_bytes + 128 * 256 * 4 + 3 * 256 * 256
 
 
 def test_logits_follow_the_dequantized_model(files):
@@ -180,7 +186,7 @@ def test_a_sequence_is_the_same_bits_alone_and_in_a_batch(files, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_steps_run_natively_with_the_python_loops_bits_alone_and_batched(files, dtype):
     """The native layer loop takes projections of several parts in their own types (layer 0's Q4_K q, k beside
-    a Q6_K v; layer 1's dequantized IQ4_XS gate beside a Q4_1 up): the Python loop's bits, one sequence at a
+    a Q6_K v; layer 1's dequantized MXFP4 v beside Q5_1 q and Q8_0 k, an IQ4_XS gate beside a Q4_1 up): the Python loop's bits, one sequence at a
     time or all together."""
     from test_native_decode import GREEDY, PROMPTS
 

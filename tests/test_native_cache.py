@@ -217,8 +217,8 @@ for cls in (NativeInt4Linear, NativeInt8Linear):
         x = (torch.randn(40, 96) * 2).to(dtype)
         out[cls.bits, str(dtype)] = cpu_native.linear(x, layer.native_weight())
 # GGUF super-block weights: random bytes (every code, scale and high bit), finite fp16 multipliers.
-for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,))):
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]
+for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)), ("IQ4_XS", (0,))):
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}[name]
     raw = torch.randint(0, 256, (21, 2, size), dtype=torch.uint8)
     for at in halves:
         raw[:, :, at : at + 2] = (torch.rand(21, 2, 1) * 0.01 + 1e-4).half().view(torch.uint8)

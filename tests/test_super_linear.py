@@ -1,4 +1,4 @@
-"""GGUF's super-block types (Q4_K, Q5_K, Q6_K) multiplied in place by the native kernels: against gguf's own
+"""GGUF's super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) multiplied in place by the native kernels: against gguf's own
 dequantization and a float64 matmul, exact in the integer part, batch invariant, and refused when malformed."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the na
 
 TYPES = sorted(cpu_native.SUPER_TYPES)
 # Where each type keeps its fp16 multipliers in a block (the rest of the bytes may be anything at all).
-HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
 
 
 def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:

@@ -24,8 +24,9 @@ enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 // GGUF numbers them): KVD_SUPER_BLOCK values along k a block, each row n / KVD_SUPER_BLOCK blocks one after
 // another, as the file stores them (block_q4_K: fp16 d, dmin, 12 bytes of 6-bit sub-block scales and minimums,
 // 128 bytes of 4-bit codes; block_q5_K: the same with 32 bytes of fifth bits before the codes; block_q6_K: 128
-// bytes of low 4 bits, 64 of high 2 bits, 16 int8 sub-block scales, fp16 d).
-enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14 };
+// bytes of low 4 bits, 64 of high 2 bits, 16 int8 sub-block scales, fp16 d; block_iq4_xs: fp16 d, 16 bits of
+// high 2 scale bits, 4 bytes of low 4 scale bits, 128 bytes of 4-bit indices into IQ4's table of 16 int8 values).
+enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14, KVD_GGML_IQ4_XS = 23 };
 enum kvd_super { KVD_SUPER_BLOCK = 256 };
 
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code

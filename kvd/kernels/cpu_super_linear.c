@@ -1,5 +1,5 @@
-// Linears of GGUF's super-block weights (Q4_K, Q5_K, Q6_K: enum kvd_ggml), read in place in the file's own
-// bytes. Activations are quantized to int8 per super-block of 256 values (one float32 scale each, and the sum of
+// Linears of GGUF's super-block weights (Q4_K, Q5_K, Q6_K, IQ4_XS: enum kvd_ggml), read in place in the file's
+// own bytes. Activations are quantized to int8 per super-block of 256 values (one float32 scale each, and the sum of
 // each 16 codes); each weight super-block is unpacked once per work item into codes 0..63, an integer scale and
 // an integer minimum per 16 values and two float multipliers; then, for every activation row, exact integer sums
 // and one float order:
@@ -8,9 +8,11 @@
 //   summ = sum over k of min[k] x (the sum of those 16 activation codes)                   (int32, exact)
 //   acc = fma(float(sumi), da x dx, acc), then acc = fma(float(-summ), db x dx, acc), super-block by super-block
 //
-// (da, db: Q4_K and Q5_K's d and dmin; Q6_K's d twice, its codes stored + 32, so min[k] = 32 x scale[k].) The
-// integer sums are the same whichever path computes them (plain C, AVX2, AVX-512), so every output is the same
-// bits whatever the row count, the path or the CPU: batch invariance for these types too.
+// (da, db: Q4_K and Q5_K's d and dmin; Q6_K's d twice, its codes stored + 32, so min[k] = 32 x scale[k]; IQ4_XS's
+// d twice, its codes its table's signed values -127..113, min[k] 0, except where outer products take them + 128:
+// there min[k] = 128 x scale[k] and summ is taken from sumi before the float steps.) The integer sums are the same
+// whichever path computes them (plain C, AVX2, AVX-512), so every output is the same bits whatever the row count,
+// the path or the CPU: batch invariance for these types too.
 #include "cpu_internal.h"
 
 #define SB KVD_SUPER_BLOCK
@@ -21,14 +23,32 @@ _Static_assert(SB == 256, "the unpacking below is written for GGUF's 256-value s
 
 // One weight super-block, ready for the dot products of every activation row.
 typedef struct {
-    _Alignas(64) uint8_t codes[SB];  // 0..63, in value order
+    _Alignas(64) uint8_t codes[SB];  // 0..63, in value order; IQ4_XS: int8 values
     _Alignas(32) int16_t scale[SUBS];
     _Alignas(32) int16_t min[SUBS];
     float da, db;
+    int signed_codes;  // IQ4_XS
 } unpacked;
 
 static inline int64_t type_bytes(int32_t type) {
-    return type == KVD_GGML_Q4_K ? 144 : type == KVD_GGML_Q5_K ? 176 : 210;
+    return type == KVD_GGML_Q4_K ? 144 : type == KVD_GGML_Q5_K ? 176 : type == KVD_GGML_Q6_K ? 210 : 136;
+}
+
+// IQ4's sixteen values (GGUF's kvalues_iq4nl), which IQ4_XS's 4-bit codes index.
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// IQ4_XS's eight 6-bit sub-block scales (32 values each, stored + 32), sub-block j in byte j: its low nibble is
+// nibble j of scales_l, its high bits bits 2 j, 2 j + 1 of scales_h (spread by shifts: no pdep, slow on some CPUs).
+static inline uint64_t scales_iq4xs(const uint8_t* b) {
+    uint32_t l;
+    memcpy(&l, b + 4, 4);
+    uint64_t lo = l, hi = (uint64_t)b[2] | (uint64_t)b[3] << 32;
+    lo = (lo | lo << 16) & 0x0000ffff0000ffffull;
+    lo = (lo | lo << 8) & 0x00ff00ff00ff00ffull;
+    lo = (lo | lo << 4) & 0x0f0f0f0f0f0f0f0full;
+    hi = (hi | hi << 12) & 0x000f000f000f000full;
+    hi = (hi | hi << 6) & 0x0303030303030303ull;
+    return lo | hi << 4;
 }
 
 static inline float half_at(const uint8_t* p) {
@@ -47,6 +67,13 @@ static inline void scale_min_k4(int j, const uint8_t* q, int16_t* sc, int16_t* m
 }
 
 static void unpack_scales(int32_t type, const uint8_t* b, unpacked* u) {
+    u->signed_codes = type == KVD_GGML_IQ4_XS;
+    if (type == KVD_GGML_IQ4_XS) {
+        const uint64_t ls = scales_iq4xs(b);
+        for (int k = 0; k < SUBS; k++) u->scale[k] = (int16_t)((ls >> (8 * (k / 2)) & 63) - 32), u->min[k] = 0;
+        u->da = u->db = half_at(b);
+        return;
+    }
     if (type == KVD_GGML_Q6_K) {
         const int8_t* sc = (const int8_t*)(b + 192);
         for (int k = 0; k < SUBS; k++) u->scale[k] = sc[k], u->min[k] = (int16_t)(32 * sc[k]);
@@ -63,9 +90,19 @@ static void unpack_scales(int32_t type, const uint8_t* b, unpacked* u) {
 // The codes of super-block b in value order (GGUF's layouts: Q4_K's byte 32 j + l holds value 64 j + l in its
 // low nibble and 64 j + 32 + l in its high one; Q5_K adds bit 2 j (value 64 j + l) and 2 j + 1 (64 j + 32 + l) of
 // qh[l] as the fifth; Q6_K's halves h of 128 values take ql[64 h + l] and ql[64 h + 32 + l]'s nibbles for values
-// 128 h + l, + 32, + 64, + 96, with bit pairs 0, 2, 4, 6 of qh[32 h + l] above them).
+// 128 h + l, + 32, + 64, + 96, with bit pairs 0, 2, 4, 6 of qh[32 h + l] above them; IQ4_XS's byte 16 j + l holds
+// the indices of values 32 j + l and 32 j + 16 + l in its low and high nibbles).
 static void unpack_codes(int32_t type, const uint8_t* b, uint8_t* codes) {
 #if KVD_AVX2
+    if (type == KVD_GGML_IQ4_XS) {
+        const __m128i table = _mm_loadu_si128((const __m128i*)iq4_values), m4 = _mm_set1_epi8(15);
+        for (int j = 0; j < SB / 32; j++) {
+            const __m128i q = _mm_loadu_si128((const __m128i*)(b + 8 + 16 * j));
+            _mm_store_si128((__m128i*)(codes + 32 * j), _mm_shuffle_epi8(table, _mm_and_si128(q, m4)));
+            _mm_store_si128((__m128i*)(codes + 32 * j + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), m4)));
+        }
+        return;
+    }
     const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
     if (type == KVD_GGML_Q6_K) {
         for (int h = 0; h < 2; h++) {
@@ -95,6 +132,14 @@ static void unpack_codes(int32_t type, const uint8_t* b, uint8_t* codes) {
                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m15), hi5));
     }
 #else
+    if (type == KVD_GGML_IQ4_XS) {
+        for (int j = 0; j < SB / 32; j++)
+            for (int l = 0; l < 16; l++) {
+                const uint8_t q = b[8 + 16 * j + l];
+                codes[32 * j + l] = (uint8_t)iq4_values[q & 15], codes[32 * j + 16 + l] = (uint8_t)iq4_values[q >> 4];
+            }
+        return;
+    }
     if (type == KVD_GGML_Q6_K) {
         for (int h = 0; h < 2; h++)
             for (int l = 0; l < 32; l++) {
@@ -122,7 +167,8 @@ static void unpack_codes(int32_t type, const uint8_t* b, uint8_t* codes) {
 
 // x [M, K] -> q int8 [M, K], dx [M, K / 256] (each super-block's scale: its largest magnitude / 127) and bsum
 // [M, K / 256, 16] (each 16 codes' sum). Every path: the same maximum (NaN passed over), the same product and
-// nearest-even rounding, codes saturated to int8 (a NaN's code is -128 in each).
+// nearest-even rounding, codes saturated to int8 (a NaN's code is -128 in each; against IQ4_XS's negative codes the
+// sign trick's -(-128) wraps, so an output of NaN activations may differ between paths: it means nothing anyway).
 static void quantize_super(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* dx, int16_t* bsum,
                            int nthreads) {
     const int64_t nb = K / SB;
@@ -206,6 +252,7 @@ typedef struct {
     __m512i codes[4], sc[4];
     __m256i min16;  // each 16 values' minimum, in value order (against the activation codes' sums bsum)
     float da, db;
+    int signed_codes;  // IQ4_XS: codes are int8 values, multiplied as |code| x (the activation code, signed alike)
 } direct_block;
 
 // Lanes 0-15 of x (int16) to every lane of a vector whose int16 lane l holds x[first + l / 16] (l < 16) or
@@ -246,6 +293,7 @@ static inline void decode_k4(const uint8_t* b, int five, direct_block* o) {
     const __m256i m8 = _mm256_castsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn)));
     o->min16 = _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), m8);
     o->da = half_at(b), o->db = half_at(b + 2);
+    o->signed_codes = 0;
 }
 
 static inline void decode_q6k(const uint8_t* b, direct_block* o) {
@@ -264,11 +312,34 @@ static inline void decode_q6k(const uint8_t* b, direct_block* o) {
                                             _mm512_castsi256_si512(s16));
     o->min16 = _mm256_slli_epi16(s16, 5);  // codes stored + 32
     o->da = o->db = half_at(b + 208);
+    o->signed_codes = 0;
+}
+
+// IQ4_XS's 64 qs bytes of half h: byte i indexes value 32 (4 h + i / 16) + i % 16 in its low nibble and that + 16
+// in its high one, so vector 2 h holds the first 16 values of sub-blocks 4 h .. 4 h + 3, vector 2 h + 1 their last.
+static inline void decode_iq4xs(const uint8_t* b, direct_block* o) {
+    const __m512i m4 = _mm512_set1_epi8(15), table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)iq4_values));
+    for (int h = 0; h < 2; h++) {
+        const __m512i q = _mm512_loadu_si512(b + 8 + 64 * h);
+        o->codes[2 * h] = _mm512_shuffle_epi8(table, _mm512_and_si512(q, m4));
+        o->codes[2 * h + 1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+    }
+    const __m512i s16 = _mm512_castsi128_si512(
+        _mm_sub_epi16(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)scales_iq4xs(b))), _mm_set1_epi16(32)));
+    const __m512i lane = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+    for (int v = 0; v < 4; v++)  // int16 lane l of vector v: sub-block 4 (v / 2) + l / 8
+        o->sc[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * (v / 2))), lane), s16);
+    o->min16 = _mm256_setzero_si256();
+    o->da = o->db = half_at(b);
+    o->signed_codes = 1;
 }
 
 static inline void decode_block(int32_t type, const uint8_t* b, direct_block* o) {
     if (type == KVD_GGML_Q6_K)
         decode_q6k(b, o);
+    else if (type == KVD_GGML_IQ4_XS)
+        decode_iq4xs(b, o);
     else
         decode_k4(b, type == KVD_GGML_Q5_K, o);
 }
@@ -283,11 +354,25 @@ static void permute_k4(int8_t* q, int64_t M, int64_t K) {
     }
 }
 
+// Each super-block's activation codes in decode_iq4xs's order: in each 128, the first 16 of each 32, then the last.
+static void permute_iq4(int8_t* q, int64_t M, int64_t K) {
+    for (int64_t at = 0; at < M * K; at += 128) {
+        int8_t t[128];
+        memcpy(t, q + at, 128);
+        for (int c = 0; c < 4; c++) {
+            memcpy(q + at + 16 * c, t + 32 * c, 16);
+            memcpy(q + at + 64 + 16 * c, t + 32 * c + 16, 16);
+        }
+    }
+}
+
 static inline void direct_dot(const direct_block* o, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
     __m512i tot = _mm512_setzero_si512();
     for (int v = 0; v < 4; v++) {
-        // u8 codes <= 63 x int8 codes, two a lane: at most 16002, so the int16 pair sums never saturate.
-        const __m512i p = _mm512_maddubs_epi16(o->codes[v], _mm512_loadu_si512(a + 64 * v));
+        // u8 codes <= 127 x int8 codes, two a lane: at most 32258, so the int16 pair sums never saturate.
+        const __m512i x = _mm512_loadu_si512(a + 64 * v), c = o->codes[v];
+        const __m512i p = o->signed_codes ? _mm512_maddubs_epi16(_mm512_abs_epi8(c), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x))
+                                          : _mm512_maddubs_epi16(c, x);
 #if defined(__AVX512VNNI__)
         tot = _mm512_dpwssd_epi32(tot, p, o->sc[v]);
 #else
@@ -312,8 +397,8 @@ static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8
                              int32_t* sumi, int32_t* summ) {
     __m256i tot = _mm256_setzero_si256();
     for (int c = 0; c < SB / 32; c++) {
-        const __m256i p = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i*)(u->codes + 32 * c)),
-                                               _mm256_loadu_si256((const __m256i*)(a + 32 * c)));
+        const __m256i w = _mm256_load_si256((const __m256i*)(u->codes + 32 * c)), x = _mm256_loadu_si256((const __m256i*)(a + 32 * c));
+        const __m256i p = u->signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
         tot = _mm256_add_epi32(tot, _mm256_madd_epi16(p, v->sc[c]));
     }
     *sumi = hsum8(tot);
@@ -334,7 +419,7 @@ static inline void super_dot(const unpacked* u, const scale_lanes* v, const int8
     int32_t si = 0, sm = 0;
     for (int k = 0; k < SUBS; k++) {
         int32_t s = 0;
-        for (int i = 16 * k; i < 16 * k + 16; i++) s += u->codes[i] * a[i];
+        for (int i = 16 * k; i < 16 * k + 16; i++) s += (u->signed_codes ? (int8_t)u->codes[i] : u->codes[i]) * a[i];
         si += u->scale[k] * s;
         sm += u->min[k] * bs[k];
     }
@@ -409,8 +494,8 @@ static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, 
 #define PASS_ROWS 4  // activation rows a pass: their sums in registers
 
 typedef struct {
-    __m512i codes[SB / 4];  // dword q of the 16 rows' codes, in decode_block's value order
-    __m512i scale[SUBS];    // int32 scale of each run of codes (Q4_K, Q5_K: 8 runs of 32; Q6_K: 16 of 16)
+    __m512i codes[SB / 4];  // dword q of the 16 rows' codes (IQ4_XS's + 128), in decode_block's value order
+    __m512i scale[SUBS];    // int32 scale of each run of codes (Q4_K, Q5_K: 8 runs of 32; Q6_K, IQ4_XS: 16 of 16)
     __m512i mins[SUBS / 2]; // int16 pairs: the minimums of values 32 p .. 32 p + 15 and 32 p + 16 .. 32 p + 31
     __m512 da, db;
 } group_block;
@@ -440,7 +525,7 @@ static inline void transpose16(const __m512i* in, __m512i* out) {
 // Super-block s of weight rows n0 .. n0 + 15 into g.
 static void decode_group(const kvd_weight* w, int64_t n0, int64_t s, group_block* g) {
     const int64_t nb = w->k / SB, tb = type_bytes(w->ggml);
-    const int k4 = w->ggml != KVD_GGML_Q6_K;
+    const int k4 = w->ggml == KVD_GGML_Q4_K || w->ggml == KVD_GGML_Q5_K, iq4 = w->ggml == KVD_GGML_IQ4_XS;
     _Alignas(64) int32_t sc[SUBS][OUT16], mn[SUBS / 2][OUT16];
     _Alignas(64) float da[OUT16], db[OUT16];
     __m512i rows[4][OUT16];  // [vector of decode_block][row]
@@ -448,13 +533,17 @@ static void decode_group(const kvd_weight* w, int64_t n0, int64_t s, group_block
         const uint8_t* b = (const uint8_t*)w->qs + ((n0 + j) * nb + s) * tb;
         direct_block o;
         decode_block(w->ggml, b, &o);
-        for (int v = 0; v < 4; v++) rows[v][j] = o.codes[v];
+        // IQ4_XS's values + 128 are unsigned codes for VPDPBUSD (without the int16 pairs that would saturate).
+        for (int v = 0; v < 4; v++) rows[v][j] = iq4 ? _mm512_xor_si512(o.codes[v], _mm512_set1_epi8((char)0x80)) : o.codes[v];
         unpacked u;
         unpack_scales(w->ggml, b, &u);
-        // Runs in decode order: Q4_K's vector v holds the 32 values of sub-block 4 (v / 2) + v % 2, then of that + 2.
+        // Runs in decode order: Q4_K's vector v holds the 32 values of sub-block 4 (v / 2) + v % 2, then of that + 2;
+        // IQ4_XS's vector v the 16 values of sub-blocks 4 (v / 2) .. 4 (v / 2) + 3 in turn.
         for (int r = 0; r < (k4 ? SUBS / 2 : SUBS); r++)
-            sc[r][j] = k4 ? u.scale[2 * (4 * (r / 4) + (r / 2) % 2 + 2 * (r % 2))] : u.scale[r];
-        for (int p = 0; p < SUBS / 2; p++) mn[p][j] = (int32_t)((uint32_t)(uint16_t)u.min[2 * p] | (uint32_t)(uint16_t)u.min[2 * p + 1] << 16);
+            sc[r][j] = k4 ? u.scale[2 * (4 * (r / 4) + (r / 2) % 2 + 2 * (r % 2))] : iq4 ? u.scale[2 * (4 * (r / 8) + r % 4)] : u.scale[r];
+        int16_t min[SUBS];
+        for (int k = 0; k < SUBS; k++) min[k] = iq4 ? (int16_t)(128 * u.scale[k]) : u.min[k];
+        for (int p = 0; p < SUBS / 2; p++) mn[p][j] = (int32_t)((uint32_t)(uint16_t)min[2 * p] | (uint32_t)(uint16_t)min[2 * p + 1] << 16);
         da[j] = u.da, db[j] = u.db;
     }
     for (int v = 0; v < 4; v++) transpose16(rows[v], g->codes + 16 * v);
@@ -463,12 +552,14 @@ static void decode_group(const kvd_weight* w, int64_t n0, int64_t s, group_block
     g->da = _mm512_load_ps(da), g->db = _mm512_load_ps(db);
 }
 
-// Activation rows m .. m + rows - 1 against the group's decoded super-blocks gb [nb]: outputs n0 .. n0 + 15.
-static inline __attribute__((always_inline)) void group_pass(int k4, int rows, const kvd_weight* w, const group_block* gb,
-                                                            int64_t n0, int64_t m, const int8_t* q, const float* dx,
-                                                            const int16_t* bsum, void* y, int y_bf16) {
+// Activation rows m .. m + rows - 1 against the group's decoded super-blocks gb [nb]: outputs n0 .. n0 + 15. run:
+// the dwords under one scale (8 or 4); fold: the minimum term taken from the sums in int32 (IQ4_XS, whose other
+// paths have no minimum term), so the float steps meet the same integers.
+static inline __attribute__((always_inline)) void group_pass(int run, int fold, int rows, const kvd_weight* w,
+                                                            const group_block* gb, int64_t n0, int64_t m,
+                                                            const int8_t* q, const float* dx, const int16_t* bsum,
+                                                            void* y, int y_bf16) {
     const int64_t K = w->k, nb = K / SB;
-    const int run = k4 ? 8 : 4;  // dwords under one scale
     __m512 acc[PASS_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < nb; s++) {
@@ -494,6 +585,7 @@ static inline __attribute__((always_inline)) void group_pass(int k4, int rows, c
                 summ[r] = _mm512_dpwssd_epi32(summ[r], g->mins[p], _mm512_set1_epi32(pair));
             }
         for (int r = 0; r < rows; r++) {
+            if (fold) tot[r] = _mm512_sub_epi32(tot[r], summ[r]), summ[r] = _mm512_setzero_si512();
             const __m512 d = _mm512_set1_ps(dx[(m + r) * nb + s]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r]), _mm512_mul_ps(g->da, d), acc[r]);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_setzero_si512(), summ[r])),
@@ -503,14 +595,15 @@ static inline __attribute__((always_inline)) void group_pass(int k4, int rows, c
     for (int r = 0; r < rows; r++) store_outputs16(w, m + r, n0, acc[r], y, y_bf16);
 }
 
-static inline __attribute__((always_inline)) void group_rows16(int k4, const kvd_weight* w, const group_block* gb,
-                                                              int64_t n0, int64_t m0, int64_t m1, const int8_t* q,
-                                                              const float* dx, const int16_t* bsum, void* y, int y_bf16) {
+static inline __attribute__((always_inline)) void group_rows16(int run, int fold, const kvd_weight* w,
+                                                              const group_block* gb, int64_t n0, int64_t m0, int64_t m1,
+                                                              const int8_t* q, const float* dx, const int16_t* bsum,
+                                                              void* y, int y_bf16) {
     int64_t m = m0;
-    for (; m + PASS_ROWS <= m1; m += PASS_ROWS) group_pass(k4, PASS_ROWS, w, gb, n0, m, q, dx, bsum, y, y_bf16);
-    if (m1 - m == 3) group_pass(k4, 3, w, gb, n0, m, q, dx, bsum, y, y_bf16);
-    if (m1 - m == 2) group_pass(k4, 2, w, gb, n0, m, q, dx, bsum, y, y_bf16);
-    if (m1 - m == 1) group_pass(k4, 1, w, gb, n0, m, q, dx, bsum, y, y_bf16);
+    for (; m + PASS_ROWS <= m1; m += PASS_ROWS) group_pass(run, fold, PASS_ROWS, w, gb, n0, m, q, dx, bsum, y, y_bf16);
+    if (m1 - m == 3) group_pass(run, fold, 3, w, gb, n0, m, q, dx, bsum, y, y_bf16);
+    if (m1 - m == 2) group_pass(run, fold, 2, w, gb, n0, m, q, dx, bsum, y, y_bf16);
+    if (m1 - m == 1) group_pass(run, fold, 1, w, gb, n0, m, q, dx, bsum, y, y_bf16);
 }
 
 // Outputs of the whole groups of 16 weight rows, in items of one group x up to ROW_CHUNK activation rows (group
@@ -533,9 +626,11 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
                 decoded = group;
             }
             if (w->ggml == KVD_GGML_Q6_K)
-                group_rows16(0, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+                group_rows16(4, 0, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+            else if (w->ggml == KVD_GGML_IQ4_XS)
+                group_rows16(4, 1, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
             else
-                group_rows16(1, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+                group_rows16(8, 0, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
         }
         free(gb);
     }
@@ -553,7 +648,8 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     if (!failed) {
         quantize_super(x, x_bf16, M, K, q, dx, bsum, nthreads);
 #if DIRECT_SUPER
-        if (w->ggml != KVD_GGML_Q6_K) permute_k4(q, M, K);
+        if (w->ggml == KVD_GGML_Q4_K || w->ggml == KVD_GGML_Q5_K) permute_k4(q, M, K);
+        if (w->ggml == KVD_GGML_IQ4_XS) permute_iq4(q, M, K);
 #endif
         int64_t first = 0;  // weight rows before it are done
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
@@ -587,7 +683,8 @@ void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* o
             unpack_scales(w->ggml, b, &u);
             unpack_codes(w->ggml, b, u.codes);
             for (int i = 0; i < SB; i++) {
-                const float v = u.da * (float)(u.scale[i / 16] * u.codes[i]) - u.db * (float)u.min[i / 16];
+                const int code = u.signed_codes ? (int8_t)u.codes[i] : u.codes[i];
+                const float v = u.da * (float)(u.scale[i / 16] * code) - u.db * (float)u.min[i / 16];
                 store_f(out, (n - first) * K + s * SB + i, v, out_bf16);
             }
         }

@@ -1,7 +1,7 @@
 """Linears and the token embedding in a GGUF file's own tensor types (quantization "gguf", on the CPU).
 
 Each checkpoint matrix keeps its file type and runs in kvd's native kernels without a float copy:
-- GGUF's super-block types (Q4_K, Q5_K, Q6_K) as the file stores them (kvd_weight.ggml);
+- GGUF's super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) as the file stores them (kvd_weight.ggml);
 - the 32-value block types in kvd's own block layouts, converted exactly: Q4_0 and Q4_1 as 4-bit blocks (an fp16
   scale and minimum: Q4_0's minimum is -8 x its scale), Q5_0 and Q5_1 as 5-bit ones (the same, and each code's
   fifth bit: Q5_0's minimum is -16 x its scale), Q8_0 and IQ4_NL as 8-bit ones (IQ4_NL's values are its table's
