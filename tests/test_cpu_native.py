@@ -436,6 +436,27 @@ def test_float32_weights_in_panel_order_match_torch_at_every_row_count():
         cpu_native.linear(x.bfloat16(), cpu_native.linear_weight(32, panels, tiles=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp16_weights_in_rows_are_their_float32_values(dtype):
+    """A GGUF F16 matrix in rows: each value widened exactly as it is read, so the outputs are those of the same
+    values in float32 rows, bit for bit (rounded to bf16 for bf16 activations), at every row count (K 100: SIMD
+    steps and a tail of four)."""
+    torch.manual_seed(0)
+    weight, bias, x = (torch.randn(37, 100) * 0.1).half(), torch.randn(37), torch.randn(21, 100).to(dtype)
+    half = cpu_native.linear_weight(16, weight, bias=bias)
+    wide = weight.float()  # kept alive: the views hold only addresses
+    got = cpu_native.linear(x, half)
+    same = cpu_native.linear(x.float(), cpu_native.linear_weight(32, wide, bias=bias))  # bf16 x: widened too
+    assert torch.equal(got, same.to(dtype))
+    torch.testing.assert_close(got.float(), F.linear(x.float(), wide, bias), rtol=1e-2, atol=1e-2)
+    for rows in (1, 4, 5, 20):
+        assert torch.equal(cpu_native.linear(x[:rows].contiguous(), half), got[:rows])
+    with pytest.raises(cpu_native.NativeKernelError, match="fp16 weight is bits 16, in rows"):
+        cpu_native.linear_weight(16, weight, tiles=True)
+    with pytest.raises(cpu_native.NativeKernelError, match="a float weight's rows are its values"):
+        cpu_native.dequantize(half, 0, torch.empty(1, 100))
+
+
 @pytest.mark.parametrize("n", [1, 7, 16, 23, 49152])
 def test_argmax_answers_as_torch_does_ties_and_nan_included(n):
     """Each row's first largest value, the first NaN where there is one (the sampler's greedy pick): rows shorter

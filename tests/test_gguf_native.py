@@ -183,27 +183,59 @@ def test_a_sequence_is_the_same_bits_alone_and_in_a_batch(files, dtype):
     assert torch.equal(alone, together[1])
 
 
+def _greedy(path, dtype: str, native_loop: bool, max_num_seqs: int) -> list:
+    """Greedy tokens and logprobs of test_native_decode's prompts, with the native layer loop or Python's."""
+    from test_native_decode import GREEDY, PROMPTS
+
+    llm = LLM(str(path), dtype=dtype, quantization="gguf", kv_cache_memory=2**24, max_num_seqs=max_num_seqs)
+    model = llm.engine.runner.model
+    if not native_loop:
+        model._native_decoder = False
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert isinstance(model._native_decoder, NativeDecoder) == native_loop
+    return [(o.token_ids, [s.logprob for s in o.logprobs]) for o in outputs]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_steps_run_natively_with_the_python_loops_bits_alone_and_batched(files, dtype):
     """The native layer loop takes projections of several parts in their own types (layer 0's Q4_K q, k beside
-    a Q6_K v; layer 1's dequantized MXFP4 v beside Q5_1 q and Q8_0 k, an IQ4_XS gate beside a Q4_1 up): the Python loop's bits, one sequence at a
-    time or all together."""
-    from test_native_decode import GREEDY, PROMPTS
+    a Q6_K v; layer 1's Q5_1 q, Q8_0 k and dequantized MXFP4 v, an IQ4_XS gate beside a Q4_1 up): the Python
+    loop's bits, one sequence at a time or all together."""
+    native = _greedy(files, dtype, True, 4)
+    assert native == _greedy(files, dtype, False, 4)
+    assert native == _greedy(files, dtype, True, 1)
 
-    def run(native_loop: bool, max_num_seqs: int):
-        llm = LLM(
-            str(files), dtype=dtype, quantization="gguf", kv_cache_memory=2**24, max_num_seqs=max_num_seqs
-        )
-        model = llm.engine.runner.model
-        if not native_loop:
-            model._native_decoder = False
-        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert isinstance(model._native_decoder, NativeDecoder) == native_loop
-        return [(o.token_ids, [s.logprob for s in o.logprobs]) for o in outputs]
 
-    native = run(True, 4)
-    assert native == run(False, 4)
-    assert native == run(True, 1)
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_16_bit_float_files_run_as_their_values_without_a_float32_copy(tmp_path, qtype, dtype):
+    """An F16 or BF16 file's matrices stay 16-bit: as stored in a float32 model (widened as they are read), in
+    bf16 tiles in a bf16 one (F16 cast as a float16 checkpoint is); logits follow the file's values in float32,
+    a sequence is the same bits alone and in a batch, and decode steps run in the native layer loop with the
+    Python loop's bits."""
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    write_tiny_gguf(tiny_hf_model("llama", **SHAPE), path, tensor_types=dict.fromkeys(TYPES, qtype))
+    loaded = load_model(str(path), dtype=dtype, quantization="auto", attention_backend="native")
+    assert loaded.quantization == "gguf"
+    stored = torch.bfloat16 if qtype == Q.BF16 or dtype == "bfloat16" else torch.float16
+    linears = [m for m in loaded.model.modules() if isinstance(m, GGUFLinear)]
+    held = [b for m in linears for b in m.buffers() if b.dim() > 1]
+    assert {b.dtype for b in held} == {stored}
+    file = GGUFFile(path)
+    assert sum(b.numel() * 2 for b in held) == sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
+    for m in linears:  # in the packed kernels' order where they take the model's dtype and the shape
+        assert m.specs[0].tiles == (stored == loaded.dtype and cpu_native.packable(m.data0))
+    assert any(m.specs[0].tiles for m in linears) == (stored == loaded.dtype)
+
+    prompt = [5, 77, 120, 33, 9, 250, 14, 3]
+    native = _logits(loaded, [prompt])[0]
+    reference = _logits(load_model(str(path), dtype=dtype, quantization="none"), [prompt])[0]
+    if dtype == "float32":  # the same float32 values, summed in another order
+        torch.testing.assert_close(native, reference, rtol=0, atol=1e-4 * reference.abs().max().item())
+    else:
+        assert torch.nn.functional.cosine_similarity(native.float(), reference.float(), dim=0) > 0.999
+    assert torch.equal(native, _logits(loaded, [list(range(40, 90)), prompt, [1, 2, 3]])[1])
+    assert _greedy(path, dtype, True, 4) == _greedy(path, dtype, False, 4)
 
 
 @pytest.mark.parametrize("fault", ["truncated", "unknown type", "ragged rows"])

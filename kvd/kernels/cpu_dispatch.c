@@ -60,7 +60,7 @@ int kvd_bf16_kernel_order(void) {
 // GGUF super-block weights to their linears; float weights, and any weight in tile order (which only a float weight
 // may be in), to the float linears; 4- and 8-bit ones to the quantized.
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads) {
-    if (w->ggml) return super_weight_linear(w, x, x_bf16, M, y, y_bf16, nthreads);
+    if (w->ggml && w->ggml != KVD_GGML_F16) return super_weight_linear(w, x, x_bf16, M, y, y_bf16, nthreads);
     if (w->tiles || w->bits == 32 || w->bits == 16) return float_weight_linear(w, x, x_bf16, M, y, y_bf16, nthreads);
     return quantized_weight_linear(w, x, x_bf16, M, y, y_bf16, nthreads);
 }

@@ -1,9 +1,9 @@
 // Linears of float weights, each output computed in one order whatever the number of rows (batch invariance):
 // float32 weights in panels of 16 outputs (one FMA chain each) or in rows; bf16 weights in AMX tiles, by AVX-512
-// BF16 pair products, or in rows (widened to float32).
+// BF16 pair products, or in rows (widened to float32); fp16 weights in rows (widened to float32).
 #include "cpu_internal.h"
 
-// ---- float32 and bf16 weights in rows ----------------------------------------------------------------------
+// ---- float32, bf16 and fp16 weights in rows ---------------------------------------------------------------------
 
 // a . b over n floats.
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
@@ -54,7 +54,16 @@ static void float_dot_rows(const float* w, const float* x, int64_t K, int64_t mr
     for (; m < mr; m++) out[m] = dot_f32(w, x + m * K, K);
 }
 
-// y [M, n] = x [M, k] @ W^T (+ bias) for a float32 or bf16 weight, x float32 (a bf16 x is widened first):
+// fp16 values to float32 (exact on every path).
+static inline void widen_f16(const uint16_t* h, float* out, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+// y [M, n] = x [M, k] @ W^T (+ bias) for a float32, bf16 or fp16 weight, x float32 (a bf16 x is widened first):
 // every product and sum in float32, each output in one order whatever M is. Returns 1 when out of memory.
 static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
                         int nthreads) {
@@ -69,7 +78,7 @@ static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        // A bf16 weight row is widened once for all activation rows.
+        // A bf16 or fp16 weight row is widened once for all activation rows.
         float* row = w->bits == 16 ? malloc(sizeof(float) * (size_t)K) : NULL;
         failed |= w->bits == 16 && !row;
 #pragma omp for schedule(static)
@@ -77,7 +86,11 @@ static int float_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
             const float* wr = (const float*)w->qs + n * K;
             if (w->bits == 16) {
                 if (!row) continue;
-                for (int64_t i = 0; i < K; i++) row[i] = bf16_to_f32(((const uint16_t*)w->qs)[n * K + i]);
+                const uint16_t* half = (const uint16_t*)w->qs + n * K;
+                if (w->ggml == KVD_GGML_F16)
+                    widen_f16(half, row, K);
+                else
+                    for (int64_t i = 0; i < K; i++) row[i] = bf16_to_f32(half[i]);
                 wr = row;
             }
             const float bias = w->bias ? w->bias[n] : 0.f;
@@ -318,7 +331,7 @@ int float_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
         return KVD_OK;
     }
     if (w->tiles) {
-        if (w->bits != 16 || !x_bf16) return KVD_UNSUPPORTED;
+        if (w->bits != 16 || w->ggml || !x_bf16) return KVD_UNSUPPORTED;
 #if KVD_AMX_BF16
         if (amx_permitted()) return amx_bf16_linear(w, x, M, y, y_bf16, nthreads) ? KVD_OUT_OF_MEMORY : KVD_OK;
 #endif

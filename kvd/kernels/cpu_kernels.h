@@ -29,6 +29,9 @@ enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14, KVD_GGML_IQ4_XS = 23 };
 enum kvd_super { KVD_SUPER_BLOCK = 256 };
 
+// GGUF's F16 type number, for kvd_weight.ggml of a float weight of fp16 values (bits 16 alone: bf16 values).
+enum kvd_half { KVD_GGML_F16 = 1 };
+
 // A linear's weight [n, k]: 4-bit (bits 4: 16 bytes a block, byte i holding code i in its low nibble and code
 // i + 16 in its high one, codes 0..15, an fp16 scale d and minimum mn), 5-bit (bits 5: GGUF's Q5_0 and Q5_1; the
 // 4-bit layout holds each code's low four bits and qh its fifth: bit i of a block's word is code i's, codes 0..31)
@@ -40,7 +43,8 @@ enum kvd_super { KVD_SUPER_BLOCK = 256 };
 // order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32 one in panel
 // order (kvd.kernels.cpu_native.pack says both); 0 for a float weight in rows, and for every quantized one.
 // ggml: 0 for the layouts above; a kvd_ggml type for a weight in that type's super-blocks at qs (rows of
-// k / KVD_SUPER_BLOCK blocks; d, mn NULL, bits and tiles 0).
+// k / KVD_SUPER_BLOCK blocks; d, mn NULL, bits and tiles 0); KVD_GGML_F16 for a float weight of fp16 values in
+// rows (bits 16, tiles 0: a GGUF F16 matrix, widened exactly as it is read).
 typedef struct {
     const void* qs;
     const uint16_t* d;

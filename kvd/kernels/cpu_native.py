@@ -25,6 +25,7 @@ GROUP_ROWS = _BLOCK["KVD_GROUP_ROWS"]
 # GGUF's super-block types that run in place (enum kvd_ggml): name as GGUF spells it -> its type number.
 SUPER_TYPES = {name.removeprefix("KVD_GGML_"): v for name, v in ffi.typeof("enum kvd_ggml").relements.items()}
 SUPER_BLOCK = ffi.typeof("enum kvd_super").relements["KVD_SUPER_BLOCK"]
+GGML_F16 = ffi.typeof("enum kvd_half").relements["KVD_GGML_F16"]
 MAX_PARTS = ffi.typeof("enum kvd_parts").relements["KVD_MAX_PARTS"]  # of a fused projection in the layer loop
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
@@ -146,12 +147,16 @@ def linear_weight(
     """The kernel's view of a weight [N, K]: 4-bit (data uint8, scales/mins float16), 5-bit (4-bit's and `fifth`,
     the codes' fifth bits: int32 [N, K / 32], bit i of a block's word code i's) or 8-bit (data int8, scales
     float16) in blocks of 32 along K as group_blocks lays them out, `rows` = N of them (data's rows without the
-    padding), or float32 / bf16 (bits 32 / 16: data [N, K]); an optional float32 bias [N]; `tiles`: a float
-    weight in its kernel's packed order (pack). Cheap: callers make one per call rather than keep one."""
+    padding), or float32 / bf16 / fp16 (bits 32 / 16 / 16: data [N, K] of that dtype; fp16 in rows alone); an
+    optional float32 bias [N]; `tiles`: a float weight in its kernel's packed order (pack). Cheap: callers make one
+    per call rather than keep one."""
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
     if (bits == 5) != (fifth is not None):
         raise NativeKernelError("a 5-bit weight, and only one, has its codes' fifth bits")
+    half = data.dtype == torch.float16
+    if half and (bits != 16 or tiles):
+        raise NativeKernelError("an fp16 weight is bits 16, in rows")
     return LinearWeight(
         qs=data.data_ptr(),
         d=address(scales),
@@ -162,7 +167,7 @@ def linear_weight(
         k=data.shape[1] * 2 if bits in (4, 5) else data.shape[1],
         bits=bits,
         tiles=int(tiles),
-        ggml=0,
+        ggml=GGML_F16 if half else 0,
     )
 
 
@@ -288,8 +293,10 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
 
 
 def dequantize(weight: LinearWeight, first: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows first .. first + len(out) of a 4- or 8-bit weight into out [rows, K] (float32 or bfloat16,
+    """Rows first .. first + len(out) of a 4-, 5- or 8-bit or super-block weight into out [rows, K] (float32 or bfloat16,
     contiguous); returns out."""
+    if weight.bits in (16, 32):
+        raise NativeKernelError("dequantize takes a quantized weight; a float weight's rows are its values")
     if not out.is_contiguous() or out.shape[-1] != weight.k:
         raise NativeKernelError(f"dequantize: out must be [rows, {weight.k}], contiguous")
     status = library().kvd_dequantize(

@@ -747,6 +747,7 @@ int quantized_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int6
 // products.
 int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
     if (first < 0 || count < 0 || first + count > w->n) return KVD_BAD_INDEX;
+    if (w->bits == 16 || w->bits == 32) return KVD_UNSUPPORTED;  // a float weight: its rows are its values
     if (w->ggml) {
         super_dequantize(w, first, count, out, out_bf16, nthreads);
         return KVD_OK;

@@ -54,13 +54,13 @@ class _Reader:
         self.permuted = file.architecture == "llama"  # llama.cpp reorders q/k rows for llama alone
 
     def part(self, name: str, kind: str | None = None) -> tuple[str, np.ndarray, GGMLQuantizationType]:
-        """(name, rows, type) of one matrix: its bytes when its type runs natively, else float32 values."""
+        """(name, rows, type) of one matrix: its stored rows when its type runs natively (F32 too), else float32
+        values."""
         info = self.file.tensors[name]
         raw = self.file.raw(info)
         qtype = info.qtype
-        if not native_type(qtype):
-            if qtype != GGMLQuantizationType.F32:
-                logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
+        if not native_type(qtype) and qtype != GGMLQuantizationType.F32:
+            logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
             raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
         # Rows stay the file's read-only bytes here: GGUFLinear copies them as it stacks them.
         if self.permuted and kind in self.heads:

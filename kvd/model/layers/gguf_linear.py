@@ -6,6 +6,9 @@ Each checkpoint matrix keeps its file type and runs in kvd's native kernels with
   scale and minimum: Q4_0's minimum is -8 x its scale), Q5_0 and Q5_1 as 5-bit ones (the same, and each code's
   fifth bit: Q5_0's minimum is -16 x its scale), Q8_0 and IQ4_NL as 8-bit ones (IQ4_NL's values are its table's
   small integers times the block's fp16 scale);
+- F16 and BF16 matrices as their values: bf16 as they are, fp16 as they are in a float32 model (widened as they
+  are read) and in bf16 in a bf16 one (as a float16 checkpoint loads); F32 ones in the model's dtype; float parts
+  lie in the float kernels' packed order where it has one (float32 panels, bf16 tiles);
 - any other type dequantized to the model's dtype by the loader (kvd.model.gguf_native), which warns.
 A fused projection (q/k/v, gate/up) keeps one part per run of matrices of one layout, as its types may differ (a
 Q4_K_M file often holds attn_v in Q6_K beside Q4_K q and k). Every part is batch invariant: integer block sums
@@ -32,11 +35,13 @@ IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 BLOCK_TYPES = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.IQ4_NL: 8}
 # The kernels' buffers of a part of each width: codes, scales, then minimums and fifth bits where it has them.
 _BUFFERS = {4: 3, 5: 4, 8: 2}
+# The 16-bit float types a part holds as they are (numpy's view of their stored elements).
+HALF_TYPES = {Q.F16: np.float16, Q.BF16: np.uint16}
 
 
 def native_type(qtype: GGMLQuantizationType) -> bool:
     """Whether a matrix of this type runs in its own type (else it is dequantized)."""
-    return qtype.name in cpu_native.SUPER_TYPES or qtype in BLOCK_TYPES
+    return qtype.name in cpu_native.SUPER_TYPES or qtype in BLOCK_TYPES or qtype in HALF_TYPES
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -89,8 +94,9 @@ class PartSpec:
 
     kind: str
     rows: int
-    bits: int = 0  # kvd blocks: 4 or 8; float: 32 or 16
+    bits: int = 0  # kvd blocks: 4, 5 or 8; float: 32 or 16
     ggml: int = 0  # super: the GGUF type number
+    tiles: bool = False  # float: in the float kernels' packed order (cpu_native.pack)
 
 
 # Rows of 32-value blocks converted at a time (a multiple of GROUP_ROWS, so chunks group as the whole would): the
@@ -98,15 +104,29 @@ class PartSpec:
 CHUNK_ROWS = 4096
 
 
-def _layout(name: str, qtype: GGMLQuantizationType) -> tuple:
-    """How a part holds a file matrix of this type: matrices of one layout stack into one part."""
+def _layout(name: str, qtype: GGMLQuantizationType, dtype: torch.dtype) -> tuple:
+    """How a part holds a file matrix of this type in a model of this dtype: matrices of one layout stack into one
+    part."""
     if qtype.name in cpu_native.SUPER_TYPES:
         return ("super", cpu_native.SUPER_TYPES[qtype.name])
     if qtype in BLOCK_TYPES:
         return ("blocks", BLOCK_TYPES[qtype])
+    if qtype == Q.BF16:
+        return ("float", torch.bfloat16)
+    if qtype == Q.F16:  # fp16 has no bf16 kernel: widened in a float32 model, bf16 in a bf16 one
+        return ("float", torch.float16 if dtype == torch.float32 else dtype)
     if qtype != Q.F32:
         raise ValueError(f"{name}: GGUF type {qtype.name} has no native kernel; pass its values as F32")
-    return ("float",)
+    return ("float", dtype)
+
+
+def _values(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """A float matrix's values as torch reads them (BF16's stored 16-bit words as bfloat16); torch reads no
+    read-only array, so those are copied."""
+    if qtype in HALF_TYPES:
+        raw = raw.view(HALF_TYPES[qtype]).reshape(raw.shape[0], -1)
+    values = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
+    return values.view(torch.bfloat16) if qtype == Q.BF16 else values
 
 
 def _rows(matrices: list[tuple[np.ndarray, GGMLQuantizationType]], start: int, stop: int):
@@ -162,7 +182,7 @@ class GGUFLinear(nn.Module):
         self.out_features = sum(self.out_sizes)
         runs: list[tuple[tuple, list[tuple[np.ndarray, GGMLQuantizationType]]]] = []
         for name, raw, qtype in parts:
-            layout = _layout(name, qtype)
+            layout = _layout(name, qtype, dtype)
             if runs and runs[-1][0] == layout:
                 runs[-1][1].append((raw, qtype))
             else:
@@ -186,19 +206,19 @@ class GGUFLinear(nn.Module):
             for j, t in enumerate(_grouped_blocks(matrices, rows, empty)):
                 self.register_buffer(f"data{i}_{j}", t)
             return PartSpec("blocks", rows, bits=layout[1])
-        first = matrices[0][0]
-        stacked = empty((rows, first.shape[1]), torch.uint8 if layout[0] == "super" else dtype)
-        at = 0
-        for raw, _ in matrices:
-            if layout[0] == "super":
-                stacked.numpy()[at : at + raw.shape[0]] = raw
-            else:  # float32 values, cast as they are copied (torch reads no read-only array: copy those)
-                stacked[at : at + raw.shape[0]] = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
-            at += raw.shape[0]
-        self.register_buffer(f"data{i}", stacked)
         if layout[0] == "super":
+            stacked = empty((rows, matrices[0][0].shape[1]), torch.uint8)
+            np.concatenate([raw for raw, _ in matrices], out=stacked.numpy())
+            self.register_buffer(f"data{i}", stacked)
             return PartSpec("super", rows, ggml=layout[1])
-        return PartSpec("float", rows, bits=32 if dtype == torch.float32 else 16)
+        values = torch.cat([_values(raw, qtype).to(layout[1]) for raw, qtype in matrices])
+        tiles = layout[1] == dtype and cpu_native.packable(
+            values
+        )  # the packed kernels take the model's dtype alone
+        stacked = empty(tuple(values.shape), layout[1])
+        stacked.copy_(cpu_native.pack(values) if tiles else values)
+        self.register_buffer(f"data{i}", stacked)
+        return PartSpec("float", rows, bits=32 if layout[1] == torch.float32 else 16, tiles=tiles)
 
     def part_weight(self, i: int) -> cpu_native.LinearWeight:
         """Part i's view for the kernels (its bias included), over its buffers where they lie now."""
@@ -215,7 +235,7 @@ class GGUFLinear(nn.Module):
                 rows=spec.rows,
                 fifth=rest[2] if spec.bits == 5 else None,
             )
-        return cpu_native.linear_weight(spec.bits, getattr(self, f"data{i}"), bias=bias)
+        return cpu_native.linear_weight(spec.bits, getattr(self, f"data{i}"), bias=bias, tiles=spec.tiles)
 
     def _part_bias(self, i: int) -> torch.Tensor | None:
         if self.bias is None:
@@ -253,8 +273,11 @@ class GGUFEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.table.specs[0].kind == "float":
-            return self.table.data0[input_ids]
+        spec = self.table.specs[0]
+        if spec.kind == "float":
+            table = self.table.data0
+            rows = cpu_native.unpack_rows(table, input_ids) if spec.tiles else table[input_ids]
+            return rows.to(self.dtype)
         weight = self.table.part_weight(0)
         out = torch.empty(input_ids.numel(), self.table.in_features, dtype=self.dtype)
         for row, token in enumerate(input_ids.reshape(-1).tolist()):
