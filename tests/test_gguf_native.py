@@ -44,8 +44,8 @@ TYPES = {
     "blk.0.attn_v.weight": Q.Q6_K,
     "blk.0.attn_output.weight": Q.Q5_K,
     "blk.0.ffn_gate.weight": Q.Q4_K,
-    "blk.0.ffn_up.weight": Q.Q4_K,
-    "blk.0.ffn_down.weight": Q.IQ4_NL,
+    "blk.0.ffn_up.weight": Q.IQ4_NL,
+    "blk.0.ffn_down.weight": Q.Q4_K,
     "blk.1.attn_q.weight": Q.Q5_1,
     "blk.1.attn_k.weight": Q.Q8_0,
     "blk.1.attn_v.weight": Q.MXFP4,
@@ -181,6 +181,56 @@ def test_a_sequence_is_the_same_bits_alone_and_in_a_batch(files, dtype):
     alone = _logits(loaded, [a])[0]
     together = _logits(loaded, [b, a, c])
     assert torch.equal(alone, together[1])
+
+
+def _dense(linear: GGUFLinear) -> torch.Tensor:
+    """A GGUFLinear's weight [N, K] as float32 values, part by part."""
+    parts = []
+    for i, spec in enumerate(linear.specs):
+        if spec.kind == "float":
+            data = getattr(linear, f"data{i}")
+            parts.append((cpu_native.unpack(data) if spec.tiles else data).float())
+        else:
+            out = torch.empty(spec.rows, linear.in_features)
+            parts.append(cpu_native.dequantize(linear.part_weight(i), 0, out))
+    return torch.cat(parts)
+
+
+# Our fused linears -> the Hugging Face matrices stacked in them.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def test_tensor_parallel_ranks_hold_their_slices_in_the_files_types(files, caplog):
+    """Each rank of two holds its slice of every matrix, the values of the whole file's: rows (q/k/v, gate/up,
+    the vocabulary, padded) in any type, columns (o, down) on their types' blocks, or dequantized with a warning
+    where a rank's columns are no whole blocks (o's 128 of Q5_K's 256)."""
+    from kvd.distributed.shard import Shard, ShardPlan
+
+    whole = load_model(str(files), dtype="float32", quantization="gguf")
+    for rank in (0, 1):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            part = load_model(str(files), dtype="float32", quantization="gguf", shard=Shard(rank, 2))
+        plan = ShardPlan(whole.config, Shard(rank, 2))
+        warned = [r.getMessage() for r in caplog.records if "no whole" in r.getMessage()]
+        columns = f"{128 * rank}..{128 * rank + 128}"
+        assert warned == [
+            f"blk.0.attn_output.weight: this rank's columns {columns} are no whole Q5_K blocks; dequantized"
+        ]
+        linears = [(n, m) for n, m in whole.model.named_modules() if isinstance(m, GGUFLinear)]
+        assert len(linears) >= 4 * 2 + 1  # two layers' four, the table (and an untied output)
+        for name, module in linears:
+            mine = part.model.get_submodule(name)
+            parent, _, attr = name.rpartition(".")
+            if name == "output_proj":
+                hf = ["lm_head.weight"]
+            elif attr == "table":
+                hf = ["model.embed_tokens.weight"]
+            else:
+                hf = [f"{parent}.{m}.weight" for m in FUSED.get(attr, (attr,))]
+            matrices = _dense(module).split(module.out_sizes)
+            expected = torch.cat([plan.tensor(h, m) for h, m in zip(hf, matrices, strict=True)])
+            assert torch.equal(_dense(mine), expected), name
 
 
 def _greedy(path, dtype: str, native_loop: bool, max_num_seqs: int) -> list:

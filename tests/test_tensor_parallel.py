@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from daemon_fixtures import REPO, daemon_env, start_daemon, wait_ready
@@ -52,9 +53,10 @@ def _engine(model: Path | None, tp: int, blocks: int | None = 12, **kw: object) 
     engine_kw = ENGINE | kw
     if blocks is not None:
         from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
-        from kvd.model.loader import _open_folder
+        from kvd.model.loader import _open_folder, _open_gguf
 
-        config = ModelConfig.from_hf_dict(_open_folder(model).hf_config)
+        opened = _open_gguf(model) if model.suffix == ".gguf" else _open_folder(model)
+        config = ModelConfig.from_hf_dict(opened.hf_config)
         local = ShardPlan(config, Shard(0, tp)).local_config()
         pool = torch.int8 if engine_kw.get("kv_cache_dtype") == "int8" else torch.float32
         engine_kw["kv_cache_memory"] = blocks * kv_cache_bytes_per_block(local, 16, pool)
@@ -87,15 +89,26 @@ def _close_rows(got: dict, want: dict) -> None:
         ("llama", "int4", "auto"),  # the native quantized kernels on shards
         ("qwen2", "int8", "auto"),
         ("qwen3", "none", "int8"),  # every rank's pool in 8 bits: the plan carries the pool's dtype
+        ("gguf", "gguf", "auto"),  # a GGUF file of mixed types, each rank's slice in its file types
     ],
 )
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(
-    tiny_checkpoint, monkeypatch, family, quantization, kv_cache_dtype
+    tiny_checkpoint, tmp_path, monkeypatch, family, quantization, kv_cache_dtype
 ):
     """Float weights and pool: logits within 1e-5 of TP=1's. Quantized weights or pool: the kernels quantize
     activations (or queries) to int8, where a last-bit difference of the all-reduce can cross a step, so only the
-    tokens are compared."""
-    folder = tiny_checkpoint(family)
+    tokens are compared. The GGUF file's q/k/v, gate/up and vocabulary rows are cut in any type, o's columns (two
+    heads of 64 a rank) on 32-value blocks, down's (256 a rank) on Q4_K super-blocks and Q4_0 blocks."""
+    if family == "gguf":
+        from test_gguf_native import SHAPE, TYPES
+        from test_loader import tiny_hf_model, write_tiny_gguf
+
+        folder = tmp_path / "tiny-mixed.gguf"
+        # o's columns whole blocks (test_gguf_native checks the columns that are not, which round otherwise).
+        types = TYPES | {"blk.0.attn_output.weight": gguf.GGMLQuantizationType.Q5_1}
+        write_tiny_gguf(tiny_hf_model("qwen2", **SHAPE), folder, tensor_types=types)
+    else:
+        folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
     kw = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     single = _engine(folder, 1, **kw)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import torch
 
 # q/k/v and gate/up are split along their output rows (column-parallel: each rank computes its own heads and
-# MLP columns), o and down along their input columns (row-parallel: the partial sums are all-reduced).
+# MLP columns), o and down along their input columns (row-parallel: the partial sums are all-reduced), the
+# embedding table and lm_head along the vocabulary.
 _VOCAB_PARALLEL = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -91,25 +93,42 @@ class ShardPlan(Generic[C]):
             vocab_size=self.shard.vocab_rows(config.vocab_size),
         )
 
+    def split(self, name: str, shape: Sequence[int]) -> tuple[int, int, int] | None:
+        """(dim, start, length) of this rank's slice of the checkpoint tensor `name` (Hugging Face naming) of this
+        shape, where it is one range of one dimension; None where it is kept whole or cut otherwise (tensor)."""
+        if not self.shard.sharded:
+            return None
+        if ".q_proj." in name:
+            return (0, *self._rows(self._group()))
+        if ".k_proj." in name or ".v_proj." in name:
+            return (0, *self._rows(1))
+        if ".gate_proj." in name or ".up_proj." in name:
+            return (0, *self._chunk(shape[0]))
+        if name.endswith(".o_proj.weight"):
+            return (1, *self._rows(self._group()))
+        if name.endswith(".down_proj.weight"):
+            return (1, *self._chunk(shape[1]))
+        return None
+
+    def vocab_range(self, vocab: int) -> tuple[int, int]:
+        """(start, rows) of this rank's vocabulary rows; the last rank's may run past the table (padding rows:
+        never looked up, their logits cut off)."""
+        return self.shard.vocab_start(vocab), self.shard.vocab_rows(vocab)
+
     def tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the checkpoint tensor `name` (Hugging Face naming); norms are replicated."""
         if not self.shard.sharded:
             return tensor
-        if ".q_proj." in name:
-            return tensor.narrow(0, *self._rows(self._group()))
-        if ".k_proj." in name or ".v_proj." in name:
-            return tensor.narrow(0, *self._rows(1))
-        if ".gate_proj." in name or ".up_proj." in name:
-            return tensor.chunk(self.shard.world_size, dim=0)[self.shard.rank]
-        if ".o_proj." in name or ".down_proj." in name:
-            if name.endswith(".bias"):
-                # Added once, by rank 0, to the sum the all-reduce forms: the others add zeros.
-                return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
-            if ".o_proj." in name:
-                return tensor.narrow(1, *self._rows(self._group()))
-            return tensor.chunk(self.shard.world_size, dim=1)[self.shard.rank]
+        cut = self.split(name, tensor.shape)
+        if cut is not None:
+            return tensor.narrow(*cut)
+        if name.endswith((".o_proj.bias", ".down_proj.bias")):
+            # Added once, by rank 0, to the sum the all-reduce forms: the others add zeros.
+            return tensor if self.shard.rank == 0 else torch.zeros_like(tensor)
         if name in _VOCAB_PARALLEL:
-            return self._vocab_rows(tensor)
+            start, rows = self.vocab_range(tensor.shape[0])
+            part = tensor[start : start + rows]
+            return torch.cat((part, part.new_zeros(rows - part.shape[0], *part.shape[1:])))
         return tensor
 
     def _group(self) -> int:
@@ -121,13 +140,10 @@ class ShardPlan(Generic[C]):
         size = heads_per_kv_head * self.config.head_dim
         return first * size, count * size
 
-    def _vocab_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        vocab = tensor.shape[0]
-        rows, start = self.shard.vocab_rows(vocab), self.shard.vocab_start(vocab)
-        part = tensor[start : start + rows]
-        if part.shape[0] < rows:  # the last rank's padding rows: never looked up, their logits cut off
-            part = torch.cat((part, part.new_zeros(rows - part.shape[0], *part.shape[1:])))
-        return part
+    def _chunk(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's even share of `size` (local_config checks that it divides)."""
+        share = size // self.shard.world_size
+        return self.shard.rank * share, share
 
 
 WHOLE = Shard()  # the whole model in one process

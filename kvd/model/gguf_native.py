@@ -11,9 +11,10 @@ import logging
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from kvd.distributed.shard import ShardPlan
 from kvd.model.gguf_loader import GGUFFile, dequantize, native_quantization, unpermute_qk
 from kvd.model.huge_pages import Arenas, return_freed_heap
 from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
@@ -46,16 +47,30 @@ def uses_native_types(file: GGUFFile) -> bool:
     )
 
 
+# A GGUF matrix kind -> the Hugging Face projection whose shard plan it follows.
+_HF_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
 class _Reader:
-    def __init__(self, file: GGUFFile, hf_config: dict, dtype: torch.dtype) -> None:
-        self.file, self.dtype = file, dtype
+    def __init__(self, file: GGUFFile, hf_config: dict, dtype: torch.dtype, plan: ShardPlan) -> None:
+        self.file, self.dtype, self.plan = file, dtype, plan
         self.arenas = Arenas()  # the weights go straight to their 2 MiB pages: no copy moves them later
         self.heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
         self.permuted = file.architecture == "llama"  # llama.cpp reorders q/k rows for llama alone
 
-    def part(self, name: str, kind: str | None = None) -> tuple[str, np.ndarray, GGMLQuantizationType]:
-        """(name, rows, type) of one matrix: its stored rows when its type runs natively (F32 too), else float32
-        values."""
+    def part(
+        self, name: str, hf_name: str, kind: str | None = None
+    ) -> tuple[str, np.ndarray, GGMLQuantizationType]:
+        """(name, rows, type) of this rank's slice of one matrix (`hf_name`: the tensor whose shard plan it
+        follows): its stored rows when its type runs natively (F32 too), else float32 values."""
         info = self.file.tensors[name]
         raw = self.file.raw(info)
         qtype = info.qtype
@@ -65,55 +80,90 @@ class _Reader:
         # Rows stay the file's read-only bytes here: GGUFLinear copies them as it stacks them.
         if self.permuted and kind in self.heads:
             raw = unpermute_qk(torch.from_numpy(np.array(raw)), self.heads[kind]).numpy()
+        if self.plan.shard.sharded:
+            raw, qtype = self._slice(name, hf_name, raw, qtype, info.shape[-1])
         return name, raw, qtype
 
+    def _slice(
+        self, name: str, hf_name: str, raw: np.ndarray, qtype: GGMLQuantizationType, k: int
+    ) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """This rank's rows or columns of a matrix [N, k] stored as `raw` (its rows' bytes or values); columns that
+        are no whole blocks of its type are cut from its values, dequantized, with a warning."""
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start, rows = self.plan.vocab_range(raw.shape[0])
+            part = raw[start : start + rows]
+            padding = np.zeros((rows - part.shape[0], raw.shape[1]), raw.dtype)  # zero blocks: zero values
+            return np.concatenate([part, padding]), qtype
+        dim, start, length = self.plan.split(hf_name, (raw.shape[0], k))
+        if dim == 0:
+            return raw[start : start + length], qtype
+        block = GGML_QUANT_SIZES[qtype][0]
+        if start % block or length % block:
+            logger.warning(
+                "%s: this rank's columns %d..%d are no whole %s blocks; dequantized",
+                name,
+                start,
+                start + length,
+                qtype.name,
+            )
+            raw, qtype, block = dequantize(raw, qtype), GGMLQuantizationType.F32, 1
+        unit = raw.shape[1] // (k // block)  # a block's bytes, or 1 for values
+        return raw[:, start // block * unit : (start + length) // block * unit], qtype
+
     def linear(
-        self, k: int, names: list[str], kinds: tuple[str | None, ...], biases: list[str]
+        self, k: int, names: list[str], hf_names: list[str], kinds: tuple[str | None, ...], biases: list[str]
     ) -> GGUFLinear:
         """The linear of these matrices; their pages leave this process's memory once it holds them."""
-        parts = [self.part(n, kind) for n, kind in zip(names, kinds, strict=True)]
-        linear = GGUFLinear(k, parts, self.bias(biases), self.dtype, self.arenas.empty)
+        parts = [self.part(*p) for p in zip(names, hf_names, kinds, strict=True)]
+        bias = self.bias(biases, [n.replace(".weight", ".bias") for n in hf_names])
+        linear = GGUFLinear(k, parts, bias, self.dtype, self.arenas.empty)
         self.file.drop_pages()
         return_freed_heap()  # the conversion's temporaries, before the next matrix's
         return linear
 
-    def bias(self, names: list[str]) -> torch.Tensor | None:
+    def bias(self, names: list[str], hf_names: list[str]) -> torch.Tensor | None:
         present = [n for n in names if n in self.file.tensors]
         if not present:
             return None
         if len(present) != len(names):
             raise ValueError(f"{self.file.path}: biases for only some of {names}")
-        return torch.cat([self.file.dequantize(n) for n in names])
+        return torch.cat(
+            [self.plan.tensor(h, self.file.dequantize(n)) for n, h in zip(names, hf_names, strict=True)]
+        )
 
 
-def install(model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtype) -> set[str]:
-    """Replace the model's linears, embedding and output projection by their file-typed forms; returns the GGUF
-    tensor names they took (the loader skips those)."""
-    reader, taken = _Reader(file, hf_config, dtype), set()
+def install(
+    model: nn.Module, file: GGUFFile, hf_config: dict, dtype: torch.dtype, plan: ShardPlan
+) -> set[str]:
+    """Replace the model's linears, embedding and output projection by their file-typed forms, this rank's slice
+    of each (plan); returns the GGUF tensor names they took (the loader skips those)."""
+    reader, taken = _Reader(file, hf_config, dtype, plan), set()
     hidden = model.config.hidden_size
     for i, layer in enumerate(model.model.layers):
         for path, kinds in _LINEARS.items():
             names = [f"blk.{i}.{kind}.weight" for kind in kinds]
+            hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
             biases = [f"blk.{i}.{kind}.bias" for kind in kinds]
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             k = getattr(parent, attr).weight.shape[1]
-            setattr(parent, attr, reader.linear(k, names, kinds, biases))
+            setattr(parent, attr, reader.linear(k, names, hf_names, kinds, biases))
             taken.update(names, (b for b in biases if b in file.tensors))
-    table = reader.linear(hidden, ["token_embd.weight"], (None,), [])
-    model.model.embed_tokens = GGUFEmbedding(table, dtype)
+    embed = model.model.embed_tokens
+    table = reader.linear(hidden, ["token_embd.weight"], ["model.embed_tokens.weight"], (None,), [])
+    model.model.embed_tokens = GGUFEmbedding(table, dtype, embed.shard, embed.vocab_start)
     # Tied: the one table serves both.
     untied = "output.weight" in file.tensors
-    model.output_proj = reader.linear(hidden, ["output.weight"], (None,), []) if untied else table
+    output = reader.linear(hidden, ["output.weight"], ["lm_head.weight"], (None,), []) if untied else table
+    model.output_proj = output
     model.lm_head = None  # the output runs from output_proj alone
     taken.update(("token_embd.weight", "output.weight"))
     return taken
 
 
-def auto_quantization(file: GGUFFile, whole_file_native: bool) -> str:
+def auto_quantization(file: GGUFFile, native: bool) -> str:
     """What quantization "auto" runs a GGUF file in on a CPU: "gguf" (every matrix in its file's type) where some
-    layer matrix has a native kernel and `whole_file_native` (one rank, the kernels built); else int4 / int8 where
-    those hold every layer matrix exactly (tensor parallel shards them; torch's kernels run them without ours),
-    else none."""
-    if whole_file_native and uses_native_types(file):
+    layer matrix has a native kernel and `native` (the kernels built); else int4 / int8 where those hold every
+    layer matrix exactly (torch's kernels run them without ours), else none."""
+    if native and uses_native_types(file):
         return "gguf"
     return native_quantization(file)

@@ -130,7 +130,7 @@ def load_model(
     gguf_path = _gguf_file(path)
     checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
     config = ModelConfig.from_hf_dict(checkpoint.hf_config)  # before the slow parts: fail fast if unsupported
-    quantization = _resolve_quantization(quantization, checkpoint, device, shard)
+    quantization = _resolve_quantization(quantization, checkpoint, device)
     dtype_choice = choose_dtype(dtype, checkpoint.hf_config, device)
     run_dtype = dtype_choice.dtype
     logger.info("dtype %s: %s", str(run_dtype).removeprefix("torch."), dtype_choice.reason)
@@ -144,12 +144,11 @@ def load_model(
     plan = ShardPlan(config, shard)
     taken = set()
     if quantization == "gguf":
-        if checkpoint.install_native is None or shard.sharded:
+        if checkpoint.install_native is None:
             raise QuantizationError(
-                "quantization 'gguf' runs a whole GGUF file on one rank; use int8 or int4 for tensor parallel "
-                "or a safetensors model"
+                "quantization 'gguf' runs a GGUF file's own types; this model is no GGUF file"
             )
-        taken = checkpoint.install_native(causal_lm, run_dtype)
+        taken = checkpoint.install_native(causal_lm, run_dtype, plan)
     causal_lm.load_weights(  # casts to the parameters' dtype
         tqdm(
             ((n, plan.tensor(n, t)) for n, t in checkpoint.weights(taken)),
@@ -227,11 +226,11 @@ class _Checkpoint:
     num_tensors: int
     load_tokenizer: Callable[[], PreTrainedTokenizerFast]
     weights: Callable[[set[str]], Iterable[tuple[str, torch.Tensor]]]  # all but the names given
-    # What "auto" quantization picks on a CPU, given whether the whole file may run in the native kernels there
-    # (one rank, kernels built): GGUF files only.
-    auto_quantization: Callable[[bool], str] = lambda whole_file_native: "none"
-    # GGUF files: installs the matrices in their own types (quantization "gguf"); returns the names it took.
-    install_native: Callable[[nn.Module, torch.dtype], set[str]] | None = None
+    # What "auto" quantization picks on a CPU, given whether the native kernels are built there: GGUF files only.
+    auto_quantization: Callable[[bool], str] = lambda native: "none"
+    # GGUF files: installs this rank's slice of the matrices in their own types (quantization "gguf"); returns the
+    # names it took.
+    install_native: Callable[[nn.Module, torch.dtype, ShardPlan], set[str]] | None = None
     file_types: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
@@ -243,8 +242,8 @@ def _open_gguf(path: Path) -> _Checkpoint:
         len(file.tensors),
         lambda: load_gguf_tokenizer(file),
         lambda skip: iter_gguf_weights(file, hf_config, skip),
-        lambda whole_file_native: gguf_native.auto_quantization(file, whole_file_native),
-        lambda model, dtype: gguf_native.install(model, file, hf_config, dtype),
+        lambda native: gguf_native.auto_quantization(file, native),
+        lambda model, dtype, plan: gguf_native.install(model, file, hf_config, dtype, plan),
         gguf_native.file_types(file),
     )
 
@@ -266,12 +265,10 @@ def _open_folder(path: Path) -> _Checkpoint:
     )
 
 
-def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.device, shard: Shard) -> str:
+def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.device) -> str:
     on_cpu = device.type == "cpu"
     if mode == "auto":
-        return (
-            checkpoint.auto_quantization(not shard.sharded and cpu_native.available()) if on_cpu else "none"
-        )
+        return checkpoint.auto_quantization(cpu_native.available()) if on_cpu else "none"
     if mode not in (*QUANTIZATIONS, "gguf"):
         raise QuantizationError(f"quantization {mode!r} is not one of auto, gguf, {', '.join(QUANTIZATIONS)}")
     if mode != "none" and not on_cpu:

@@ -25,7 +25,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
+from kvd.distributed.shard import WHOLE, Shard
 from kvd.kernels import cpu_native
+from kvd.model.layers.linear import vocab_parallel_lookup
 
 Q = GGMLQuantizationType
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an empty tensor
@@ -265,14 +267,25 @@ class GGUFLinear(nn.Module):
 
 class GGUFEmbedding(nn.Module):
     """The token embedding table in its file's type (a GGUFLinear of one part, which a tied model's output
-    projection shares): the rows a step looks up are dequantized into the model's dtype as it looks them up."""
+    projection shares): the rows a step looks up are dequantized into the model's dtype as it looks them up.
+    Vocab-parallel under tensor parallelism, as kvd.model.layers.linear.Embedding: the table holds this rank's
+    rows from vocab_start."""
 
-    def __init__(self, table: GGUFLinear, dtype: torch.dtype) -> None:
+    def __init__(
+        self, table: GGUFLinear, dtype: torch.dtype, shard: Shard = WHOLE, vocab_start: int = 0
+    ) -> None:
         super().__init__()
         self.table = table
         self.dtype = dtype
+        self.shard = shard
+        self.vocab_start = vocab_start
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_lookup(
+            self._rows, input_ids, self.vocab_start, self.table.out_features, self.shard
+        )
+
+    def _rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         spec = self.table.specs[0]
         if spec.kind == "float":
             table = self.table.data0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,20 @@ def _native_weight(
     """The kernel adds a float32 bias itself; a bfloat16 one is added by the caller (see _bias_after)."""
     bits = 16 if weight.dtype == torch.bfloat16 else 32
     return cpu_native.linear_weight(bits, weight, bias=bias if bits == 32 else None, tiles=tiles)
+
+
+def vocab_parallel_lookup(
+    rows: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor, start: int, count: int, shard: Shard
+) -> torch.Tensor:
+    """The embeddings of `ids` from a table of which this rank holds rows [start, start + count), read by
+    rows(local ids): the ids that fall there are looked up, the others zeroed, and the ranks' rows all-reduced
+    (x + 0 is exact: TP=1's values)."""
+    if not shard.sharded:
+        return rows(ids)
+    local = ids - start
+    outside = (local < 0) | (local >= count)
+    found = rows(local.masked_fill(outside, 0))
+    return all_reduce(found.masked_fill_(outside[..., None], 0.0), shard)
 
 
 def _bias_after(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -118,12 +132,9 @@ class Embedding(KernelOrder, nn.Module):
         return cpu_native.unpack_rows(self.weight, ids) if self.tiles else F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not self.shard.sharded:
-            return self._rows(input_ids)
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = self._rows(local.masked_fill(outside, 0))
-        return all_reduce(rows.masked_fill_(outside[:, None], 0.0), self.shard)
+        return vocab_parallel_lookup(
+            self._rows, input_ids, self.vocab_start, self.weight.shape[0], self.shard
+        )
 
     def as_output(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table^T: the output projection of a model with tied embeddings."""
