@@ -238,9 +238,6 @@ for qtype, size, halves in ((Q.Q5_0, 22, (0,)), (Q.Q5_1, 24, (0, 2))):
     for dtype in (torch.float32, torch.bfloat16):
         x = (torch.randn(70, 288) * 2).to(dtype)
         out[qtype.name, str(dtype)] = torch.cat([layer(x[:2]), layer(x)])
-# fp16 rows (GGUF F16): widened by F16C or in C, exactly either way.
-half = (torch.randn(21, 100) * 0.1).half()
-out["f16"] = cpu_native.linear(torch.randn(9, 100), cpu_native.linear_weight(16, half))
 weight, x = torch.randn(48, 96), torch.randn(9, 96)
 panels = cpu_native.pack(weight)
 out["panels"] = cpu_native.linear(x, cpu_native.linear_weight(32, panels, tiles=True))

@@ -85,8 +85,8 @@ typedef struct {
 // The instruction sets this build's SIMD paths use: "avx2+fma", with "+avx512" or "+avx512-bf16" (bf16 linears by
 // pair products where there is no AMX), "+vnni" (with AVX-512: quantized linears by VNNI outer products where there
 // is no AMX), "+amx-int8" and "+amx-bf16" where the CPU has them (and Linux grants the tiles), or "portable" (plain
-// C): the paths the kernels take in this process. Every build computes the same quantized and float32 results bit
-// for bit.
+// C): the paths the kernels take in this process. Every build computes the same quantized and float32 panel
+// results bit for bit (float weights in rows sum in SIMD lanes or in order: each build's own bits).
 const char* kvd_isa(void);
 
 // Whether bf16 weights in tile order can be multiplied here: in AMX tiles (built with AMX-BF16, and Linux grants
