@@ -11,12 +11,15 @@ import sys
 import msgpack
 import zmq
 
+from kvd_client.endpoint import parse_endpoint
+
 
 def main() -> None:
     endpoint = sys.argv[1]
     topic = sys.argv[2] if len(sys.argv) > 2 else ""
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+    sock.ipv6 = parse_endpoint(endpoint).is_ipv6  # tcp://[::1]:PORT
     sock.connect(endpoint)
     try:
         while True:

@@ -13,6 +13,7 @@ from pathlib import Path
 import kvd
 from kvd.engine.engine_args import EngineArgs
 from kvd.gateway.server import DEFAULT_HTTP
+from kvd.gateway.settings import GatewaySettings
 from kvd.server.config import ServerConfig
 from kvd.server.config_file import ConfigFileError, apply_config_file
 from kvd.settings import add_flags, from_flags, positive_float, positive_int
@@ -105,6 +106,7 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
     daemon = p.add_argument_group("daemon")
     add_flags(daemon, ServerConfig)
     daemon.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_flags(p.add_argument_group("the HTTP gateway of --http (as kvd gateway's flags)"), GatewaySettings)
     p.set_defaults(run=_serve)
 
 
@@ -116,30 +118,11 @@ def _gateway_parser(p: argparse.ArgumentParser) -> None:
         help=f"where to serve HTTP (default: {DEFAULT_HTTP}, unless --uds is given alone)",
     )
     p.add_argument(
-        "--uds",
-        metavar="PATH",
-        help="also serve on this unix socket, mode 0660 (alone without --http); for local callers",
-    )
-    p.add_argument(
         "--allow-remote",
         action="store_true",
         help="permit a non-loopback --http address (give API keys: without them anyone who reaches it may use it)",
     )
-    p.add_argument(
-        "--api-key-file",
-        metavar="FILE",
-        help="require an API key on every route but /health: one KEY or NAME:KEY a line, a file only you may "
-        "read; also (or instead) $KVD_API_KEY",
-    )
-    p.add_argument(
-        "--allowed-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="serve requests whose Host is NAME, besides loopback ones (repeatable; '*' allows any: unsafe, "
-        "web pages may then reach the gateway through DNS rebinding)",
-    )
-    p.add_argument("--served-model-name", help="the model id clients use (default: the daemon's model name)")
+    add_flags(p, GatewaySettings)  # `kvd serve --http` takes these too
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _client_flags(p, _gateway)
 
@@ -204,7 +187,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         engine_args = from_flags(EngineArgs, args)
         config = from_flags(ServerConfig, args)
-        serve(engine_args, config)
+        serve(engine_args, config, from_flags(GatewaySettings, args))
     except (ListenError, ValueError, FileNotFoundError, GatewayConfigError) as e:
         # Configuration and input mistakes: one clear line, no traceback.
         print(f"kvd serve: {e}", file=sys.stderr)
@@ -222,25 +205,26 @@ def _gateway(args: argparse.Namespace) -> int:
         run_gateway,
     )
 
+    settings = from_flags(GatewaySettings, args)
     try:
         host, port = None, 0
-        if args.http is not None or args.uds is None:
+        if args.http is not None or settings.uds is None:
             host, port = parse_http_address(args.http or DEFAULT_HTTP, args.allow_remote)
             check_port_free(host, port)  # a port in use is a configuration error (status 2), not a crash
         endpoint = resolve_endpoint(args.endpoint).url
         # Read once, at start; a key is never a flag's value (flags show in `ps`).
-        keys = load_api_keys(args.api_key_file, os.environ.get(ENV_KEY))
+        keys = load_api_keys(settings.api_key_file, os.environ.get(ENV_KEY))
         config = GatewayConfig(
             host,
             port,
             endpoint,
             allow_remote=args.allow_remote,
-            served_model_name=args.served_model_name,
+            served_model_name=settings.served_model_name,
             timeout=args.timeout,
             log_level=args.log_level,
-            uds=args.uds,
+            uds=settings.uds,
             api_keys=keys,
-            allowed_hosts=tuple(args.allowed_host),
+            allowed_hosts=settings.allowed_host,
         )
         run_gateway(config)  # binding a listener may still fail
     except (GatewayConfigError, KvdError) as e:

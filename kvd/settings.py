@@ -62,13 +62,26 @@ def positive_int(text: str) -> int:
 
 
 def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
-    """One flag per field of the settings class `cls`, defaulting to the field's default."""
+    """One flag per field of the settings class `cls`, defaulting to the field's default. A boolean has its
+    opposite too (--x and --no-x), so a flag can undo what a config file turned on: the last given wins."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flag: Flag = field.metadata["flag"]
-        names = (_flag_name(field), *flag.aliases)
+        name = _flag_name(field)
+        names = (name, *flag.aliases)
         if hints[field.name] is bool:
             group.add_argument(*names, action="store_true", help=flag.help)
+            # The same destination, no default of its own: the first flag's (or the config file's) stands.
+            group.add_argument(
+                opposite_flag(name),
+                dest=name[2:].replace("-", "_"),
+                action="store_false",
+                default=argparse.SUPPRESS,
+                help=f"the opposite of {name} (the default unless a config file says otherwise)",
+            )
+            continue
+        if _repeated(hints[field.name]):  # a tuple of strings: the flag given once per value
+            group.add_argument(*names, action="append", default=None, metavar=flag.metavar, help=flag.help)
             continue
         group.add_argument(
             *names,
@@ -83,14 +96,43 @@ def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
 def from_flags(cls: type[T], args: argparse.Namespace) -> T:
     """`cls` from the flags add_flags made; a flag that turns a setting off is read back as the setting."""
     values = {}
+    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         value = getattr(args, _flag_name(field)[2:].replace("-", "_"))
+        if _repeated(hints[field.name]):
+            value = tuple(value or field.default)
         values[field.name] = not value if field.default is True else value
     return cls(**values)
 
 
+def to_flags(settings: object) -> list[str]:
+    """The command-line arguments that give `settings` (a settings class's instance) its values: a flag for each
+    value that is not the default (for a process started with the same settings)."""
+    args: list[str] = []
+    for field in dataclasses.fields(settings):
+        value, name = getattr(settings, field.name), _flag_name(field)
+        if value == field.default:
+            continue
+        if isinstance(value, bool):  # away from its default: the field's own flag says so
+            args.append(name)
+        elif isinstance(value, tuple):
+            args += [part for v in value for part in (name, str(v))]
+        else:
+            args += [name, str(value)]
+    return args
+
+
+def opposite_flag(name: str) -> str:
+    """--no-x for --x, and --x for --no-x."""
+    return "--" + name[5:] if name.startswith("--no-") else "--no-" + name[2:]
+
+
 def _flag_name(field: dataclasses.Field) -> str:
     return field.metadata["flag"].name or "--" + field.name.replace("_", "-")
+
+
+def _repeated(hint: Any) -> bool:
+    return typing.get_origin(hint) is tuple
 
 
 def _value_type(hint: Any) -> type | None:

@@ -117,12 +117,33 @@ def run_with_planted_tmp(args: list[str], cwd: Path | None = None) -> subprocess
         shared.mkdir(mode=0o700)  # the mount point; what a daemon would make there, removed after
     try:
         plant = f"mount -t tmpfs -o mode=700,uid=65534 kvd-test {shared}"
-        probe = ["unshare", "--mount", "sh", "-c", plant]
-        if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
-            pytest.skip("planting /tmp/kvd-$UID away from the real /tmp needs a mount namespace (root)")
         env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "KVD_ENDPOINT")}
-        cmd = ["unshare", "--mount", "sh", "-c", f'{plant} && exec "$@"', "sh", *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+        return _run_in_mount_namespace(
+            plant, args, cwd, env, "planting /tmp/kvd-$UID away from the real /tmp"
+        )
     finally:
         if created:
             shared.rmdir()
+
+
+def run_with_localhost_on_ipv6(
+    args: list[str], hosts: Path, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Run `args` where /etc/hosts names ::1 localhost, as on many systems: `hosts`, written so, mounted over it
+    in a mount namespace of the run's own. A client in IPv6 mode resolves localhost to ::1 alone there."""
+    hosts.write_text("::1 localhost\n127.0.0.1 localhost\n")
+    return _run_in_mount_namespace(
+        f"mount --bind {hosts} /etc/hosts", args, cwd, None, "an /etc/hosts of the test's own"
+    )
+
+
+def _run_in_mount_namespace(
+    setup: str, args: list[str], cwd: Path | None, env: dict[str, str] | None, what: str
+) -> subprocess.CompletedProcess:
+    """Run `args` after the shell command `setup` (mounts) in a mount namespace of the run's own, so nothing
+    outside it changes; skip the test where there is none (not root), saying it is needed for `what`."""
+    probe = ["unshare", "--mount", "sh", "-c", setup]
+    if shutil.which("unshare") is None or subprocess.run(probe, capture_output=True).returncode != 0:
+        pytest.skip(f"{what} needs a mount namespace (root)")
+    cmd = ["unshare", "--mount", "sh", "-c", f'{setup} && exec "$@"', "sh", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=cwd)

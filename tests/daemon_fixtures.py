@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgpack
@@ -55,7 +57,7 @@ def tiny_daemon_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class DaemonProcess:
-    """A `kvd serve` subprocess listening on a private ipc endpoint; its log goes to a file."""
+    """A `kvd serve` subprocess listening on `endpoint`; its log goes to a file."""
 
     def __init__(self, endpoint: str, proc: subprocess.Popen, log_path: Path) -> None:
         self.endpoint = endpoint
@@ -94,12 +96,13 @@ def start_daemon(
     kv_cache_memory: str = TINY_KV_MEMORY,
     default_endpoint: bool = False,
     ready_timeout: float = 180.0,
+    listen: str | None = None,
 ) -> DaemonProcess:
     """Start `kvd serve` on `model` (None: the bundled SmolLM2) and wait until it answers health ready.
 
-    It listens on ipc://WORKDIR/kvd.sock: through --listen, or with `default_endpoint` through the default
-    resolution ($XDG_RUNTIME_DIR set to WORKDIR, no --listen)."""
-    endpoint = f"ipc://{workdir}/kvd.sock"
+    It listens on `listen`, else on ipc://WORKDIR/kvd.sock: through --listen, or with `default_endpoint`
+    through the default resolution ($XDG_RUNTIME_DIR set to WORKDIR, no --listen)."""
+    endpoint = listen or f"ipc://{workdir}/kvd.sock"
     env = daemon_env()
     # One torch thread: on a small shared machine more threads only contend (and in-process references use one).
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--dtype", "float32", "--threads", "1"]
@@ -131,6 +134,25 @@ def wait_ready(daemon: DaemonProcess, timeout: float) -> None:
                 time.sleep(0.1)  # still loading (no socket file yet: that fails at once, so do not spin)
     daemon.stop(signal.SIGKILL)
     raise AssertionError(f"the daemon was not ready within {timeout} s; log:\n{daemon.log()}")
+
+
+def free_tcp_port(host: str) -> int:
+    """A port free on `host` just now: a bracketed IPv6 address ("[::1]") or an IPv4 one or name."""
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tcp_daemon(workdir: Path, model: Path, host: str, *args: str) -> Iterator[DaemonProcess]:
+    """A daemon on the tiny `model` listening on tcp://HOST:PORT (a free port); it must exit 0 on SIGTERM."""
+    daemon = start_daemon(workdir, *args, model=model, listen=f"tcp://{host}:{free_tcp_port(host)}")
+    try:
+        yield daemon
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,11 @@ from client_parity import (
     assert_timed_out,
     error_case,
     python_completion,
+    run_with_localhost_on_ipv6,
     run_with_planted_tmp,
     stale_socket,
 )
-from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply
+from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply, tcp_daemon
 from tool_fixtures import SCHEMAS, TOOLS
 
 from kvd_client import EndpointError, resolve_endpoint
@@ -110,6 +111,28 @@ def test_greedy_output_equals_the_python_clients(
     if stream:
         assert [c["is_final"] for c in result["chunks"]] == [False] * (len(result["chunks"]) - 1) + [True]
         assert {c["request_id"] for c in result["chunks"]} == {result["request_id"]}
+
+
+def test_a_daemon_on_ipv6_loopback_serves_the_c_client(
+    c_build: Path, tiny_daemon: DaemonProcess, tiny_daemon_model: Path, tmp_path: Path
+):
+    request = GREEDY_REQUESTS["prompt"]
+    with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]") as daemon:
+        results = [generate(c_build, daemon.endpoint, request, stream) for stream in (False, True)]
+    reference = python_completion(tiny_daemon, request)
+    for (code, result), stream in zip(results, (False, True), strict=True):
+        assert code == 0, result
+        assert_same_completion(result, reference, stream)
+
+
+def test_a_daemon_on_localhost_is_reached_where_localhost_names_ipv6_too(
+    c_build: Path, tiny_daemon_model: Path, tmp_path: Path
+):
+    # The daemon binds localhost in IPv4; a client in IPv6 mode would try ::1 alone and time out.
+    with tcp_daemon(tmp_path, tiny_daemon_model, "localhost") as daemon:
+        health = [str(c_build / "test_client"), "health", "-e", daemon.endpoint, "-T", "5000"]
+        proc = run_with_localhost_on_ipv6(health, tmp_path / "hosts")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["health"] == "ready", proc.stdout + proc.stderr
 
 
 def test_the_example_streams_the_completion_to_stdout(c_build: Path, tiny_daemon: DaemonProcess):

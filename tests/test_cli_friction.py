@@ -21,7 +21,7 @@ import zmq
 from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
 
 import kvd
-from kvd.cli import _sampling, build_parser
+from kvd.cli import _sampling, _subcommand, build_parser
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
 from kvd.model.gguf_loader import GGUFError, GGUFFile
 from kvd.model.hub import default_model_path
@@ -53,6 +53,13 @@ def test_version():
         (["--http", "0.0.0.0:8000"], "--allow-remote"),
         (["--client-timeout", "inf"], "at most 86400 seconds"),  # ZeroMQ takes int milliseconds
         (["--drain-timeout", "nan"], "--drain-timeout must be > 0"),
+        # Settings of tensor-parallel ranks that one rank would ignore.
+        (["--distributed-init", "tcp://127.0.0.1:29500"], "needs --tensor-parallel-size 2 or more"),
+        (["--cpu-binding", "0-1"], "--cpu-binding 0-1 places tensor-parallel ranks"),
+        # kvd's CPU kernels take float32 and bfloat16: refused before the weights load, naming this CPU's auto.
+        (["--dtype", "float16"], "dtype float16 does not run on a CPU"),
+        # The gateway's settings are kvd serve's too, for the gateway of --http.
+        (["--served-model-name", "m"], "--served-model-name: a setting of the HTTP gateway"),
     ],
 )
 def test_serve_reports_bad_settings_in_one_line_before_loading_anything(tmp_path: Path, flags, message):
@@ -107,6 +114,32 @@ def test_serve_flags_are_the_settings_classes_fields():
     engine, config = from_flags(EngineArgs, args), from_flags(ServerConfig, args)
     assert (engine.enable_prefix_caching, engine.kv_cache_memory) == (False, 1 << 30)
     assert config.max_message_bytes == 2 << 20
+
+
+def test_every_boolean_flag_has_its_opposite_and_the_command_line_beats_the_config_file(tmp_path: Path):
+    """Each boolean setting that a config file turns away from its default is turned back by the opposite flag
+    (and the file's opposite key works too)."""
+    import dataclasses
+
+    from kvd.server.config import ServerConfig
+    from kvd.server.config_file import apply_config_file
+    from kvd.settings import _flag_name, from_flags, opposite_flag
+
+    booleans = [
+        (cls, f) for cls in (EngineArgs, ServerConfig) for f in dataclasses.fields(cls) if f.type == "bool"
+    ]
+    assert len(booleans) >= 4
+    for cls, field in booleans:
+        flag = _flag_name(field)
+        for key, value in ((flag[2:], True), (opposite_flag(flag)[2:], False)):
+            parser = build_parser()
+            config = tmp_path / "kvd.toml"
+            config.write_text(f"{key} = {str(value).lower()}\n")
+            apply_config_file(_subcommand(parser, "serve"), config)
+            from_file = getattr(from_flags(cls, parser.parse_args(["serve"])), field.name)
+            assert from_file is not field.default, (key, value)
+            undone = parser.parse_args(["serve", opposite_flag(flag)])  # the primary flag leaves the default
+            assert getattr(from_flags(cls, undone), field.name) is field.default, (key, value)
 
 
 def test_listen_problems_are_found_before_the_model_load(tmp_path: Path):
@@ -191,6 +224,45 @@ def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory):
     )
     yield proc
     assert proc.stop() == 0, proc.log()
+
+
+def test_a_prompt_limit_past_the_context_is_said_once_and_info_shows_the_effective_one(
+    tiny_checkpoint, tmp_path
+):
+    daemon = start_daemon(
+        tmp_path, "--max-prompt-tokens", "1000000", "--max-model-len", "64", model=tiny_checkpoint("qwen2")
+    )
+    try:
+        with daemon.client() as client:
+            assert client.info()["limits"]["max_prompt_tokens"] == 63  # one token left to generate
+        warned = [line for line in daemon.log().splitlines() if "--max-prompt-tokens 1000000" in line]
+        assert len(warned) == 1 and "limited to 63 tokens" in warned[0], daemon.log()
+    finally:
+        daemon.stop()
+
+
+def test_kvd_serve_http_hands_the_gateway_its_settings(tiny_checkpoint, tmp_path):
+    """`kvd serve --http` takes kvd gateway's settings and starts its gateway with them: the model's name, and
+    a Host it serves besides loopback ones."""
+    import http.client
+
+    from gateway_fixtures import gateway_daemon
+
+    flags = ("--served-model-name", "house-model", "--allowed-host", "kvd.example")
+    with gateway_daemon(tiny_checkpoint("qwen2"), tmp_path, *flags) as daemon:
+
+        def models(host: str) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(daemon.base_url.removeprefix("http://"), timeout=30)
+            try:
+                conn.request("GET", "/v1/models", headers={"Host": host})
+                response = conn.getresponse()
+                return response.status, json.loads(response.read())
+            finally:
+                conn.close()
+
+        status, body = models("kvd.example")
+        assert status == 200 and [m["id"] for m in body["data"]] == ["house-model"], body
+        assert models("other.example")[0] == 403
 
 
 def test_generate_reads_the_prompt_from_stdin(daemon: DaemonProcess):

@@ -17,7 +17,14 @@ import msgpack
 import pytest
 import zmq
 from client_parity import run_with_planted_tmp, stale_socket
-from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
+from daemon_fixtures import (
+    REPO,
+    DaemonProcess,
+    daemon_env,
+    free_tcp_port,
+    start_daemon,
+    tcp_daemon,
+)
 
 from kvd_client import (
     AsyncClient,
@@ -83,6 +90,8 @@ def test_malformed_endpoints_are_refused(url: str):
         ("tcp://[::1]:5555", True),
         ("tcp://localhost:5555", True),
         ("tcp://0.0.0.0:5555", False),
+        ("tcp://[::]:5555", False),
+        ("tcp://[2001:db8::5]:5555", False),
         ("tcp://*:5555", False),
         ("tcp://192.168.1.4:5555", False),
         ("tcp://eth0:5555", False),
@@ -90,6 +99,24 @@ def test_malformed_endpoints_are_refused(url: str):
 )
 def test_loopback_detection(url: str, loopback: bool):
     assert parse_endpoint(url).is_loopback is loopback
+
+
+@pytest.mark.parametrize(
+    ("url", "ipv6"),
+    [
+        ("tcp://[::1]:5555", True),
+        ("tcp://::1:5555", True),
+        ("tcp://[2001:db8::5]:5555", True),
+        ("tcp://[fe80::1%eth0]:5555", True),
+        ("tcp://127.0.0.1:5555", False),
+        ("tcp://localhost:5555", False),  # names resolve to IPv4, as the daemon binds them
+        ("tcp://*:5555", False),
+        ("tcp://eth0:5555", False),
+        ("ipc:///tmp/x.sock", False),
+    ],
+)
+def test_ipv6_detection(url: str, ipv6: bool):
+    assert parse_endpoint(url).is_ipv6 is ipv6
 
 
 def _folder(path: Path, mode: int = 0o700) -> Path:
@@ -519,6 +546,32 @@ def test_async_client_runs_concurrent_requests(client: Client, daemon: DaemonPro
 
     whole, streams, health = asyncio.run(main())
     assert whole == expected and streams == expected and health == {"status": "ready"}
+
+
+def test_a_daemon_on_ipv6_loopback_serves_both_clients_and_publishes_events(
+    client: Client, tiny_daemon_model: Path, tmp_path: Path
+):
+    events = f"tcp://[::1]:{free_tcp_port('[::1]')}"
+    with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]", "--events", events) as daemon:
+        subscriber = zmq.Context.instance().socket(zmq.SUB)
+        subscriber.setsockopt(zmq.IPV6, 1)
+        subscriber.setsockopt(zmq.LINGER, 0)
+        subscriber.setsockopt(zmq.SUBSCRIBE, b"tcp/")
+        subscriber.connect(events)
+        time.sleep(0.3)  # the subscription reaches the publisher asynchronously
+        with daemon.client() as over_ipv6:
+            whole = over_ipv6.generate("The capital of France is", **GREEDY)
+
+        async def streamed() -> str:
+            async with AsyncClient(daemon.endpoint, timeout=30) as ac:
+                return "".join([c.text async for c in ac.stream("The capital of France is", **GREEDY)])
+
+        text = asyncio.run(streamed())
+        assert subscriber.poll(10_000), "no event reached a subscriber over IPv6"
+        topic, body = subscriber.recv_multipart()
+        subscriber.close()
+    assert topic.startswith(b"tcp/") and msgpack.unpackb(body)["event"] == "queued"
+    assert whole.text == text == client.generate("The capital of France is", **GREEDY).text
 
 
 def _kvd(daemon: DaemonProcess, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -451,6 +451,27 @@ def test_msgpack_that_strict_reading_refuses_is_answered_with_its_id_and_field(t
         assert info.value.field == "messages[0].content"
 
 
+def test_nil_content_is_refused_by_chat_and_tokenize_alike(tiny_daemon: DaemonProcess):
+    """Nil content only in an assistant turn that calls tools (docs/protocol.md); tokenize renders the prompt chat
+    would see, so it refuses what chat refuses instead of rendering nil as empty."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with tiny_daemon.client() as client:
+        ops = [lambda m: client.chat(m, max_tokens=1), lambda m: client.tokenize(messages=m)]
+        for role, extra in [("system", {}), ("user", {}), ("tool", {"tool_call_id": "c1"})]:
+            messages = [{"role": "user", "content": "Hi"}, {"role": role, "content": None, **extra}]
+            for op in ops:
+                with pytest.raises(BadRequestError) as info:
+                    op(messages)
+                assert info.value.field == "messages[1].content", (role, info.value)
+        history = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+        prompt = client.tokenize(messages=history)
+        assert len(prompt) == client.chat(history, max_tokens=1).usage.prompt_tokens
+
+
 # Startup: where the daemon refuses to listen (fast: it checks before loading the model).
 
 

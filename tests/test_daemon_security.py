@@ -16,8 +16,11 @@ import pytest
 import zmq
 from daemon_fixtures import NOBODY, DaemonProcess, raw_socket, recv_reply, run_as_nobody, start_daemon
 
+from kvd.server.config import ServerConfig
+from kvd.server.listener import ListenError, check_endpoint
 from kvd.server.protocol import FAULT_WALK_BUDGET, ProtocolError, decode
 from kvd_client import Client
+from kvd_client.endpoint import parse_endpoint
 
 IS_ROOT = os.geteuid() == 0
 LONG = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -152,3 +155,10 @@ def test_a_malformed_frame_costs_a_bounded_walk():
     # The id is still found; the bad string lies past the budget, so the reply names no field.
     assert FAULT_WALK_BUDGET < 500_000
     assert caught.value.request_id == 3 and caught.value.field is None, caught.value
+
+
+@pytest.mark.parametrize("host", ["[::]", "[2001:db8::5]", "0.0.0.0"])
+def test_a_tcp_address_beyond_loopback_needs_allow_remote_in_ipv6_as_in_ipv4(host: str):
+    # [::1] needs none: the IPv6 daemons of the client tests listen there without it.
+    with pytest.raises(ListenError, match="--allow-remote"):
+        check_endpoint(parse_endpoint(f"tcp://{host}:47123"), ServerConfig())

@@ -100,6 +100,36 @@ def test_sampling_fields_reach_the_daemon(oai: openai.OpenAI, kvd: Client, model
     assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_usage_counts_the_tokens_returned_before_a_stop_string(
+    oai: openai.OpenAI, kvd: Client, model: str, chat: bool
+):
+    """OpenAI's and vLLM's completion_tokens: the tokens of the completion returned, not those of the stop string
+    that the daemon sampled too (its own usage counts them), whole or streamed."""
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def daemon(**fields: object):
+        return kvd.chat(messages, **fields) if chat else kvd.generate(PROMPT, **fields)
+
+    # Two tokens from a token's start: the stop string's tokens are sampled, then dropped from the reply.
+    stop = kvd.detokenize(daemon(**GREEDY).token_ids[4:6])
+    expected = daemon(**GREEDY, stop=[stop])
+    returned = len(expected.token_ids)
+    assert expected.finish_reason == "stop" and expected.usage.completion_tokens > returned, expected
+    create = oai.chat.completions.create if chat else oai.completions.create
+    params = dict(model=model, temperature=0, max_tokens=12, stop=[stop], extra_body={"ignore_eos": True})
+    params |= {"messages": messages} if chat else {"prompt": PROMPT}
+    whole = create(**params)
+    assert (whole.choices[0].message.content if chat else whole.choices[0].text) == expected.text
+    assert whole.usage.completion_tokens == returned
+    assert whole.usage.total_tokens == expected.usage.prompt_tokens + returned
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(create(**params, stream=True, stream_options=options))
+    (last,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert last.usage.completion_tokens == returned and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == returned
+
+
 def test_n_choices_with_a_seed_are_the_seeds_of_each_choice(oai: openai.OpenAI, kvd: Client, model: str):
     messages = [{"role": "user", "content": "Hi"}]
     params = dict(temperature=1.0, max_tokens=8)
@@ -198,6 +228,31 @@ def test_errors_have_openai_shape_and_status(
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(("short", "long"), [("Hi", "Hi " * 5000), ([28], [28] * 5000)])
+def test_a_too_long_prompt_of_a_list_is_named_by_its_index(
+    daemon: DaemonProcess, model: str, short: object, long: object
+):
+    request = {"model": model, "prompt": [short, long], "n": 2, "max_tokens": 2}
+    code, text = _post(daemon.base_url, "/v1/completions", request)
+    error = json.loads(text)["error"]
+    assert (code, error["param"]) == (400, "prompt[1]") and error["message"].startswith("prompt[1]: "), text
+    # One prompt, a text or token ids, is `prompt` itself.
+    code, text = _post(daemon.base_url, "/v1/completions", {**request, "prompt": long})
+    assert (code, json.loads(text)["error"]["param"]) == (400, "prompt"), text
+
+
+@pytest.mark.parametrize("role", ["system", "user"])
+def test_null_content_is_a_400_naming_the_message(oai: openai.OpenAI, model: str, role: str):
+    """Allowed only in an assistant message with tool_calls. Streamed with continuous usage, the gateway asks the
+    daemon's tokenize first, which refuses it as chat does."""
+    messages = [{"role": role, "content": None}, {"role": "user", "content": "Hi"}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for extra in ({}, {"stream": True, "stream_options": options}):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.chat.completions.create(model=model, messages=messages, max_tokens=2, **extra)
+        assert info.value.param == "messages[0].content", info.value
+
+
 def test_null_is_the_default_and_errors_name_the_request_field_once(daemon: DaemonProcess, model: str):
     nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "stop": None, "seed": None}
     code, text = _post(
@@ -280,6 +335,24 @@ def test_health_answers_within_its_bound_when_the_daemon_is_gone(
         reply = http.get("/health")
     assert reply.status_code == 503 and reply.json()["status"] == "unavailable"
     assert time.monotonic() - started < 5, "the probe waited for the client's timeout"
+
+
+@pytest.mark.parametrize("socket_file", ["missing", "stale"])
+def test_an_absent_daemon_is_a_503_naming_the_gateways_flag(tmp_path: Path, socket_file: str):
+    """Whoever reads it runs the gateway: the way to point it elsewhere is its --endpoint flag."""
+    from fastapi.testclient import TestClient
+
+    from kvd.gateway.app import create_app
+
+    path = tmp_path / "kvd.sock"
+    endpoint = stale_socket(path) if socket_file == "stale" else f"ipc://{path}"
+    with TestClient(create_app(endpoint, timeout=0.5), base_url="http://localhost") as http:
+        replies = [http.get("/v1/models"), http.get("/api/tags"), http.get("/health")]
+    assert [r.status_code for r in replies] == [503] * 3
+    openai_error, ollama_error, health = (r.json() for r in replies)
+    assert openai_error["error"]["code"] == "daemon_unavailable"
+    for message in (openai_error["error"]["message"], ollama_error["error"], health["message"]):
+        assert "`kvd gateway --endpoint`" in message and "AsyncClient" not in message, message
 
 
 def test_an_unexpected_failure_is_a_counted_server_error():

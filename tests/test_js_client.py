@@ -21,10 +21,11 @@ from client_parity import (
     assert_timed_out,
     error_case,
     python_completion,
+    run_with_localhost_on_ipv6,
     run_with_planted_tmp,
     stale_socket,
 )
-from daemon_fixtures import REPO, DaemonProcess
+from daemon_fixtures import REPO, DaemonProcess, tcp_daemon
 
 JS_DIR = REPO / "clients" / "js"
 
@@ -100,6 +101,29 @@ def test_greedy_output_equals_the_python_clients(
     if stream:
         finished = [c["finish_reason"] is not None for c in result["chunks"]]
         assert finished == [False] * (len(finished) - 1) + [True]
+
+
+def test_a_daemon_on_ipv6_loopback_serves_the_js_client(
+    js_client: Path, tiny_daemon: DaemonProcess, tiny_daemon_model: Path, tmp_path: Path
+):
+    request = GREEDY_REQUESTS["prompt"]
+    with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]") as daemon:
+        results = [run_request(js_client, daemon.endpoint, mode, request) for mode in ("generate", "stream")]
+    reference = python_completion(tiny_daemon, request)
+    for result, stream in zip(results, (False, True), strict=True):
+        assert_same_completion(result, reference, stream)
+
+
+def test_a_daemon_on_localhost_is_reached_where_localhost_names_ipv6_too(
+    js_client: Path, tiny_daemon: DaemonProcess, tiny_daemon_model: Path, tmp_path: Path
+):
+    # The daemon binds localhost in IPv4; a client in IPv6 mode would try ::1 alone and time out.
+    request = GREEDY_REQUESTS["prompt"]
+    with tcp_daemon(tmp_path, tiny_daemon_model, "localhost") as daemon:
+        call = ["node", "tools/request.mjs", daemon.endpoint, "5000", "generate", json.dumps(request)]
+        proc = run_with_localhost_on_ipv6(call, tmp_path / "hosts", js_client)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_same_completion(json.loads(proc.stdout), python_completion(tiny_daemon, request), False)
 
 
 def test_the_example_streams_the_completion_to_stdout(js_client: Path, tiny_daemon: DaemonProcess):

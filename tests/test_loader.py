@@ -478,6 +478,22 @@ def test_resolve_dtype():
         resolve_dtype("int8", {})
 
 
+@pytest.mark.parametrize("dtype", ["float16", torch.float16])
+def test_float16_on_a_cpu_is_refused_naming_what_auto_runs_there(dtype):
+    """kvd's CPU kernels take float32 and bfloat16: float16 is refused (load_model asks before any weight loads),
+    naming the dtype auto picks on this CPU and why."""
+    from kvd.model.cpu_dtype import cpu_flags, pick_cpu_dtype
+    from kvd.model.loader import UnsupportedDtypeError, choose_dtype
+
+    here = pick_cpu_dtype(cpu_flags())
+    with pytest.raises(UnsupportedDtypeError, match="float16 does not run on a CPU") as raised:
+        choose_dtype(dtype, {}, "cpu")
+    assert f"which is {str(here.dtype).removeprefix('torch.')} on this one ({here.reason})" in str(
+        raised.value
+    )
+    assert choose_dtype("float32", {}, "cpu").dtype == torch.float32
+
+
 def test_missing_paths_are_typed_errors(tmp_path):
     with pytest.raises(ModelNotFoundError, match="neither an existing folder"):
         resolve_model_path(str(tmp_path / "nope" / "deeper" / "x.gguf"))

@@ -3,6 +3,7 @@ streams, format, embeddings, tools, the model listings, and the options it refus
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import httpx
@@ -11,6 +12,7 @@ import ollama
 import pytest
 from daemon_fixtures import DaemonProcess
 from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
+from packaging.version import Version
 
 from kvd.gateway.ollama import ReplyShape
 from kvd_client import Chunk, Client, ToolCall, Usage
@@ -161,7 +163,13 @@ def test_listings(api: ollama.Client, kvd: Client, model: str):
     assert shown.modelinfo["llama.context_length"] == info["max_model_len"] and "tools" in shown.capabilities
     (running,) = api.ps().models
     assert running.model == listed.model and running.context_length == info["max_model_len"]
-    assert httpx.get(f"{api._client.base_url}/api/version").json()["version"]
+
+
+def test_version_is_an_ollama_release_beside_kvds_own(api: ollama.Client, kvd: Client):
+    """Ollama's clients compare `version` with the release they need: it stays the API release followed."""
+    body = httpx.get(f"{api._client.base_url}/api/version").json()
+    assert Version(body["version"]) >= Version("0.12.0")
+    assert body["kvd_version"] == kvd.info()["kvd_version"] == importlib.metadata.version("kvd")
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,20 @@ def test_degenerate_filters_equal_greedy(kw):
         assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
+def test_ties_rank_by_token_id_in_greedy_the_filters_and_the_top_logprobs():
+    """Equal logits rank by token id everywhere: greedy takes the first, top_k=1 and a tiny top_p keep it,
+    top_k=2 keeps the first two, and the top logprobs list them in id order."""
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, [40, 7, 23]] = 2.0  # three tied maxima, the lowest id 7
+    greedy = sample(logits, [_row(temperature=0.0, logprobs=3)])[0]
+    assert greedy.token_id == 7 and [t for t, _ in greedy.top_logprobs] == [7, 23, 40]
+    for seed in range(20):
+        assert sample(logits, [_row(seed=seed, temperature=1.0, top_k=1)])[0].token_id == 7
+        assert sample(logits, [_row(seed=seed, temperature=1.0, top_p=1e-6)])[0].token_id == 7
+    pairs = {sample(logits, [_row(seed=seed, temperature=1.0, top_k=2)])[0].token_id for seed in range(40)}
+    assert pairs == {7, 23}
+
+
 def test_seeded_rows_do_not_depend_on_batch_composition():
     logits = _logits(1, seed=2).repeat(6, 1)
     alone = []

@@ -14,6 +14,7 @@ from daemon_fixtures import REPO, daemon_env, start_daemon
 
 from kvd.cli import build_parser, main
 from kvd.server.config_file import ConfigFileError, apply_config_file
+from kvd.server.serve import STOP_MARGIN_S
 from kvd.server.systemd import Notifier
 
 
@@ -36,14 +37,15 @@ def test_a_daemon_notifies_ready_watchdog_and_stopping_in_order(tiny_daemon_mode
     name = f"@kvd-test-{os.getpid()}"  # abstract, as systemd may hand out
     notify.bind(b"\0" + name[1:].encode())
     config = tmp_path / "kvd.toml"
-    # The file sets the client timeout; the command line's --drain-timeout wins over the file's.
+    # The file sets the client timeout; the command line's --drain-timeout wins over the file's. It is longer than
+    # the unit's TimeoutStopSec (60): the stop timeout must follow it.
     config.write_text('client-timeout = 4.5\ndrain-timeout = 99.0\nlog-level = "debug"\n')
     env = {"NOTIFY_SOCKET": name, "WATCHDOG_USEC": "1000000"}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         daemon = start_daemon(
-            tmp_path, "--config", str(config), "--drain-timeout", "5", model=tiny_daemon_model
+            tmp_path, "--config", str(config), "--drain-timeout", "90", model=tiny_daemon_model
         )
     finally:
         for k, v in old.items():
@@ -66,7 +68,10 @@ def test_a_daemon_notifies_ready_watchdog_and_stopping_in_order(tiny_daemon_mode
     assert ready < watchdogs[0] and len(watchdogs) >= 2 and watchdogs[-1] < stopping, messages
     assert "STATUS=ready on ipc://" in messages[ready] and "0 running, 0 waiting" in messages[ready]
     assert "STATUS=draining" in messages[stopping]
-    assert "drain" in daemon.log() and "5 s" in daemon.log()
+    # systemd waits for the whole drain and the flush after it, whatever TimeoutStopSec says.
+    fields = dict(line.split("=", 1) for line in messages[stopping].splitlines())
+    assert int(fields["EXTEND_TIMEOUT_USEC"]) == (90 + STOP_MARGIN_S) * 1e6, messages[stopping]
+    assert "drain" in daemon.log() and "90 s" in daemon.log()
 
 
 def test_the_watchdog_is_off_for_another_pid_and_without_watchdog_usec():

@@ -14,6 +14,8 @@ import pytest
 from daemon_fixtures import REPO
 
 from kvd.cli import build_parser
+from kvd.server.config import ServerConfig
+from kvd.server.serve import STOP_MARGIN_S
 
 SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "kvd.service"
@@ -73,6 +75,15 @@ def test_the_sandbox_is_tight_and_leaves_cuda_working(unit_copy: Path):
     # CUDA needs /dev/nvidia*; torch and Triton JIT-compile kernels into executable memory.
     assert "PrivateDevices" not in settings and "MemoryDenyWriteExecute" not in settings
     assert settings["Type"] == "notify" and settings["NotifyAccess"] == "main"
+
+
+def test_the_stop_timeout_bounds_a_silent_daemon_with_the_default_drain():
+    """A daemon that reports asks for --drain-timeout + STOP_MARGIN_S when it stops (tests/test_systemd_notify.py);
+    TimeoutStopSec is what a daemon that never reports gets: the same rule at the default drain-timeout."""
+    (timeout,) = directives(UNIT)["TimeoutStopSec"]
+    assert float(timeout) == ServerConfig().drain_timeout + STOP_MARGIN_S
+    comment = re.search(r"((?:^#.*\n)+)TimeoutStopSec=", UNIT.read_text(), re.M).group(1)
+    assert "EXTEND_TIMEOUT_USEC" in comment and "drain-timeout" in comment  # the rule, where operators look
 
 
 def test_the_daemon_has_resource_limits_and_device_syscall_and_ip_filters():
@@ -187,14 +198,14 @@ def test_sysusers_creates_the_users_and_group_kvd(tmp_path: Path):
 
 
 def serve_flags() -> dict[str, argparse.Action]:
-    """`kvd serve`'s options by their first name without the dashes (not aliases such as --threads);
-    --config names the file itself."""
+    """`kvd serve`'s options by their first name without the dashes (not aliases such as --threads, nor a
+    boolean's opposite such as --no-enforce-eager); --config names the file itself."""
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     serve = commands.choices["serve"]
     flags = {}
     for action in serve._actions:
         names = [s for s in action.option_strings if s.startswith("--")]
-        if names:
+        if names and not isinstance(action, argparse._StoreFalseAction):  # a boolean's opposite: one setting
             flags[names[0][2:]] = action
     flags.pop("help")
     flags.pop("config", None)

@@ -58,6 +58,13 @@ static kvd_status check_endpoint(const char *url, kvd_error *error) {
                     url, (int)scheme_len, url);
 }
 
+int kvd_endpoint_is_ipv6(const char *url) {
+    if (strncmp(url, "tcp://", 6) != 0) return 0;
+    const char *host = url + 6;
+    /* Only an IPv6 address ([::1] or ::1) holds a colon before the port's: names and IPv4 addresses do not. */
+    return memchr(host, ':', (size_t)(strrchr(host, ':') - host)) != NULL;
+}
+
 kvd_status kvd_check_private_dir(const char *dir, kvd_error *error) {
     struct stat st;
     if (lstat(dir, &st) != 0) {

@@ -10,6 +10,9 @@
 kvd_status kvd_fail(kvd_error *error, kvd_status status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* 1 for a checked tcp endpoint to an IPv6 address (tcp://[::1]:PORT), else 0 (endpoint.c). */
+int kvd_endpoint_is_ipv6(const char *url);
+
 /* KVD_OK unless `dir`, the /tmp folder of the default endpoint, exists and is not a real directory (lstat: no
  * symbolic link) owned by this user and closed to others: KVD_ERR_ENDPOINT, the message saying what to do. A
  * missing folder passes (endpoint.c). */

@@ -108,11 +108,13 @@ kvd_status kvd_connect(const char *endpoint, kvd_client **out, kvd_error *error)
         free(c);
         return kvd_fail(error, KVD_ERR_NO_MEMORY, "kvd_connect: cannot create a pipe: %s", strerror(errno));
     }
-    int zero = 0, one = 1;
+    /* IPv6 mode for an IPv6 address only: with it libzmq resolves localhost to ::1, where a daemon that bound
+     * localhost (in IPv4, as it does) is not. */
+    int zero = 0, ipv6 = kvd_endpoint_is_ipv6(c->endpoint);
     c->context = zmq_ctx_new();
     c->socket = c->context ? zmq_socket(c->context, ZMQ_DEALER) : NULL;
     if (c->socket == NULL || zmq_setsockopt(c->socket, ZMQ_LINGER, &zero, sizeof zero) != 0 ||
-        zmq_setsockopt(c->socket, ZMQ_IPV6, &one, sizeof one) != 0) {
+        zmq_setsockopt(c->socket, ZMQ_IPV6, &ipv6, sizeof ipv6) != 0) {
         status = kvd_fail(error, KVD_ERR_ZMQ, "cannot create a ZeroMQ socket: %s", zmq_strerror(zmq_errno()));
     } else if (zmq_connect(c->socket, c->endpoint) != 0) {
         status = kvd_fail(error, KVD_ERR_ENDPOINT, "cannot connect to %s: %s", c->endpoint,

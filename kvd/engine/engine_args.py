@@ -205,3 +205,15 @@ class EngineArgs:
             raise EngineArgsError(refusal)
         if self.distributed_timeout <= 0:
             raise EngineArgsError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+        if self.tensor_parallel_size == 1:
+            # Settings of the ranks' placement and rendezvous: a lone rank would ignore them.
+            if self.distributed_init is not None:
+                raise EngineArgsError(
+                    "--distributed-init is where tensor-parallel ranks meet; it needs --tensor-parallel-size 2 "
+                    "or more"
+                )
+            if self.cpu_binding not in ("auto", "none"):
+                raise EngineArgsError(
+                    f"--cpu-binding {self.cpu_binding} places tensor-parallel ranks; it needs "
+                    "--tensor-parallel-size 2 or more (bind one process with taskset or systemd's CPUAffinity)"
+                )

@@ -96,12 +96,19 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def _ranked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x sorted by value, largest first, equal values by token id: the one tie rule, greedy's
+    (argmax answers the first of equal values), so top_k=1 or a tiny top_p keeps greedy's token and the top
+    logprobs list tied tokens in id order."""
+    return x.sort(dim=-1, descending=True, stable=True)
+
+
 def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     device = logits.device
     top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device).clamp(max=vocab)
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = _ranked(logits)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
     drop = ranks >= top_k.unsqueeze(1)
     # float64: a float32 running sum over a 50k vocabulary drifts by ~1e-5, enough to stop short of top_p 0.999.
@@ -162,7 +169,7 @@ def _logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | N
 def _with_logprobs(ids: list[int], logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     top_n = max(r.params.logprobs or 0 for r in rows)
     chosen = logprobs.gather(1, torch.tensor(ids, device=logprobs.device).unsqueeze(1)).squeeze(1).tolist()
-    top_values, top_ids = logprobs.topk(top_n, dim=-1) if top_n else (None, None)
+    top_values, top_ids = (t[:, :top_n] for t in _ranked(logprobs)) if top_n else (None, None)
     out = []
     for i, (token, row) in enumerate(zip(ids, rows, strict=True)):
         n = row.params.logprobs

@@ -18,7 +18,7 @@ from kvd.gateway import embeddings, ollama
 from kvd.gateway.auth import Access, Guard
 from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, unless_disconnected
-from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields
+from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields, unavailable_reason
 from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
@@ -74,7 +74,7 @@ def create_app(
         try:
             status = (await asyncio.wait_for(gateway_of(request).client.health(), HEALTH_TIMEOUT_S))["status"]
         except (KvdError, asyncio.TimeoutError) as e:  # asyncio's is not the builtin before Python 3.11
-            message = str(e) or f"the kvd daemon did not answer within {HEALTH_TIMEOUT_S:g} s"
+            message = unavailable_reason(e) or f"the kvd daemon did not answer within {HEALTH_TIMEOUT_S:g} s"
             return JSONResponse({"status": "unavailable", "message": message}, status_code=503)
         return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 
@@ -195,15 +195,13 @@ async def _reply(
         raise invalid_fields(refused)
     jobs, reply, drop_generated = await plan(gateway, name)
     streams = gateway.streams(request, op, jobs, body.user or body.safety_identifier)
+    chunks = merged(streams, gateway.metrics, body.choice_field)
     if body.stream:
         # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
-        chunks = merged(streams, gateway.metrics)
         first = await anext(chunks)
-        events = _events(
-            gateway, reply, body.include_usage, len(jobs), first, chunks, request.url.path, names
-        )
+        events = _events(gateway, reply, body.include_usage, first, chunks, request.url.path, names)
         return StreamingResponse(events, media_type="text/event-stream")
-    choices = await unless_disconnected(request, collect(merged(streams, gateway.metrics), len(jobs)))
+    choices = await unless_disconnected(request, collect(chunks, len(jobs)))
     if any(c.finish_reason == "abort" for c in choices):
         raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
     if drop_generated:
@@ -217,14 +215,12 @@ async def _events(
     gateway: Gateway,
     reply: Reply,
     include_usage: bool,
-    count: int,
     first: tuple,
     rest: AsyncIterator,
     endpoint: str,
     names: dict[str, str],
 ) -> AsyncIterator[str]:
     """Server-sent events: the bodies of each chunk, the usage chunk when asked for, then `data: [DONE]`."""
-    usages = {}
     outcome = "disconnected"  # unless the loop below ends
     try:
         item = first
@@ -237,11 +233,9 @@ async def _events(
             await gateway.texts.fill(chunk.logprobs or [])
             for body in reply.chunks(index, chunk):
                 yield _event(body)
-            if chunk.finished:
-                usages[index] = chunk.usage
             item = await anext(rest, None)
         if include_usage:
-            yield _event(reply.usage_chunk([usages[i] for i in range(count)]))
+            yield _event(reply.usage_chunk())
         yield "data: [DONE]\n\n"
         outcome = "success"
     except KvdError as e:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
 from kvd.gateway.metrics import GatewayMetrics
-from kvd_client import AsyncClient, AsyncStream, Chunk, TokenLogprob, ToolCall, Usage
+from kvd_client import AsyncClient, AsyncStream, Chunk, DaemonError, TokenLogprob, ToolCall, Usage
 
 # One daemon request: its prompt (text, token ids, or messages) and its other fields.
 Job = tuple[Any, dict[str, Any]]
+# (choice index, a field of that choice's daemon request) -> the field as the HTTP request names it.
+FieldOf = Callable[[int, str], str]
 
 
 class ClientDisconnected(Exception):
@@ -46,9 +48,8 @@ class Choice:
 
     def drop_generated(self) -> None:
         """Forget the output (the one token asked for so that the daemon scores the prompt)."""
-        self.text, self.token_ids, self.logprobs = "", [], []
+        self.text, self.token_ids, self.logprobs = "", [], []  # so the usage counts no completion token
         self.finish_reason = "length"
-        self.usage = Usage(self.usage.prompt_tokens, 0, self.usage.cached_tokens)
 
 
 def open_streams(client: AsyncClient, op: str, jobs: Sequence[Job]) -> list[AsyncStream]:
@@ -58,8 +59,11 @@ def open_streams(client: AsyncClient, op: str, jobs: Sequence[Job]) -> list[Asyn
     return [client.stream(payload, **fields) for payload, fields in jobs]
 
 
-async def merged(streams: list[AsyncStream], metrics: GatewayMetrics) -> AsyncIterator[tuple[int, Chunk]]:
-    """(choice index, chunk) as they arrive; leaving early (error, cancellation) aborts every stream."""
+async def merged(
+    streams: list[AsyncStream], metrics: GatewayMetrics, field_of: FieldOf | None = None
+) -> AsyncIterator[tuple[int, Chunk]]:
+    """(choice index, chunk) as they arrive; leaving early (error, cancellation) aborts every stream. A daemon
+    error names its field by `field_of`."""
     queue: asyncio.Queue[tuple[int, Chunk | BaseException]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncStream) -> None:
@@ -81,6 +85,8 @@ async def merged(streams: list[AsyncStream], metrics: GatewayMetrics) -> AsyncIt
         unfinished = len(streams)
         while unfinished:
             index, item = await queue.get()
+            if isinstance(item, DaemonError) and field_of is not None:
+                raise _renamed(item, field_of(index, item.field or ""))
             if isinstance(item, BaseException):
                 raise item
             if item.finished:
@@ -91,6 +97,16 @@ async def merged(streams: list[AsyncStream], metrics: GatewayMetrics) -> AsyncIt
             task.cancel()
         for stream in streams:
             stream.close()
+
+
+def _renamed(error: DaemonError, field: str) -> DaemonError:
+    """`error` naming `field`: the daemon names a field of its one request, and one HTTP request may hold
+    several (a list of prompts). The message says which, as the whole request names it."""
+    if not field or field == error.field:
+        return error
+    renamed = type(error)(f"{field}: {error.message}", field, error.request_id)
+    renamed.code = error.code  # a code this client does not know is kept on the instance
+    return renamed
 
 
 async def collect(chunks: AsyncIterator[tuple[int, Chunk]], n: int) -> list[Choice]:

@@ -23,6 +23,10 @@ _DAEMON_CODES = {
     "shutting_down": (503, "server_error"),
     "internal": (500, "server_error"),
 }
+# kvd_client says how to choose another endpoint by its constructor's argument; whoever runs a gateway chooses
+# with the gateway's flag.
+_CLIENT_ENDPOINT_HINT = "AsyncClient(endpoint=...)"
+_GATEWAY_ENDPOINT_HINT = "`kvd gateway --endpoint`"
 # pydantic's names for the members of a union in an error's location: str, list[int], function-after[...],
 # literal['a','b'], or a model's class name.
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|dict|list)$|^[a-z-]+\[|^[A-Z]")
@@ -61,7 +65,13 @@ def from_kvd_error(e: KvdError, param_names: Mapping[str, str] | None = None) ->
         if param and param != e.field:  # the request's name for the field, in place of the daemon's
             message = f"{param}: {message.removeprefix(f'{e.field}: ')}"
         return ApiError(status, message, type_, param, e.code)
-    return ApiError(503, f"the kvd daemon is not available: {e}", "server_error", code="daemon_unavailable")
+    message = f"the kvd daemon is not available: {unavailable_reason(e)}"
+    return ApiError(503, message, "server_error", code="daemon_unavailable")
+
+
+def unavailable_reason(e: Exception) -> str:
+    """Why the daemon did not answer, with the gateway's way to point at another."""
+    return str(e).replace(_CLIENT_ENDPOINT_HINT, _GATEWAY_ENDPOINT_HINT)
 
 
 def _rename(field: str | None, names: Mapping[str, str]) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+import kvd
 from kvd.gateway.choices import Choice, Job, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
@@ -29,7 +30,8 @@ from kvd.gateway.schemas import Strict
 from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
 
-# The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions).
+# The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions): what
+# /api/version reports as `version`, which Ollama's clients compare with the release they need.
 OLLAMA_VERSION = "0.12.0"
 TAG = ":latest"  # Ollama's default tag: "model" and "model:latest" name the same model
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
@@ -39,7 +41,7 @@ router = APIRouter(prefix="/api")
 
 @router.get("/version")
 async def version() -> dict:
-    return {"version": OLLAMA_VERSION}
+    return {"version": OLLAMA_VERSION, "kvd_version": kvd.__version__}
 
 
 @router.get("/tags")

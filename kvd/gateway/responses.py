@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
@@ -18,6 +19,12 @@ class EchoedPrompt:
 
     text: str
     token_ids: list[int]
+
+
+def returned_usage(usage: Usage, num_tokens: int) -> Usage:
+    """The daemon's usage with `completion_tokens` the count of the tokens returned, as OpenAI and vLLM report
+    it: the daemon counts every token sampled, those of a stop string that cut the text too."""
+    return dataclasses.replace(usage, completion_tokens=num_tokens)
 
 
 def usage_body(usages: Sequence[Usage], n: int = 1) -> dict:
@@ -54,6 +61,7 @@ class Reply:
     offsets: dict[int, int] = field(default_factory=dict)  # completions: each choice's token texts so far
     started: set[int] = field(default_factory=set)  # chat: choices whose first delta (the role) went out
     generated: dict[int, int] = field(default_factory=dict)  # tokens of each choice so far
+    finals: dict[int, Usage] = field(default_factory=dict)  # streamed: each finished choice's returned_usage
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"
@@ -62,12 +70,14 @@ class Reply:
         return {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "choices": [self._choice(c) for c in choices],
-            "usage": usage_body([c.usage for c in choices], self.n),
+            "usage": usage_body([returned_usage(c.usage, len(c.token_ids)) for c in choices], self.n),
         }
 
     def chunks(self, index: int, chunk: Chunk) -> list[dict]:
         """The stream bodies for one daemon chunk: one, or with tool calls a delta for them and the finish."""
         self.generated[index] = self.generated.get(index, 0) + len(chunk.token_ids)
+        if chunk.finished:
+            self.finals[index] = returned_usage(chunk.usage, self.generated[index])
         if not (chunk.text or chunk.logprobs or chunk.finished) and (index in self.started or not self.chat):
             return []  # tokens whose text the daemon holds back (a possible stop string or tool call)
         usage = self._running_usage(index, chunk)
@@ -98,8 +108,9 @@ class Reply:
         )
         return bodies
 
-    def usage_chunk(self, usages: Sequence[Usage]) -> dict:
+    def usage_chunk(self) -> dict:
         """stream_options.include_usage: one last chunk with no choices and the whole request's usage."""
+        usages = [self.finals[i] for i in sorted(self.finals)]
         return {**self._head(self._chunk_object), "choices": [], "usage": usage_body(usages, self.n)}
 
     def _delta(self, index: int, content: str | None, logprobs: dict | None) -> dict:
@@ -120,8 +131,8 @@ class Reply:
     def _running_usage(self, index: int, chunk: Chunk) -> dict | None:
         if self.prompt_counts is None:
             return None
-        if chunk.usage is not None:
-            return usage_body([chunk.usage])
+        if chunk.finished:
+            return usage_body([self.finals[index]])
         prompt = self.prompt_counts[index // self.n]
         if prompt is None:
             return None

@@ -196,6 +196,10 @@ class _Request(Strict):
             "json_object": "response_format",
         }
 
+    def choice_field(self, choice: int, field: str) -> str:
+        """The field of choice `choice`'s daemon request, as that request's errors should name it."""
+        return field
+
     @property
     def num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -212,11 +216,20 @@ class CompletionRequest(_Request):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def has_prompt_list(self) -> bool:
+        """Whether `prompt` is a list of prompts, not one prompt (a text or a token id list)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], str | list)
+
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one text or token id list, or a list of them."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
-            return list(self.prompt)
-        return [self.prompt]
+        return list(self.prompt) if self.has_prompt_list else [self.prompt]
+
+    def choice_field(self, choice: int, field: str) -> str:
+        # Each prompt of a list is n daemon requests of its own, whose prompt the daemon names without an index.
+        if self.has_prompt_list and field in ("prompt", "prompt_token_ids"):
+            return f"{field}[{choice // self.n}]"
+        return field
 
     def refusals(self) -> list[tuple[str, str]]:
         # With echo, max_tokens 0 scores the prompt alone: the one refusal echo lifts.

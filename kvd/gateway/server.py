@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvd.gateway.settings import GatewaySettings
+from kvd.settings import to_flags
+
 if TYPE_CHECKING:
     from kvd.gateway.keys import ApiKeys
 
@@ -142,9 +145,21 @@ PARENT_ENV = "KVD_GATEWAY_PARENT"  # set by spawn_gateway: the daemon's pid, whi
 _PR_SET_PDEATHSIG = 1
 
 
-def spawn_gateway(http: str, endpoint: str, allow_remote: bool) -> subprocess.Popen:
+def spawn_gateway(
+    http: str, endpoint: str, allow_remote: bool, settings: GatewaySettings
+) -> subprocess.Popen:
     """`kvd gateway` as a child process: its own interpreter, so HTTP work never holds the engine's GIL."""
-    cmd = [sys.executable, "-m", "kvd.cli", "gateway", "--http", http, "--endpoint", endpoint]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvd.cli",
+        "gateway",
+        "--http",
+        http,
+        "--endpoint",
+        endpoint,
+        *to_flags(settings),
+    ]
     env = {**os.environ, PARENT_ENV: str(os.getpid())}
     return subprocess.Popen([*cmd, "--allow-remote"] if allow_remote else cmd, env=env)
 

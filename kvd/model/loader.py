@@ -64,6 +64,10 @@ class CorruptModelError(ValueError):
     """A model file that cannot be read as what its name says; the message names the file."""
 
 
+class UnsupportedDtypeError(ValueError):
+    """The dtype asked for does not run on the device."""
+
+
 class DeviceUnavailableError(ValueError):
     """The device asked for does not exist in this process (e.g. cuda with a CPU-only torch)."""
 
@@ -97,9 +101,17 @@ def resolve_dtype(dtype: torch.dtype | str, hf_config: dict[str, Any]) -> torch.
 def choose_dtype(
     dtype: torch.dtype | str, hf_config: dict[str, Any], device: torch.device | str
 ) -> DtypeChoice:
-    """The run dtype and why: "auto" on a CPU follows its cores (kvd.model.cpu_dtype), elsewhere resolve_dtype."""
-    if dtype == "auto" and torch.device(device).type == "cpu":
-        return pick_cpu_dtype(cpu_flags())
+    """The run dtype and why: "auto" on a CPU follows its cores (kvd.model.cpu_dtype), elsewhere resolve_dtype.
+    float16 on a CPU is refused here, before any weight loads: kvd's CPU kernels take float32 and bfloat16."""
+    if torch.device(device).type == "cpu":
+        if dtype == "auto":
+            return pick_cpu_dtype(cpu_flags())
+        if resolve_dtype(dtype, hf_config) == torch.float16:
+            here = pick_cpu_dtype(cpu_flags())
+            raise UnsupportedDtypeError(
+                "dtype float16 does not run on a CPU (kvd's CPU kernels take float32 and bfloat16): use auto, "
+                f"which is {str(here.dtype).removeprefix('torch.')} on this one ({here.reason}), or float32"
+            )
     reason = "the checkpoint's dtype (bfloat16, else float32)" if dtype == "auto" else "as asked"
     return DtypeChoice(resolve_dtype(dtype, hf_config), reason)
 

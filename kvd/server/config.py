@@ -23,7 +23,7 @@ class ServerConfig:
     """The daemon's settings; each field's help is its `kvd serve` flag's (kvd.settings)."""
 
     listen: str | None = setting(
-        None, "ipc://PATH or tcp://127.0.0.1:PORT (default: $KVD_ENDPOINT or per-user)"
+        None, "ipc://PATH, tcp://127.0.0.1:PORT or tcp://[::1]:PORT (default: $KVD_ENDPOINT or per-user)"
     )
     socket_group: str | None = setting(None, "make the ipc socket 0660 with this group (default: 0600)")
     events: str | None = setting(

@@ -50,9 +50,13 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def _convert(action: argparse.Action, value: Any, where: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where} must be true or false, got {value!r}")
+        return value if isinstance(action, argparse._StoreTrueAction) else not value
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list of strings
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigFileError(f"{where} takes a list of strings, got {value!r}")
         return value
     if isinstance(value, (bool, dict, list)):
         raise ConfigFileError(f"{where} takes a single number or string, got {value!r}")

@@ -33,7 +33,7 @@ def check_endpoint(endpoint: Endpoint, config: ServerConfig, flag: str = "--list
     if not endpoint.is_loopback and not config.allow_remote:
         raise ListenError(
             f"{endpoint} is reachable from other hosts and kvd has no authentication; listen on "
-            "tcp://127.0.0.1:PORT or ipc://PATH, or pass --allow-remote if the network is trusted"
+            "tcp://127.0.0.1:PORT, tcp://[::1]:PORT or ipc://PATH, or pass --allow-remote if the network is trusted"
         )
     if config.socket_group is not None:
         if endpoint.transport != "ipc":
@@ -65,6 +65,7 @@ def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) 
     # Messages queued per connection before libzmq stops reading it (backpressure on that peer alone): the
     # default 1000 let one connection buffer about 2 GiB of maximal messages.
     sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+    sock.setsockopt(zmq.IPV6, endpoint.is_ipv6)
     if endpoint.transport == "tcp":
         # A peer whose host died never closes its connection; ZMTP pings find it.
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_INTERVAL_S * 1000))
@@ -86,6 +87,7 @@ def open_router(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) 
 def open_publisher(context: zmq.Context, endpoint: Endpoint, config: ServerConfig) -> zmq.Socket:
     """Bind the event stream's PUB socket, with the same file mode as the request socket."""
     sock = context.socket(zmq.PUB)
+    sock.setsockopt(zmq.IPV6, endpoint.is_ipv6)
     try:
         if endpoint.transport == "ipc":
             _bind_ipc(sock, endpoint, config.socket_group, "--events")

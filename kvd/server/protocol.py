@@ -292,6 +292,8 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
         return _embed(request_id, op, fields)
     if op == "tokenize":
         text, messages = _one_prompt(fields, ("text", "messages"))
+        if messages is not None:  # tokenize shows the prompt chat would see: it refuses what chat refuses
+            _check_history(messages)
         return TokenizeMessage(request_id, op, text, messages)
     if op == "detokenize":
         return DetokenizeMessage(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
@@ -335,9 +337,18 @@ def _cache_salt(fields: dict) -> str | None:
     return cache_salt
 
 
-def _tool_fields(message: GenerateMessage, fields: dict) -> None:
+def _check_history(messages: list) -> None:
+    """The conversation's turns as chat takes them (nil content only in an assistant turn with tool calls, a
+    tool result only for a call), or the error naming the field."""
     try:
-        check_history(message.messages)
+        check_history(messages)
+    except ToolError as e:
+        raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
+
+
+def _tool_fields(message: GenerateMessage, fields: dict) -> None:
+    _check_history(message.messages)
+    try:
         tools = parse_tools(fields["tools"]) if "tools" in fields else []
         message.tool_choice = parse_tool_choice(fields.get("tool_choice"), tools)
     except ToolError as e:

@@ -15,10 +15,12 @@ import zmq
 import kvd
 from kvd.engine.engine_args import EngineArgs
 from kvd.gateway.server import check_port_free, parse_http_address, spawn_gateway, stop_gateway
+from kvd.gateway.settings import GatewaySettings
 from kvd.request.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint, close_socket, open_publisher, open_router
 from kvd.server.systemd import Notifier
+from kvd.settings import to_flags
 from kvd_client.endpoint import Endpoint, parse_endpoint, resolve_endpoint
 
 if TYPE_CHECKING:
@@ -29,6 +31,9 @@ logger = logging.getLogger("kvd.server")
 # While the model loads, systemd is asked every EXTEND_EVERY_S for EXTEND_BY_S more than TimeoutStartSec.
 EXTEND_EVERY_S = 10.0
 EXTEND_BY_S = 30.0
+# What stopping takes after the drain: held replies flushed, the gateway child stopped (up to 10 s), the sockets
+# closed and the tensor-parallel ranks stopped. On SIGTERM systemd is asked for --drain-timeout plus this.
+STOP_MARGIN_S = 30.0
 
 
 @contextlib.contextmanager
@@ -71,7 +76,9 @@ EXIT_GROUP_FAILED = 3
 EXIT_GATEWAY_FAILED = 4  # the `--http` gateway child exited on its own: likewise restarted
 
 
-def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
+def serve(engine_args: EngineArgs, config: ServerConfig, http: GatewaySettings | None = None) -> None:
+    """Run the daemon; with config.http, its gateway too (`http`: that gateway's settings)."""
+    http = http or GatewaySettings()
     if engine_args.rank > 0:
         # Another host's rank: no socket, no engine; it runs rank 0's steps until rank 0 stops it.
         from kvd.worker.run import run_worker
@@ -88,16 +95,19 @@ def serve(engine_args: EngineArgs, config: ServerConfig) -> None:
         check_endpoint(events_endpoint, config, "--events")
     if config.http is not None:
         check_port_free(*parse_http_address(config.http, config.allow_remote))
+    elif http != GatewaySettings():
+        given = " ".join(a for a in to_flags(http) if a.startswith("--"))
+        raise ListenError(f"{given}: a setting of the HTTP gateway, which runs with --http HOST:PORT only")
     if config.allow_remote and not endpoint.is_loopback:
         logger.warning("listening beyond loopback: requests are neither authenticated nor encrypted")
     # Imported only now: a misconfigured daemon fails in a fraction of a second, before torch loads.
     from kvd.engine.llm_engine import LLMEngine
 
-    notifier = Notifier()
+    notifier = Notifier(stop_timeout_s=config.drain_timeout + STOP_MARGIN_S)
     with extending_start_timeout(notifier):
         engine = LLMEngine(engine_args)
     try:
-        _serve_engine(engine, endpoint, events_endpoint, config, notifier)
+        _serve_engine(engine, endpoint, events_endpoint, config, notifier, http)
     finally:
         engine.close()  # stops the other tensor-parallel ranks
 
@@ -108,6 +118,7 @@ def _serve_engine(
     events_endpoint: Endpoint | None,
     config: ServerConfig,
     notifier: Notifier,
+    http: GatewaySettings,
 ) -> None:
     from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
 
@@ -137,7 +148,7 @@ def _serve_engine(
         info["max_model_len"],
         warm_up_s,
     )
-    gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote) if config.http else None
+    gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote, http) if config.http else None
     daemon = Daemon(engine, sock, config, notifier, event_sock, gateway)
     # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
     daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from kvd.server.sessions import ClientSession, Generation, Sessions
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,6 +40,17 @@ class ServerState:
     engine_ids: Iterator[int] = field(default_factory=itertools.count)
     started: float = field(default_factory=time.monotonic)
     draining: bool = False
+
+    def __post_init__(self) -> None:
+        asked = self.config.max_prompt_tokens
+        if asked is not None and asked > self.max_prompt_tokens:  # once: one state a daemon
+            logger.warning(
+                "--max-prompt-tokens %d is past the model's context (max_model_len %d): prompts are limited to %d "
+                "tokens (info's limits.max_prompt_tokens)",
+                asked,
+                self.engine.max_model_len,
+                self.max_prompt_tokens,
+            )
 
     @property
     def max_prompt_tokens(self) -> int:

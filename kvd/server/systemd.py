@@ -1,4 +1,5 @@
-"""sd_notify with the standard library: READY, WATCHDOG, STOPPING and STATUS datagrams to $NOTIFY_SOCKET."""
+"""sd_notify with the standard library: READY, WATCHDOG, STOPPING, EXTEND_TIMEOUT_USEC and STATUS datagrams to
+$NOTIFY_SOCKET."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ logger = logging.getLogger("kvd.server")
 class Notifier:
     """Talks to the service manager when it asked to be told ($NOTIFY_SOCKET set); a no-op otherwise."""
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, environ: dict[str, str] | None = None, stop_timeout_s: float | None = None) -> None:
         env = os.environ if environ is None else environ
         self.address = _socket_address(env.get("NOTIFY_SOCKET", ""))
         self.watchdog_interval = _watchdog_interval(env)
+        # How long stopping takes at most (the drain, then the flush); None: the unit's TimeoutStopSec decides.
+        self.stop_timeout_s = stop_timeout_s
         self._last_watchdog = 0.0
 
     @property
@@ -27,7 +30,10 @@ class Notifier:
         self.send(f"READY=1\nSTATUS={status}")
 
     def stopping(self, status: str) -> None:
-        self.send(f"STOPPING=1\nSTATUS={status}")
+        """STOPPING=1, with EXTEND_TIMEOUT_USEC covering the whole stop: systemd then waits for a drain longer
+        than TimeoutStopSec instead of killing it, whatever the unit says."""
+        extend = f"EXTEND_TIMEOUT_USEC={int(self.stop_timeout_s * 1e6)}\n" if self.stop_timeout_s else ""
+        self.send(f"STOPPING=1\n{extend}STATUS={status}")
 
     def status(self, status: str) -> None:
         self.send(f"STATUS={status}")

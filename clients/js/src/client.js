@@ -3,7 +3,7 @@ import { existsSync } from "node:fs";
 
 import { Dealer } from "zeromq";
 
-import { resolveEndpoint } from "./endpoint.js";
+import { isIpv6, resolveEndpoint } from "./endpoint.js";
 import { ClosedError, DaemonError, KvdError, KvdTimeoutError } from "./errors.js";
 import { packRequest, toChunk, toCompletion, toResult, unpackReply } from "./wire.js";
 
@@ -54,7 +54,12 @@ export class Client {
     this.endpoint = resolveEndpoint(endpoint);
     this.timeoutMs = timeoutMs;
     // sendTimeout: a send that the daemon does not take (a full queue) fails instead of hanging.
-    this.#socket = new Dealer({ linger: 0, ipv6: true, sendTimeout: timeoutMs, receiveTimeout: READER_IDLE_MS });
+    this.#socket = new Dealer({
+      linger: 0,
+      ipv6: isIpv6(this.endpoint),
+      sendTimeout: timeoutMs,
+      receiveTimeout: READER_IDLE_MS,
+    });
     this.#socket.connect(this.endpoint.url);
   }
 

@@ -81,6 +81,15 @@ export function parseEndpoint(url) {
   throw new EndpointError(`endpoint '${url}': unsupported transport '${scheme}'; use ipc:// or tcp://`);
 }
 
+/**
+ * True for tcp to an IPv6 address (tcp://[::1]:PORT): its socket needs ZeroMQ's IPv6 mode. Only such a host
+ * holds a colon. Host names keep to IPv4, as the daemon resolves them: in IPv6 mode libzmq would resolve
+ * localhost to ::1 while the daemon bound it to 127.0.0.1.
+ */
+export function isIpv6(endpoint) {
+  return endpoint.transport === "tcp" && endpoint.host.includes(":");
+}
+
 function parseIpc(url, socketPath) {
   if (socketPath.startsWith("@")) {
     throw new EndpointError(`endpoint '${url}': abstract sockets have no file permissions; use a filesystem path`);

@@ -5,7 +5,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { after, afterEach, test } from "node:test";
 
-import { checkPrivateDir } from "../src/endpoint.js";
+import { checkPrivateDir, isIpv6 } from "../src/endpoint.js";
 import { defaultEndpoint, EndpointError, parseEndpoint, resolveEndpoint } from "../src/index.js";
 
 const saved = { ...process.env };
@@ -39,6 +39,15 @@ test("the default endpoint: explicit, then $KVD_ENDPOINT, then $XDG_RUNTIME_DIR,
 
 test("tcp hosts may be bracketed IPv6 addresses", () => {
   assert.equal(parseEndpoint("tcp://[::1]:5555").host, "::1");
+});
+
+test("IPv6 mode is for IPv6 addresses only: names resolve to IPv4, as the daemon binds them", () => {
+  for (const url of ["tcp://[::1]:5555", "tcp://::1:5555", "tcp://[2001:db8::5]:5555"]) {
+    assert.equal(isIpv6(parseEndpoint(url)), true, url);
+  }
+  for (const url of ["tcp://127.0.0.1:5555", "tcp://localhost:5555", "tcp://*:5555", "ipc:///tmp/x.sock"]) {
+    assert.equal(isIpv6(parseEndpoint(url)), false, url);
+  }
 });
 
 const MALFORMED = [

@@ -50,6 +50,7 @@ class AsyncClient:
         self._pid = os.getpid()
         self._socket = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.IPV6, self.endpoint.is_ipv6)
         self._socket.connect(self.endpoint.url)
         self._ids = itertools.count(1)
         self._inbox: dict[RequestId, asyncio.Queue[dict | BaseException]] = {}

@@ -48,6 +48,13 @@ class Endpoint:
         except ValueError:
             return False  # "*", an interface name or a host name: may face the network
 
+    @property
+    def is_ipv6(self) -> bool:
+        """True for tcp to an IPv6 address (tcp://[::1]:PORT): its socket needs ZeroMQ's IPv6 mode. Only such a
+        host holds a colon. Host names keep to IPv4 on both sides: in IPv6 mode libzmq would resolve localhost
+        to ::1 while a daemon bound it to 127.0.0.1."""
+        return self.transport == "tcp" and ":" in self.host
+
     def __str__(self) -> str:
         return self.url
 
