@@ -367,6 +367,10 @@ def test_size_limits_answer_too_large(limited: DaemonProcess):
         with pytest.raises(TooLargeError, match="bytes") as info:
             client.chat([{"role": "user", "content": "y" * (bound + 1)}])
         assert info.value.field == "messages"
+        # An embed request's inputs are prompts each: the byte bound names the one past it.
+        with pytest.raises(TooLargeError, match="bytes") as info:
+            client.embed(["short", "z" * (bound + 1)])
+        assert info.value.field == "input[1]"
         assert client.generate("short", max_tokens=1).usage.completion_tokens == 1
     # Beyond ZMQ_MAXMSGSIZE libzmq drops the message and the connection: no reply, and nobody else notices.
     sock = raw_socket(limited.endpoint)

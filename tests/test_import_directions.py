@@ -64,8 +64,9 @@ ALLOWED: dict[str, set[str]] = {
     # A worker rank's process runs a ModelRunner on a loaded shard: above the engine and the model.
     "kvd.worker": {"kvd.distributed", "kvd.parallel", "kvd.model", "kvd.engine"},
     "kvd": {"kvd.engine", "kvd.request"},
-    # Torch-free (tests/test_gateway.py): of the rest of kvd, only the request surface.
-    "kvd.gateway": {"kvd.request"},
+    # Torch-free (tests/test_gateway.py): of the rest of kvd, only the request surface, and the settings table
+    # its flags come from (shared with `kvd serve --http`).
+    "kvd.gateway": {"kvd.request", "kvd.settings"},
     "kvd.server": {
         "kvd",
         "kvd.settings",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import time
 from collections.abc import AsyncIterator
@@ -14,7 +15,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-import kvd
 from kvd.gateway.choices import Choice, Job, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
@@ -33,6 +33,8 @@ from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
 # The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions): what
 # /api/version reports as `version`, which Ollama's clients compare with the release they need.
 OLLAMA_VERSION = "0.12.0"
+# The installed kvd's (the daemon's too: one install), read without importing kvd and what it imports.
+KVD_VERSION = importlib.metadata.version("kvd")
 TAG = ":latest"  # Ollama's default tag: "model" and "model:latest" name the same model
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
@@ -41,7 +43,7 @@ router = APIRouter(prefix="/api")
 
 @router.get("/version")
 async def version() -> dict:
-    return {"version": OLLAMA_VERSION, "kvd_version": kvd.__version__}
+    return {"version": OLLAMA_VERSION, "kvd_version": KVD_VERSION}
 
 
 @router.get("/tags")

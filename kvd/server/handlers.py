@@ -157,14 +157,13 @@ class RequestHandler:
 
     def _check_prompt_bytes(self, message: PromptMessage) -> None:
         """Refuse, without tokenizing it, a prompt too long to fit whatever its tokens."""
-        size = prompt_bytes(message)
+        size, field = prompt_bytes(message)
         if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
-            text_field = {GenerateMessage: "prompt", EmbedMessage: "input"}.get(type(message), "text")
             raise ProtocolError(
                 TOO_LARGE,
                 f"the prompt has {size} bytes, more than {self.state.max_prompt_tokens} tokens (the limit) "
                 "can hold; shorten it",
-                "messages" if message.messages is not None else text_field,
+                field,
             )
 
     def _queue(self, result: PromptResult) -> None:

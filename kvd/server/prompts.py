@@ -110,11 +110,15 @@ def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int)
     return max_prompt_tokens * max(longest, longest_added)
 
 
-def prompt_bytes(message: PromptMessage) -> int:
-    """UTF-8 bytes of the text a prompt's tokens must cover (0 for token ids)."""
+def prompt_bytes(message: PromptMessage) -> tuple[int, str]:
+    """UTF-8 bytes of the text a prompt's tokens must cover (0 for token ids), and the field that holds it: an
+    embed request's longest input (each is a prompt of its own, input[i])."""
     if isinstance(message, EmbedMessage):
-        return max(len(i.encode()) if isinstance(i, str) else 0 for i in message.inputs)  # each is a prompt
-    text = message.prompt if isinstance(message, GenerateMessage) else message.text
-    if text is not None:
-        return len(text.encode())
-    return sum(len((m["content"] or "").encode()) for m in message.messages or [])
+        sizes = [len(i.encode()) if isinstance(i, str) else 0 for i in message.inputs]
+        longest = sizes.index(max(sizes))
+        return sizes[longest], f"input[{longest}]"
+    if message.messages is not None:
+        return sum(len((m["content"] or "").encode()) for m in message.messages), "messages"
+    if isinstance(message, GenerateMessage):
+        return len((message.prompt or "").encode()), "prompt"
+    return len((message.text or "").encode()), "text"
