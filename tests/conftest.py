@@ -47,6 +47,16 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias, tied embeddings
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm
+    # Granite's multipliers, each away from 1 so that a missing one shows.
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 4.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 3.0,
+        },
+    ),
 }
 
 

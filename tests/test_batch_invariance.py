@@ -41,6 +41,7 @@ MODES = [
     ("bfloat16", "int4", "llama", "auto"),
     ("float32", "none", "llama", "int8"),
     ("bfloat16", "int4", "qwen3", "int8"),
+    ("bfloat16", "none", "granite", "auto"),  # the Python layer loop in decode too (multipliers)
 ]
 
 

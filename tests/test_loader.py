@@ -24,6 +24,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from kvd.engine.gpu_memory import DeviceMemory
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.gguf_loader import (
+    PERMUTED_QK,
     GGUFError,
     GGUFFile,
     dequantize,
@@ -225,6 +226,15 @@ TINY = {
     "qwen2": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
     # head_dim is not hidden_size / heads here: the file has to say so.
     "qwen3": (transformers.Qwen3Config, {"head_dim": 32, "tie_word_embeddings": True}),
+    "granite": (
+        transformers.GraniteConfig,
+        {
+            "embedding_multiplier": 4.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 3.0,
+        },
+    ),
 }
 
 
@@ -293,6 +303,11 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+    if arch == "granite":  # as llama.cpp's converter writes the multipliers
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
     tokens, merges, types = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -308,7 +323,7 @@ def write_tiny_gguf(
             continue
         base, suffix = hf_name.rsplit(".", 1)
         data = tensor.numpy()
-        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+        if arch in PERMUTED_QK and base.endswith(("q_proj", "k_proj")):
             kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
             data = llama_cpp_permute(data, config.num_attention_heads, kv)
         name = f"{names.get_name(base)}.{suffix}"
@@ -358,6 +373,9 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
     assert config.head_dim == (32 if arch == "qwen3" else 16)
     assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)  # stored as float32
+    if arch == "granite":  # its multipliers, from llama.cpp's keys
+        names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+        assert [getattr(config, n) for n in names] == pytest.approx([getattr(hf, n) for n in names])
     assert config.rope_theta == hf.rope_parameters["rope_theta"]
     assert config.max_position_embeddings == hf.max_position_embeddings
     assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch == "qwen3")

@@ -27,6 +27,12 @@ class Layout:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None  # the window of every layer's attention; None: full attention
+    # Granite's multipliers: of the token embeddings, of each attention and MLP output before the residual add,
+    # the attention scores' scale (None: 1 / sqrt(head_dim)), and the logits' divisor.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,14 @@ class ModelConfig:
     architectures: tuple[str, ...] = ("LlamaForCausalLM",)
     sliding_window: int | None = None
     torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if the config says
+    embedding_multiplier: float = 1.0  # these four: see Layout
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @property
     def eos_token_id(self) -> int | None:
@@ -131,6 +145,10 @@ class ModelConfig:
             architectures=tuple(d.get("architectures") or ()),
             sliding_window=layout.sliding_window,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            embedding_multiplier=layout.embedding_multiplier,
+            residual_multiplier=layout.residual_multiplier,
+            attention_multiplier=layout.attention_multiplier,
+            logits_scaling=layout.logits_scaling,
         )
 
 

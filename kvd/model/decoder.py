@@ -49,7 +49,7 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.backend = backend
         self.qkv_proj = Linear(
             config.hidden_size, [config.q_size, config.kv_size, config.kv_size], bias=config.attention_bias
@@ -90,6 +90,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, backend, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
+        self.residual_multiplier = config.residual_multiplier
 
     def forward(
         self,
@@ -100,9 +101,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self.self_attn(hidden, rope, attn)
+        hidden = self._scaled(self.self_attn(hidden, rope, attn))
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as the residual stream takes it (Granite scales it; rounded in the dtype, as
+        transformers' residual + out * m rounds it)."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class DecoderModel(nn.Module):
@@ -156,6 +162,8 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * self.config.embedding_multiplier
         rope = self.rotary.lookup(positions)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
@@ -192,7 +200,8 @@ class CausalLM(nn.Module):
             local = self.model.embed_tokens.as_output(hidden)
         else:
             local = self.lm_head(hidden)
-        return gather_vocab(local.float(), self.shard, self.vocab_size)
+        logits = gather_vocab(local.float(), self.shard, self.vocab_size)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""

@@ -267,6 +267,10 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
+# The architectures whose q/k rows llama.cpp's converter reorders (its Llama model and those built on it).
+PERMUTED_QK = ("llama", "granite")
+
+
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order (rotary pairs interleaved per head) back to HF's (two halves)."""
     rows = weight.shape[0]
@@ -275,7 +279,8 @@ def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
-    """The config.json dict Hugging Face would have for this file (llama / qwen2 / qwen3 metadata keys)."""
+    """The config.json dict Hugging Face would have for this file (llama / qwen2 / qwen3 / granite metadata
+    keys)."""
     arch = file.architecture
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
@@ -305,6 +310,13 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in file.tensors,
         "torch_dtype": _checkpoint_dtype(file),
     }
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        config |= {
+            "embedding_multiplier": key("embedding_scale", 1.0),
+            "residual_multiplier": key("residual_scale", 1.0),
+            "attention_multiplier": key("attention.scale", 1.0),
+            "logits_scaling": key("logit_scale", 1.0),
+        }
     for name in ("bos", "pad"):
         if f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}_token_id" in md:
             config[f"{name}_token_id"] = md[f"tokenizer.ggml.{_SPECIAL_TOKENS[name]}_token_id"]
@@ -398,8 +410,8 @@ def iter_gguf_weights(
     file: GGUFFile, hf_config: dict[str, Any], skip: set[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for every weight but those named in `skip`, dequantized to float32, q/k rows
-    put back in HF order for llama (llama.cpp permutes only that architecture)."""
-    permuted = file.architecture == "llama"
+    put back in HF order where llama.cpp permuted them (PERMUTED_QK)."""
+    permuted = file.architecture in PERMUTED_QK
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     for name in file.tensors:
         if name == _ROPE_FACTORS or name in skip:

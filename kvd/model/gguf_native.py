@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from kvd.distributed.shard import ShardPlan
-from kvd.model.gguf_loader import GGUFFile, dequantize, native_quantization, unpermute_qk
+from kvd.model.gguf_loader import PERMUTED_QK, GGUFFile, dequantize, native_quantization, unpermute_qk
 from kvd.model.huge_pages import Arenas, return_freed_heap
 from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
 
@@ -64,7 +64,7 @@ class _Reader:
         self.file, self.dtype, self.plan = file, dtype, plan
         self.arenas = Arenas()  # the weights go straight to their 2 MiB pages: no copy moves them later
         self.heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
-        self.permuted = file.architecture == "llama"  # llama.cpp reorders q/k rows for llama alone
+        self.permuted = file.architecture in PERMUTED_QK  # llama.cpp reorders their q/k rows
 
     def part(
         self, name: str, hf_name: str, kind: str | None = None

@@ -70,7 +70,7 @@ class NativeDecoder:
             block_size=cache.shape[2],
             num_positions=model.rotary.cos_sin_cache.shape[0],
             eps=config.rms_norm_eps,
-            scale=config.head_dim**-0.5,
+            scale=config.attention_scale,
             bf16=int(dtype == torch.bfloat16),
             kv8=int(cache.dtype == torch.int8),
         )
@@ -122,7 +122,8 @@ class NativeDecoder:
             if n is not None
         ]
         return (
-            all(_native_linear(m, dtype) for m in _linears(layers))
+            model.config.residual_multiplier == 1.0  # the C loop adds sublayer outputs as they are
+            and all(_native_linear(m, dtype) for m in _linears(layers))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
         )
