@@ -25,7 +25,7 @@ from client_parity import (
     run_with_planted_tmp,
     stale_socket,
 )
-from daemon_fixtures import REPO, DaemonProcess, raw_socket, recv_reply, tcp_daemon
+from daemon_fixtures import REPO, DaemonProcess, ipv6_loopback_or_refusal, raw_socket, recv_reply, tcp_daemon
 from tool_fixtures import SCHEMAS, TOOLS
 
 from kvd_client import EndpointError, resolve_endpoint
@@ -116,6 +116,7 @@ def test_greedy_output_equals_the_python_clients(
 def test_a_daemon_on_ipv6_loopback_serves_the_c_client(
     c_build: Path, tiny_daemon: DaemonProcess, tiny_daemon_model: Path, tmp_path: Path
 ):
+    ipv6_loopback_or_refusal()
     request = GREEDY_REQUESTS["prompt"]
     with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]") as daemon:
         results = [generate(c_build, daemon.endpoint, request, stream) for stream in (False, True)]

@@ -22,6 +22,7 @@ from daemon_fixtures import (
     DaemonProcess,
     daemon_env,
     free_tcp_port,
+    ipv6_loopback_or_refusal,
     start_daemon,
     tcp_daemon,
 )
@@ -551,6 +552,7 @@ def test_async_client_runs_concurrent_requests(client: Client, daemon: DaemonPro
 def test_a_daemon_on_ipv6_loopback_serves_both_clients_and_publishes_events(
     client: Client, tiny_daemon_model: Path, tmp_path: Path
 ):
+    ipv6_loopback_or_refusal()
     events = f"tcp://[::1]:{free_tcp_port('[::1]')}"
     with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]", "--events", events) as daemon:
         subscriber = zmq.Context.instance().socket(zmq.SUB)

@@ -25,7 +25,7 @@ from client_parity import (
     run_with_planted_tmp,
     stale_socket,
 )
-from daemon_fixtures import REPO, DaemonProcess, tcp_daemon
+from daemon_fixtures import REPO, DaemonProcess, ipv6_loopback_or_refusal, tcp_daemon
 
 JS_DIR = REPO / "clients" / "js"
 
@@ -106,6 +106,7 @@ def test_greedy_output_equals_the_python_clients(
 def test_a_daemon_on_ipv6_loopback_serves_the_js_client(
     js_client: Path, tiny_daemon: DaemonProcess, tiny_daemon_model: Path, tmp_path: Path
 ):
+    ipv6_loopback_or_refusal()
     request = GREEDY_REQUESTS["prompt"]
     with tcp_daemon(tmp_path, tiny_daemon_model, "[::1]") as daemon:
         results = [run_request(js_client, daemon.endpoint, mode, request) for mode in ("generate", "stream")]
