@@ -333,12 +333,24 @@ def _info(args: argparse.Namespace) -> int:
     print(
         f"batching      up to {info['max_num_seqs']} sequences, {info['max_num_batched_tokens']} tokens a step"
     )
+    print(weights_line(info))
     limits = info["limits"]
     print(
         f"limits        {limits['max_prompt_tokens']} prompt tokens, {limits['max_queued_per_client']} requests "
         f"per client, {limits['max_queued']} in all"
     )
     return 0
+
+
+def weights_line(info: dict) -> str:
+    """The weight bytes this process holds, and a GGUF file's tensors by type as the file stores them (most
+    bytes first)."""
+    line = f"weights       {info['weight_bytes'] / 2**20:.1f} MiB held"
+    types = sorted((info.get("file_types") or {}).items(), key=lambda item: -item[1]["bytes"])
+    if types:
+        parts = [f"{name} {t['tensors']} tensors {t['bytes'] / 2**20:.1f} MiB" for name, t in types]
+        line += "; in the file: " + ", ".join(parts)
+    return line
 
 
 def _stats(args: argparse.Namespace) -> int:

@@ -314,6 +314,7 @@ def test_info_names_the_kernel_paths_and_timeouts_must_be_positive(daemon: Daemo
     result = kvd_cli("info", "--endpoint", daemon.endpoint)
     assert result.returncode == 0 and info["model"] in result.stdout
     assert f"CPU kernels: {info['cpu_kernels'] or 'none'}" in result.stdout
+    assert f"weights       {info['weight_bytes'] / 2**20:.1f} MiB held" in result.stdout
     assert json.loads(kvd_cli("info", "--json", "--endpoint", daemon.endpoint).stdout) == info
     for bad in ("0", "-5", "nan"):
         result = kvd_cli("stats", "--timeout", bad, "--endpoint", daemon.endpoint)
@@ -322,6 +323,22 @@ def test_info_names_the_kernel_paths_and_timeouts_must_be_positive(daemon: Daemo
         )
         result = kvd_cli("top", "--interval", bad, "--endpoint", daemon.endpoint)
         assert result.returncode == 2 and "--interval" in result.stderr, result.stderr
+
+
+def test_info_lists_a_gguf_files_tensor_types_by_their_bytes():
+    from kvd.cli import weights_line
+
+    info = {
+        "weight_bytes": 110 * 2**20,
+        "file_types": {
+            "Q8_0": {"tensors": 15, "bytes": 31 * 2**20},
+            "Q5_0": {"tensors": 166, "bytes": 55 * 2**20},
+        },
+    }
+    assert weights_line(info) == (
+        "weights       110.0 MiB held; in the file: Q5_0 166 tensors 55.0 MiB, Q8_0 15 tensors 31.0 MiB"
+    )
+    assert weights_line(info | {"file_types": {}}) == "weights       110.0 MiB held"
 
 
 def test_generate_with_a_schema_a_regex_and_a_bad_schema(daemon: DaemonProcess, tmp_path: Path):
