@@ -128,6 +128,8 @@ class ShardPlan(Generic[C]):
         if name in _VOCAB_PARALLEL:
             start, rows = self.vocab_range(tensor.shape[0])
             part = tensor[start : start + rows]
+            if part.shape[0] == rows:
+                return part  # a view: the table is not copied here
             return torch.cat((part, part.new_zeros(rows - part.shape[0], *part.shape[1:])))
         return tensor
 

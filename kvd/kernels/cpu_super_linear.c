@@ -330,9 +330,8 @@ static inline void decode_iq4xs(const uint8_t* b, direct_block* o) {
                                                             15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
     for (int v = 0; v < 4; v++)  // int16 lane l of vector v: sub-block 4 (v / 2) + l / 8
         o->sc[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_set1_epi16((short)(4 * (v / 2))), lane), s16);
-    o->min16 = _mm256_setzero_si256();
     o->da = o->db = half_at(b);
-    o->signed_codes = 1;
+    o->signed_codes = 1;  // no minimum term: min16 unread
 }
 
 static inline void decode_block(int32_t type, const uint8_t* b, direct_block* o) {
@@ -366,13 +365,15 @@ static void permute_iq4(int8_t* q, int64_t M, int64_t K) {
     }
 }
 
-static inline void direct_dot(const direct_block* o, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
+// The integer sums of a decoded block against the activation codes a; `signed_codes` a constant at each call.
+static inline __attribute__((always_inline)) void direct_sums(int signed_codes, const direct_block* o, const int8_t* a,
+                                                             const int16_t* bs, int32_t* sumi, int32_t* summ) {
     __m512i tot = _mm512_setzero_si512();
     for (int v = 0; v < 4; v++) {
         // u8 codes <= 127 x int8 codes, two a lane: at most 32258, so the int16 pair sums never saturate.
         const __m512i x = _mm512_loadu_si512(a + 64 * v), c = o->codes[v];
-        const __m512i p = o->signed_codes ? _mm512_maddubs_epi16(_mm512_abs_epi8(c), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x))
-                                          : _mm512_maddubs_epi16(c, x);
+        const __m512i p = signed_codes ? _mm512_maddubs_epi16(_mm512_abs_epi8(c), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x))
+                                       : _mm512_maddubs_epi16(c, x);
 #if defined(__AVX512VNNI__)
         tot = _mm512_dpwssd_epi32(tot, p, o->sc[v]);
 #else
@@ -380,7 +381,15 @@ static inline void direct_dot(const direct_block* o, const int8_t* a, const int1
 #endif
     }
     *sumi = _mm512_reduce_add_epi32(tot);
-    *summ = hsum8(_mm256_madd_epi16(o->min16, _mm256_loadu_si256((const __m256i*)bs)));
+    // IQ4_XS has no minimum term.
+    *summ = signed_codes ? 0 : hsum8(_mm256_madd_epi16(o->min16, _mm256_loadu_si256((const __m256i*)bs)));
+}
+
+static inline void direct_dot(const direct_block* o, const int8_t* a, const int16_t* bs, int32_t* sumi, int32_t* summ) {
+    if (o->signed_codes)
+        direct_sums(1, o, a, bs, sumi, summ);
+    else
+        direct_sums(0, o, a, bs, sumi, summ);
 }
 #elif KVD_AVX2
 // The scale of each int16 pair of products (lane l: values 32 c + 2 l, + 1, scaled by scale[2 c + l / 8]).

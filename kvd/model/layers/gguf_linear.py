@@ -214,9 +214,8 @@ class GGUFLinear(nn.Module):
             self.register_buffer(f"data{i}", stacked)
             return PartSpec("super", rows, ggml=layout[1])
         values = torch.cat([_values(raw, qtype).to(layout[1]) for raw, qtype in matrices])
-        tiles = layout[1] == dtype and cpu_native.packable(
-            values
-        )  # the packed kernels take the model's dtype alone
+        # The packed kernels take the model's dtype alone.
+        tiles = layout[1] == dtype and cpu_native.packable(values)
         stacked = empty(tuple(values.shape), layout[1])
         stacked.copy_(cpu_native.pack(values) if tiles else values)
         self.register_buffer(f"data{i}", stacked)
