@@ -57,6 +57,18 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "logits_scaling": 3.0,
         },
     ),
+    # A sliding layer (window 8: the parity prompts are longer) before a full one, each with its own RoPE base;
+    # the attention scale off 1 / sqrt(head_dim) and the logits soft-capped, so that each shows.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 20,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
 }
 
 
@@ -163,6 +175,8 @@ class PagedRunner:
             query_lens=[len(t) for _, t in chunks],
             block_size=self.block_size,
             device="cpu",
+            backend=self.model.attention_backend,
+            window=self.model.config.attention_window,
         )
         for seq, tokens in chunks:
             self.lens[seq] = self.lens.get(seq, 0) + len(tokens)

@@ -30,7 +30,13 @@ def greedy_generate(
     while len(output) < max_new_tokens:
         new = tokens[computed:]
         attn = build_attention_metadata(
-            [block_table], [len(tokens)], [len(new)], block_size, param.device, model.attention_backend
+            [block_table],
+            [len(tokens)],
+            [len(new)],
+            block_size,
+            param.device,
+            model.attention_backend,
+            window=model.config.attention_window,
         )
         input_ids = torch.tensor(new, device=param.device)
         positions = torch.arange(computed, len(tokens), device=param.device)

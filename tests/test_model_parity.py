@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_decode_steps_match_transformers(family, models, paged_runner):
             logits = runner.step([("a", [token])])[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "granite", "gemma3"])
 def test_chunked_prefill_equals_one_shot(family, models, paged_runner):
     ours, _ = models(family)
     ids = prompt(3, 30)
@@ -79,8 +80,9 @@ def test_chunked_prefill_equals_one_shot(family, models, paged_runner):
     assert rel_err(torch.cat(chunks), one_shot) < 1e-5
 
 
-def test_prefill_over_cached_prefix_equals_one_shot(models, paged_runner):
-    ours, _ = models("qwen2")
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_prefill_over_cached_prefix_equals_one_shot(family, models, paged_runner):
+    ours, _ = models(family)
     shared, suffix = prompt(4, 16), prompt(5, 9)
     one_shot = paged_runner(ours).step([("b", shared + suffix)], all_logits=True)
     runner = paged_runner(ours)
@@ -190,11 +192,58 @@ def test_config_reads_both_rope_layouts():
     assert plain.rope_theta == 10000.0 and plain.rope_scaling is None
 
 
-def test_mistral_sliding_window_caps_the_served_context():
-    config = ModelConfig.from_hf_dict(
+def test_sliding_windows_come_from_each_familys_config():
+    mistral = ModelConfig.from_hf_dict(
         _llama_dict(architectures=["MistralForCausalLM"], sliding_window=4096, max_position_embeddings=32768)
     )
-    assert config.max_position_embeddings == 4096 and config.sliding_window == 4096
+    # A window slides past its size: the whole context is served, every Mistral layer windowed.
+    assert mistral.max_position_embeddings == 32768 and mistral.attention_window == 4096
+    assert mistral.layer_types == ("sliding_attention",) * 2
+    qwen2 = ModelConfig.from_hf_dict(
+        _llama_dict(
+            architectures=["Qwen2ForCausalLM"],
+            sliding_window=64,
+            use_sliding_window=True,
+            max_window_layers=1,
+        )
+    )
+    assert qwen2.layer_types == ("full_attention", "sliding_attention")
+    unused = ModelConfig.from_hf_dict(_llama_dict(architectures=["Qwen2ForCausalLM"], sliding_window=64))
+    assert unused.attention_window is None
+    gemma = ModelConfig.from_hf_dict(
+        _llama_dict(
+            architectures=["Gemma3ForCausalLM"], num_hidden_layers=7, sliding_window=16, rope_theta=1e6
+        )
+    )
+    assert gemma.layer_types == ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert gemma.sliding_rope_theta == 10000.0 and gemma.rope_theta == 1e6 and gemma.norm_weight_offset == 1.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"hidden_act": "relu2"}, "hidden_act 'relu2' is not supported; supported: silu, gelu_pytorch_tanh"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not supported"),
+        (
+            {
+                "architectures": ["Qwen2ForCausalLM"],
+                "sliding_window": 8,
+                "layer_types": ["sliding_attention"],
+            },
+            "layer_types must name 2 layers",
+        ),
+        (
+            {
+                "architectures": ["Gemma3ForCausalLM"],
+                "rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0}},
+            },
+            "rope_parameters.sliding_attention.rope_type 'yarn' is not supported",
+        ),
+    ],
+)
+def test_config_features_kvd_lacks_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(_llama_dict(**overrides))
 
 
 def test_load_weights_rejects_unknown_missing_and_misshaped(tiny_checkpoint):

@@ -108,7 +108,13 @@ def run_profile_step(
     history = list(range(max_model_len))
     for step in steps:
         attn = build_attention_metadata(
-            step.tables, step.context_lens, step.query_lens, block_size, param.device, model.attention_backend
+            step.tables,
+            step.context_lens,
+            step.query_lens,
+            block_size,
+            param.device,
+            model.attention_backend,
+            window=model.config.attention_window,
         )
         positions = torch.cat(
             [

@@ -57,8 +57,10 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
         self.num_eager_steps = 0
-        # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here.
-        if device.type == "cuda" and not enforce_eager and not model.shard.sharded:
+        # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here; so do
+        # models with sliding-window layers (the graphs' decode metadata has no sliding part yet).
+        eager = enforce_eager or model.shard.sharded or model.config.attention_window is not None
+        if device.type == "cuda" and not eager:
             compile_hot_paths(model)
             if isinstance(model.attention_backend, GraphDecodeBackend):
                 self.graphs = DecodeGraphRunner(
@@ -100,6 +102,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             backend=self.model.attention_backend,
+            window=self.model.config.attention_window,
         )
         return self.model(
             host_to_device(inputs.input_ids, torch.long, self.device),

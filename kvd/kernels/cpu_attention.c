@@ -158,6 +158,13 @@ static inline float softmax_numerators(float* sc, int64_t n) {
     return sum;
 }
 
+// A windowed query sees only the last `window` of its ctx tokens: the scores before them leave the softmax
+// (exp_nonpositive and expf give exactly 0 for -inf). window 0: no window.
+static inline void mask_before_window(float* scores, int64_t stride, int64_t heads, int64_t ctx, int64_t window) {
+    for (int64_t g = 0; window && g < heads; g++)
+        for (int64_t t = 0; t < ctx - window; t++) scores[g * stride + t] = -INFINITY;
+}
+
 // acc += p x a pool row of D values.
 static inline __attribute__((always_inline)) void add_scaled_row(float* acc, float p, const char* v, int bf16, int64_t D) {
     int64_t i = 0;
@@ -469,7 +476,7 @@ static inline __attribute__((always_inline)) void group_values(float* a, float* 
 static inline __attribute__((always_inline)) void attend_group(
     const void* q, void* out, const char* keys, const char* values, int bf16, int64_t s, int64_t kvh,
     int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
-    const int32_t* table, int64_t ctx, float scale, float* work, kv_stream* st) {
+    const int32_t* table, int64_t ctx, int64_t window, float scale, float* work, kv_stream* st) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D], pre-scaled
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
@@ -516,6 +523,7 @@ static inline __attribute__((always_inline)) void attend_group(
         }
     }
     float* sums = acc + group * D;  // [group]
+    mask_before_window(scores, ctx, group, ctx, window);
     for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
     group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, bf16, group, D, st ? st + 1 : NULL);
     for (int64_t g = 0; g < group; g++) {
@@ -663,7 +671,7 @@ static inline void value_scales8(float* p, int64_t stride, int64_t nv, const cha
 static inline __attribute__((always_inline)) void attend_group8(
     const void* q, void* out, const char* keys, const char* values, int q_bf16, int64_t s, int64_t kvh,
     int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
-    const int32_t* table, int64_t ctx, float scale, float* work, kv_stream* st) {
+    const int32_t* table, int64_t ctx, int64_t window, float scale, float* work, kv_stream* st) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D] floats' room: the query codes, their scales and sums
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
@@ -686,6 +694,7 @@ static inline __attribute__((always_inline)) void attend_group8(
         }
     }
     float* sums = acc + group * D;  // [group]
+    mask_before_window(scores, ctx, group, ctx, window);
     for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
     value_scales8(scores, ctx, group, values + head + D, table, ctx, block_size, slot_bytes);
     group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, KV_INT8, group, D, st ? st + 1 : NULL);
@@ -977,7 +986,7 @@ static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64
 static inline __attribute__((always_inline)) void attend_chunk(
     const void* q, void* out, const char* keys, const char* values, int kind, int q_bf16, int64_t s0, int64_t rows,
     int64_t kvh, int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size,
-    int64_t slot_bytes, const int32_t* table, int64_t ctx0, float scale, char* work, kv_stream* st) {
+    int64_t slot_bytes, const int32_t* table, int64_t ctx0, int64_t window, float scale, char* work, kv_stream* st) {
     const int64_t nv = rows * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ctx = ctx0 + rows - 1;
     const int64_t row = kind == KV_INT8 ? D + KVD_KV8_SCALE_BYTES : D * 2, head = kvh * row;
     const int64_t L = rows == 1 ? ctx : (ctx + 15) / 16 * 16;  // from one head's scores to the next
@@ -1010,7 +1019,10 @@ static inline __attribute__((always_inline)) void attend_chunk(
         chunk_scores16(bt, nv, keys, head, table, ctx, block_size, slot_bytes, D, scale, scores, L, ct, st);
     }
 #endif
-    for (int64_t v = 0; v < nv; v++) sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
+    for (int64_t v = 0; v < nv; v++) {
+        mask_before_window(scores + v * L, L, 1, ctx0 + v / group, window);
+        sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
+    }
     if (kind == KV_INT8) value_scales8(scores, L, nv, values + head + D, table, ctx, block_size, slot_bytes);
 #if KVD_TILE_VALUES
     if (kind != KV_INT8) {
@@ -1077,6 +1089,11 @@ int64_t checked_max_context(const int32_t* tables, int64_t table_width, const in
     return longest;
 }
 
+// The whole blocks before a windowed query's first visible token (its context's last `window`); 0 without one.
+static inline int64_t window_blocks(int64_t ctx, int64_t window, int64_t block_size) {
+    return window && ctx > window ? (ctx - window) / block_size : 0;
+}
+
 // Rows that attend together: runs of up to `most` consecutive rows of one prompt (the same blocks, contexts c,
 // c + 1, ...), run u from row first[u], count[u] rows. Returns the number of runs.
 static int64_t row_runs(const int32_t* tables, int64_t width, const int32_t* lens, int64_t S, int64_t block_size,
@@ -1097,7 +1114,8 @@ static int64_t row_runs(const int32_t* tables, int64_t width, const int32_t* len
 int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
-                               const int32_t* context_lens, float scale, int nthreads) {
+                               const int32_t* context_lens, int64_t window, float scale, int nthreads) {
+    if (window < 0) return KVD_BAD_INDEX;
     const int64_t longest = checked_max_context(block_tables, table_width, context_lens, S, num_blocks, block_size);
     if (longest < 0) return KVD_BAD_INDEX;
     const int64_t group = H / kv_heads;
@@ -1146,9 +1164,10 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
             if (per_item == kv_heads && item + team < units && count[item] == 1) {
                 const int32_t *now = block_tables + first[item] * table_width;
                 const int32_t* next = block_tables + first[item + team] * table_width;
+                const int64_t skip = window_blocks(context_lens[first[item + team]], window, block_size);
                 if (next[0] != now[0]) {
-                    kv_streams(streams, keys, values, next,
-                               context_lens[first[item + team] + count[item + team] - 1],
+                    kv_streams(streams, keys, values, next + skip,
+                               context_lens[first[item + team] + count[item + team] - 1] - skip * block_size,
                                (context_lens[first[item]] + block_size - 1) / block_size, kv_heads, block_size,
                                block_size * slot_bytes);
                     st = streams;
@@ -1157,17 +1176,21 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
             for (int64_t j = item * per_item; j < (item + 1) * per_item; j++) {
                 const int64_t u = j / kv_heads, s = first[u], kvh = j % kv_heads;
                 if (!work) continue;
-                const int32_t* table = block_tables + s * table_width;
+                // A windowed unit starts at the block of its first row's first visible token: blocks before it
+                // are never read (a sliding layer may have given them back).
+                const int64_t skip = window_blocks(context_lens[s], window, block_size);
+                const int32_t* table = block_tables + s * table_width + skip;
+                const int64_t ctx = context_lens[s] - skip * block_size;
                 // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
 #define ATTEND(HEAD_DIM, BF16)                                                                                   \
     attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
-                 context_lens[s], scale, work, st)
+                 ctx, window, scale, work, st)
 #define ATTEND8(HEAD_DIM, BF16)                                                                        \
     attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
-                  table, context_lens[s], scale, work, st)
+                  table, ctx, window, scale, work, st)
 #define ATTEND_CHUNK(HEAD_DIM, KIND, Q_BF16)                                                                  \
     attend_chunk(q, out, keys, values, KIND, Q_BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size, \
-                 slot_bytes, table, context_lens[s], scale, (char*)work, st)
+                 slot_bytes, table, ctx, window, scale, (char*)work, st)
 #if KVD_AMX
                 if (tiles && !kv8 && D == 64)
                     ATTEND_CHUNK(64, 1, 1);

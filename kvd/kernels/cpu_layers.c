@@ -254,7 +254,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, cos_sin, m->num_positions, positions, nthreads);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
-                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, m->scale,
+                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, m->scale,
                                       nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);

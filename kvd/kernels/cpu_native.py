@@ -342,12 +342,14 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one query per row) over the pool [2, blocks, block_size, kv_heads, D] in place (an int8
     pool: [..., D + 4], see kvd_paged_attention).
 
     block_tables int32 [S, width] and context_lens int32 [S]: each row's blocks and the tokens it sees (its own
-    included); a prompt's rows share their sequence's table, each with its own causal length.
+    included); a prompt's rows share their sequence's table, each with its own causal length. `window`: each
+    row sees only its context's last `window` tokens (a sliding-window layer).
     """
     kv8 = _check_pool(kv_cache, q)
     _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
@@ -358,7 +360,7 @@ def paged_attention(
     status = library().kvd_paged_attention(
         _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), kv8, num_blocks, block_size,
         kv_heads, head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens),
-        scale, _threads(),
+        window or 0, scale, _threads(),
     )  # fmt: skip
     _check(status, "paged attention")
     return out

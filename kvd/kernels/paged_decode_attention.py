@@ -33,17 +33,21 @@ def paged_decode_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The torch definition, one sequence at a time in float32.
 
     q [S, heads, head_dim]; kv_cache [2, num_blocks, block_size, kv_heads, head_dim]; block_tables int [S, W];
-    context_lens int [S]. Sequence s attends to its first context_lens[s] pool tokens. -> [S, heads, head_dim].
+    context_lens int [S]. Sequence s attends to its first context_lens[s] pool tokens, the last `window` of them
+    when given. -> [S, heads, head_dim].
     """
     num_heads, kv_heads, block_size = q.shape[1], kv_cache.shape[3], kv_cache.shape[2]
     out = torch.empty_like(q)
     for s, ctx in enumerate(context_lens.tolist()):
         blocks = block_tables[s, : -(-ctx // block_size)].long()
-        k, v = kv_cache[:, blocks].flatten(1, 2)[:, :ctx].float().repeat_interleave(num_heads // kv_heads, 2)
+        first = max(0, ctx - window) if window else 0
+        kv = kv_cache[:, blocks].flatten(1, 2)[:, first:ctx]
+        k, v = kv.float().repeat_interleave(num_heads // kv_heads, 2)
         probs = (torch.einsum("hd,chd->hc", q[s].float(), k) * scale).softmax(-1)
         out[s] = torch.einsum("hc,chd->hd", probs, v).to(q.dtype)
     return out
@@ -65,12 +69,14 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same result as paged_decode_attention_reference, as Triton kernels; writes into `out` when given.
 
     A sequence with context length 0 gets zeros (CUDA-graph padding rows should use length 1 instead).
     `batch_invariant`: MAX_SPLITS splits of a size set by each sequence's own context (num_splits is ignored),
-    so a sequence's output is bitwise the same whatever else the launch holds.
+    so a sequence's output is bitwise the same whatever else the launch holds. `window`: each sequence attends
+    its last `window` tokens only (a sliding-window layer); the blocks before them are not read.
     """
     if batch_invariant:
         num_splits = MAX_SPLITS
@@ -105,6 +111,7 @@ def paged_decode_attention(
         kv_cache.stride(1),
         scale,
         INVARIANT_SPLIT_TOKENS if batch_invariant else 0,
+        window or 0,
         GROUP=group,
         GROUP_PAD=max(16, 1 << (group - 1).bit_length()),  # tl.dot wants at least 16 rows
         HEAD_DIM=head_dim,
@@ -189,6 +196,7 @@ def _kernels():
         block_stride,
         scale,
         min_split_tokens,  # 0, or the least tokens a split takes (batch invariance)
+        window,  # 0, or the tokens a sliding-window layer sees: the context's last `window`
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -203,10 +211,11 @@ def _kernels():
         split = tl.program_id(2)
         num_splits = tl.num_programs(2)  # a runtime value: one compiled kernel serves every split count
         ctx = tl.load(ctx_ptr + seq)
+        first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
         # Each split takes whole tiles, so only the last tile of a sequence is ragged; with min_split_tokens
         # (batch invariance) the size depends on this sequence alone.
-        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_split_tokens)
-        start = split * per_split
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N, min_split_tokens)
+        start = first + split * per_split
         end = tl.minimum(start + per_split, ctx)
 
         rows = tl.arange(0, GROUP_PAD)

@@ -11,6 +11,9 @@ from kvd.model.registry import SUPPORTED_ARCHITECTURES, family_class
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# The MLP's gate activation (config.json's hidden_act, or Gemma's hidden_activation) -> kvd.model.layers.activation.
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' values
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -26,7 +29,15 @@ class Layout:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
-    sliding_window: int | None = None  # the window of every layer's attention; None: full attention
+    sliding_window: int | None = None  # the attention window of the layers layer_types marks SLIDING
+    # Each layer's attention, SLIDING or FULL; None: every layer slides when there is a window.
+    layer_types: tuple[str, ...] | None = None
+    sliding_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3), without scaling
+    # Gemma: RMSNorm scales by (1 + weight), so this is added to every norm weight as it loads; an RMSNorm on
+    # each attention and MLP output before its residual add; the logits soft-capped (tanh(x / cap) x cap).
+    norm_weight_offset: float = 0.0
+    output_norms: bool = False
+    final_logit_softcapping: float | None = None
     # Granite's multipliers: of the token embeddings, of each attention and MLP output before the residual add,
     # the attention scores' scale (None: 1 / sqrt(head_dim)), and the logits' divisor.
     embedding_multiplier: float = 1.0
@@ -48,8 +59,6 @@ class ModelConfig:
     rope_theta: float
     # None for plain RoPE; else the scaling parameters with a "rope_type" key ("linear" or "llama3").
     rope_scaling: dict[str, Any] | None
-    # The longest context served exactly: the config's value, capped by a sliding window if the model has one
-    # (full attention equals sliding-window attention while the context fits in the window).
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # bias on the q/k/v projections
@@ -60,7 +69,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
     architectures: tuple[str, ...] = ("LlamaForCausalLM",)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # this and the next six: see Layout
+    layer_types: tuple[str, ...] = ()  # one per layer
+    sliding_rope_theta: float | None = None
+    norm_weight_offset: float = 0.0
+    output_norms: bool = False
+    final_logit_softcapping: float | None = None
+    hidden_act: str = "silu"
     torch_dtype: str | None = None  # the checkpoint's dtype name ("bfloat16", ...), if the config says
     embedding_multiplier: float = 1.0  # these four: see Layout
     residual_multiplier: float = 1.0
@@ -70,6 +85,11 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    @property
+    def attention_window(self) -> int | None:
+        """The window of the sliding-window layers; None when every layer attends over the whole context."""
+        return self.sliding_window if SLIDING in self.layer_types else None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -92,11 +112,9 @@ class ModelConfig:
         if requested is None or requested <= self.max_position_embeddings:
             return requested or self.max_position_embeddings
         logger.warning(
-            "max_model_len %d is more than the %d positions this model has (max_position_embeddings%s); "
-            "serving %d",
+            "max_model_len %d is more than the %d positions this model has (max_position_embeddings); serving %d",
             requested,
             self.max_position_embeddings,
-            ", capped by its sliding window" if self.sliding_window else "",
             self.max_position_embeddings,
         )
         return self.max_position_embeddings
@@ -108,8 +126,15 @@ class ModelConfig:
         missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers") if k not in d]
         if missing:
             raise UnsupportedModelError(f"config.json lacks {', '.join(missing)}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {d['hidden_act']!r} is not supported; only 'silu' is")
+        activation_key = "hidden_activation" if "hidden_activation" in d else "hidden_act"
+        activation = d.get(activation_key) or "silu"
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{activation_key} {activation!r} is not supported; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        for key in ("attn_logit_softcapping",):  # Gemma 2's; no family here uses it
+            if d.get(key) is not None:
+                raise UnsupportedModelError(f"{key} {d[key]} is not supported; only null is")
         num_heads = int(d["num_attention_heads"])
         hidden_size = int(d["hidden_size"])
         if num_heads % int(d.get("num_key_value_heads") or num_heads):
@@ -117,23 +142,22 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(d)
         # The family reads its own keys (importing its module, and torch, on first use).
         layout = family_class(model_type).read_layout(d)
-        max_positions = int(d.get("max_position_embeddings", 2048))
-        if layout.sliding_window is not None:
-            max_positions = min(max_positions, layout.sliding_window)
+        num_layers = int(d["num_hidden_layers"])
+        layer_types = _layer_types(layout, num_layers)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
             head_dim=int(d.get("head_dim") or hidden_size // num_heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_positions,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=layout.attention_bias,
             o_proj_bias=layout.o_proj_bias,
@@ -144,12 +168,31 @@ class ModelConfig:
             model_type=model_type,
             architectures=tuple(d.get("architectures") or ()),
             sliding_window=layout.sliding_window,
+            layer_types=layer_types,
+            sliding_rope_theta=layout.sliding_rope_theta,
+            norm_weight_offset=layout.norm_weight_offset,
+            output_norms=layout.output_norms,
+            final_logit_softcapping=layout.final_logit_softcapping,
+            hidden_act=activation,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             embedding_multiplier=layout.embedding_multiplier,
             residual_multiplier=layout.residual_multiplier,
             attention_multiplier=layout.attention_multiplier,
             logits_scaling=layout.logits_scaling,
         )
+
+
+def _layer_types(layout: Layout, num_layers: int) -> tuple[str, ...]:
+    if layout.sliding_window is None:
+        return (FULL,) * num_layers
+    if layout.layer_types is None:
+        return (SLIDING,) * num_layers
+    types = tuple(layout.layer_types)
+    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
+        raise UnsupportedModelError(
+            f"layer_types must name {num_layers} layers, each {SLIDING!r} or {FULL!r}; got {list(types)}"
+        )
+    return types
 
 
 def _model_type(d: dict[str, Any]) -> str:
@@ -171,6 +214,8 @@ def _model_type(d: dict[str, Any]) -> str:
 def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    if FULL in params:  # one set per layer type (Gemma 3): the full layers' here, the sliding ones' in Layout
+        params = dict(params[FULL] or {})
     theta = float(params.pop("rope_theta", None) or d.get("rope_theta") or _DEFAULT_ROPE_THETA)
     legacy_type = params.pop("type", None)  # transformers 4 wrote "type" before "rope_type"
     rope_type = params.pop("rope_type", None) or legacy_type or "default"

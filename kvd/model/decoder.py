@@ -3,6 +3,7 @@ optional pieces (biases, q/k norm) the ModelConfig switches on, and Hugging Face
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -11,9 +12,9 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce, gather_vocab
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
-from kvd.model.config import Layout, ModelConfig
-from kvd.model.layers.activation import silu_and_mul
-from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
+from kvd.model.config import SLIDING, Layout, ModelConfig
+from kvd.model.layers.activation import gated_activation
+from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, AttentionMetadataError
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 from kvd.model.layers.kv_cache import pool_row
 from kvd.model.layers.linear import Embedding, Linear
@@ -41,11 +42,15 @@ class KVCacheNotBoundError(RuntimeError):
 
 class SelfAttention(nn.Module):
     """With tensor parallelism: this rank's heads and KV heads (config is the rank's slice); o is
-    row-parallel, so its partial sums are all-reduced."""
+    row-parallel, so its partial sums are all-reduced. A sliding layer (`window`) attends over its last
+    `window` tokens, given the step's sliding metadata (AttentionMetadata.sliding)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None
+    ) -> None:
         super().__init__()
         self.shard = shard
+        self.window = window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -75,21 +80,28 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
         super().__init__()
         self.shard = shard
+        self.activation = gated_activation(config.hidden_act)
         size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
         self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(silu_and_mul(*self.gate_up_proj.forward_shards(x))), self.shard)
+        return all_reduce(self.down_proj(self.activation(*self.gate_up_proj.forward_shards(x))), self.shard)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard) -> None:
+    """input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face Llama's names),
+    and with config.output_norms an RMSNorm on each sublayer's output (Gemma's sandwich)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard, index: int) -> None:
         super().__init__()
+        window = config.sliding_window if config.layer_types[index] == SLIDING else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, backend, shard)
+        self.self_attn = SelfAttention(config, backend, shard, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
+        self.attn_output_norm, self.mlp_output_norm = norm, copy.deepcopy(norm)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(
@@ -101,13 +113,14 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
         hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        hidden = self._scaled(self.self_attn(hidden, rope, attn))
+        hidden = self._output(self.self_attn(hidden, rope, attn), self.attn_output_norm)
         hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
-        return self._scaled(self.mlp(hidden)), residual
+        return self._output(self.mlp(hidden), self.mlp_output_norm), residual
 
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
-        """A sublayer's output as the residual stream takes it (Granite scales it; rounded in the dtype, as
-        transformers' residual + out * m rounds it)."""
+    def _output(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """A sublayer's output as the residual stream takes it: normed (Gemma), scaled (Granite; rounded in the
+        dtype, as transformers' residual + out * m rounds it)."""
+        out = out if norm is None else norm(out)
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
@@ -118,7 +131,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, shard, vocab_start)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, shard) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, shard, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,7 +143,10 @@ class CausalLM(nn.Module):
     slice (kvd.distributed.shard): its heads, KV heads, MLP columns and vocabulary rows.
 
     A family subclasses it (kvd.model.registry names the class for each architecture) and says in read_layout
-    which optional pieces its config.json turns on."""
+    which optional pieces its config.json turns on, and in WEIGHT_RENAMES where its checkpoint names differ."""
+
+    # (Hugging Face name part, ours): the first that a tensor name holds is replaced, before _STACKED's.
+    WEIGHT_RENAMES: tuple[tuple[str, str], ...] = ()
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None, shard: Shard = WHOLE
@@ -147,6 +163,13 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.sliding_rotary = (  # the sliding layers' own RoPE base (Gemma 3); None: they share self.rotary
+            None
+            if config.sliding_rope_theta is None
+            else RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.sliding_rope_theta, None
+            )
         )
         # A quantized copy of the output projection (kvd.model.layers.quantized_linear), set after loading.
         self.output_proj: nn.Module | None = None
@@ -165,6 +188,8 @@ class CausalLM(nn.Module):
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
         rope = self.rotary.lookup(positions)
+        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary.lookup(positions)
+        sliding_attn = self._sliding_metadata(attn)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
         decoder = self._decoder_for(hidden, attn)
@@ -172,8 +197,23 @@ class CausalLM(nn.Module):
             decoder.forward(hidden, residual, self.rotary.cos_sin_cache, positions, attn)
         else:
             for layer in self.model.layers:
-                hidden, residual = layer(hidden, residual, rope, attn)
+                sliding = layer.self_attn.window is not None
+                hidden, residual = layer(
+                    hidden, residual, sliding_rope if sliding else rope, sliding_attn if sliding else attn
+                )
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def _sliding_metadata(self, attn: AttentionMetadata) -> AttentionMetadata:
+        """The step's metadata for the sliding layers; `attn` itself when the model has none."""
+        window = self.config.attention_window
+        if window is None:
+            return attn
+        if attn.sliding is None or attn.sliding.window != window:
+            raise AttentionMetadataError(
+                f"this model has sliding-window layers (window {window}): build the step's metadata with "
+                "build_attention_metadata(..., window=model.config.attention_window)"
+            )
+        return attn.sliding
 
     def _decoder_for(self, hidden: torch.Tensor, attn: AttentionMetadata) -> NativeDecoder | None:
         """The native layer loop when it can run this step (kvd.model.native_decode), else None."""
@@ -201,7 +241,10 @@ class CausalLM(nn.Module):
         else:
             local = self.lm_head(hidden)
         logits = gather_vocab(local.float(), self.shard, self.vocab_size)
-        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""
@@ -232,7 +275,7 @@ class CausalLM(nn.Module):
                 continue  # recomputed from the config
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embeddings
-            name, shard = _our_name(hf_name)
+            name, shard = _our_name(self._renamed(hf_name))
             param = params.get(name)
             if param is None:
                 raise WeightLoadError(
@@ -247,11 +290,21 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(target.shape)}"
                 )
+            if self.config.norm_weight_offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + self.config.norm_weight_offset  # as the family's norm adds it
             target.copy_(tensor)
             pending.discard((name, shard or 0))
         if pending:
-            missing = sorted(_hf_name(name, shard) for name, shard in pending)
+            missing = sorted(self._renamed(_hf_name(name, shard), back=True) for name, shard in pending)
             raise WeightLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+
+    def _renamed(self, name: str, back: bool = False) -> str:
+        """A checkpoint tensor's name as ours (WEIGHT_RENAMES), or with `back` ours as the checkpoint's."""
+        for theirs, ours in self.WEIGHT_RENAMES:
+            old, new = (ours, theirs) if back else (theirs, ours)
+            if old in name:
+                return name.replace(old, new)
+        return name
 
 
 def _our_name(hf_name: str) -> tuple[str, int | None]:

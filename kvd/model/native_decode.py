@@ -85,6 +85,7 @@ class NativeDecoder:
                 gate_up=_parts(layer.mlp.gate_up_proj),
                 down=layer.mlp.down_proj.native_weight(),
                 kv_cache=layer.self_attn.kv_cache.data_ptr(),
+                window=layer.self_attn.window or 0,
             )
             for layer in layers
         )
@@ -121,8 +122,13 @@ class NativeDecoder:
             for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm)
             if n is not None
         ]
+        config = model.config
         return (
-            model.config.residual_multiplier == 1.0  # the C loop adds sublayer outputs as they are
+            # The C loop adds sublayer outputs as they are, gates by SiLU, and rotates every layer alike.
+            config.residual_multiplier == 1.0
+            and not config.output_norms
+            and config.hidden_act == "silu"
+            and config.sliding_rope_theta is None
             and all(_native_linear(m, dtype) for m in _linears(layers))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)

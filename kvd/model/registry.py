@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -28,6 +29,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 

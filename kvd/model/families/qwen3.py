@@ -7,13 +7,11 @@ from typing import Any
 
 from kvd.model.config import Layout
 from kvd.model.decoder import CausalLM
-from kvd.model.families.qwen2 import sliding_window
+from kvd.model.families.qwen2 import sliding_layers
 
 
 class Qwen3ForCausalLM(CausalLM):
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
         bias = bool(hf_config.get("attention_bias", False))
-        return Layout(
-            attention_bias=bias, o_proj_bias=bias, qk_norm=True, sliding_window=sliding_window(hf_config)
-        )
+        return Layout(attention_bias=bias, o_proj_bias=bias, qk_norm=True, **sliding_layers(hf_config))

@@ -1,6 +1,8 @@
-"""SiLU-and-multiply, the gated activation of the MLP."""
+"""The gated activations of the MLP: act(gate) * up, SiLU (most families) or tanh-approximated GELU (Gemma)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -14,3 +16,13 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         # The native layer loop of decode steps (kvd.model.native_decode) uses the same kernel.
         return cpu_native.silu_mul(gate, up)
     return F.silu(gate, inplace=True).mul_(up)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh computes it."""
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def gated_activation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gated activation of config.hidden_act's name (kvd.model.config.SUPPORTED_ACTIVATIONS)."""
+    return {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}[name]

@@ -7,6 +7,8 @@ re-exported here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvd.model.layers.attention.attention_base import (
@@ -35,13 +37,15 @@ def build_attention_metadata(
     device: torch.device | str,
     backend: AttentionBackend | None = None,
     slot_mapping: list[int] | None = None,
+    window: int | None = None,
 ) -> AttentionMetadata:
     """Metadata for one step, built once and shared by every layer.
 
     Sequence s has context_lens[s] tokens in the cache after this step, of which the last query_lens[s] are
     computed now (they are the flat batch's rows for s, in order). The slot mapping follows from the block
     tables unless given (an explicit -1 leaves that row's K/V unwritten). `backend` defaults to the torch one;
-    pass the model's backend when it uses another.
+    pass the model's backend when it uses another. `window`: the window of the model's sliding-window layers,
+    for which the metadata's `sliding` is built (CausalLM.attention_window).
     """
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise AttentionMetadataError(
@@ -72,4 +76,9 @@ def build_attention_metadata(
     )
     if backend is None:
         backend = TorchAttentionBackend()
-    return backend.build_metadata(layout, device)
+    metadata = backend.build_metadata(layout, device)
+    if window is not None:
+        if window < 1:
+            raise AttentionMetadataError(f"a sliding window must be at least 1 token, got {window}")
+        metadata.sliding = backend.build_metadata(dataclasses.replace(layout, window=window), device)
+    return metadata

@@ -72,6 +72,9 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    window: int | None = None  # each token sees only its context's last `window` tokens (a sliding layer)
+    # The same step's metadata for the model's sliding-window layers (build_attention_metadata's `window`).
+    sliding: AttentionMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -91,6 +94,7 @@ class StepLayout:
     query_lens: list[int]
     slot_mapping: list[int]
     block_size: int
+    window: int | None = None  # see AttentionMetadata.window
 
     @property
     def query_starts(self) -> list[int]:
@@ -118,6 +122,7 @@ class AttentionBackend(ABC):
             max_query_len=max(layout.query_lens, default=0),
             max_context_len=max(layout.context_lens, default=0),
             block_size=layout.block_size,
+            window=layout.window,
         )
 
     def check_metadata(self, attn: AttentionMetadata) -> None:

@@ -114,6 +114,7 @@ class FlashAttentionBackend(GraphDecodeBackend):
                 softmax_scale=scale,
                 causal=True,
                 num_splits=1 if self.batch_invariant else 0,  # 0: flash-attn's heuristic
+                **_window_size(attn.window),
             )
             return out.squeeze(1)
         # Causal masking in flash-attn aligns each sequence's queries with the end of its keys, which is
@@ -129,4 +130,10 @@ class FlashAttentionBackend(GraphDecodeBackend):
             softmax_scale=scale,
             causal=True,
             block_table=attn.block_tables,
+            **_window_size(attn.window),
         )
+
+
+def _window_size(window: int | None) -> dict[str, tuple[int, int]]:
+    """flash-attn's argument for a sliding-window layer: a query sees itself and the window - 1 keys before."""
+    return {} if window is None else {"window_size": (window - 1, 0)}

@@ -27,6 +27,7 @@ class NativeDecodePlan:
     rows: torch.Tensor | None  # long [n]: batch rows of the decode tokens; None = every row, in order
     block_tables: torch.Tensor  # int32 [n, max_blocks], padded with 0
     context_lens: torch.Tensor  # int32 [n]
+    window: int | None  # StepLayout.window
 
 
 class NativeAttentionBackend(TorchAttentionBackend):
@@ -44,7 +45,10 @@ class NativeAttentionBackend(TorchAttentionBackend):
             lens.extend(range(ctx - n + 1, ctx + 1))
         rows = host_to_device(table_rows, torch.long, device)
         plan = NativeDecodePlan(
-            None, base.block_tables.index_select(0, rows), host_to_device(lens, torch.int32, device)
+            None,
+            base.block_tables.index_select(0, rows),
+            host_to_device(lens, torch.int32, device),
+            layout.window,
         )
         return TorchAttentionMetadata(**vars(base), write_slots=base.slot_mapping, decode=plan)
 
@@ -57,6 +61,7 @@ class NativeAttentionBackend(TorchAttentionBackend):
             decode_rows(layout, seqs, starts, device),
             host_to_device(tables, torch.int32, device).view(len(seqs), width),
             host_to_device([layout.context_lens[s] for s in seqs], torch.int32, device),
+            layout.window,
         )
 
     def _write(
@@ -67,4 +72,6 @@ class NativeAttentionBackend(TorchAttentionBackend):
     def _decode(
         self, q: torch.Tensor, kv_cache: torch.Tensor, plan: NativeDecodePlan, scale: float
     ) -> torch.Tensor:
-        return cpu_native.paged_attention(q, kv_cache, plan.block_tables, plan.context_lens, scale)
+        return cpu_native.paged_attention(
+            q, kv_cache, plan.block_tables, plan.context_lens, scale, plan.window
+        )

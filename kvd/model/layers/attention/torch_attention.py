@@ -221,18 +221,24 @@ def decode_rows(
 def _block_gather(
     layout: StepLayout, seqs: list[int], query_width: int, device: torch.device | str
 ) -> BlockGather:
-    """Blocks of `seqs` and the causal mask of their last query_width queries (padding rows see all)."""
+    """Blocks of `seqs` and the causal mask of their last query_width queries (padding rows see all), narrowed
+    to each query's last layout.window tokens in a sliding layer's step."""
     num_blocks = max(len(layout.block_tables[s]) for s in seqs)
     ids = [b for s in seqs for b in layout.block_tables[s] + [0] * (num_blocks - len(layout.block_tables[s]))]
     ctx = [layout.context_lens[s] for s in seqs]
     num_slots = max(ctx)  # attend up to the longest context, not to the end of its last block
     visible = None
-    if query_width > 1 or any(c != num_slots for c in ctx):
+    window = layout.window
+    if query_width > 1 or any(c != num_slots for c in ctx) or (window is not None and num_slots > window):
         ctx_t = host_to_device(ctx, torch.long, device)[:, None]
         first = ctx_t - host_to_device([layout.query_lens[s] for s in seqs], torch.long, device)[:, None]
         # Query i of a sequence sits at position first + i and sees slots 0..that position.
         last_visible = torch.minimum(first + torch.arange(query_width, device=device), ctx_t - 1)
-        visible = (torch.arange(num_slots, device=device) <= last_visible[:, :, None]).unsqueeze(1)
+        slots = torch.arange(num_slots, device=device)
+        visible = slots <= last_visible[:, :, None]
+        if window is not None:
+            visible &= slots > last_visible[:, :, None] - window
+        visible = visible.unsqueeze(1)
     block_ids = host_to_device(ids, torch.long, device).view(len(seqs), num_blocks)
     return BlockGather(block_ids, num_slots, visible)
 
@@ -242,7 +248,9 @@ def _prefill_plan(
 ) -> PrefillPlan:
     width = max(layout.query_lens[s] for s in seqs)
     gather = None
-    if any(layout.context_lens[s] > layout.query_lens[s] for s in seqs):
+    # Attending the new K/V alone (is_causal) needs no cached prefix and no window narrower than the prompt.
+    windowed = layout.window is not None and width > layout.window
+    if windowed or any(layout.context_lens[s] > layout.query_lens[s] for s in seqs):
         gather = _block_gather(layout, seqs, width, device)
     if len(seqs) == len(layout.query_lens) and all(layout.query_lens[s] == width for s in seqs):
         return PrefillPlan(len(seqs), width, None, None, None, gather)

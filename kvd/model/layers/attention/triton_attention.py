@@ -25,6 +25,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # int32 [n, max_blocks]
     context_lens: torch.Tensor  # int32 [n]
     num_splits: int
+    window: int | None  # StepLayout.window
 
 
 @dataclass
@@ -78,7 +79,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
             max_query_len=1,
             max_context_len=max_context_len,
             block_size=block_size,
-            decode=DecodeGroup(None, block_tables, context_lens, splits),
+            decode=DecodeGroup(None, block_tables, context_lens, splits, None),
         )
 
     def forward(
@@ -119,6 +120,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
             scale,
             num_splits=group.num_splits,
             batch_invariant=self.batch_invariant,
+            window=group.window,
         )
 
     def _prefill_group(
@@ -131,6 +133,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
             query_lens=query_lens,
             slot_mapping=[-1] * sum(query_lens),
             block_size=layout.block_size,
+            window=layout.window,
         )
         metadata = self._prefill_backend.build_metadata(sub_layout, device)
         if len(seqs) == len(layout.query_lens):
@@ -149,10 +152,10 @@ def _decode_group(
     max_context_len = max(layout.context_lens[s] for s in seqs)
     splits = default_num_splits(len(seqs), max_context_len, _num_sms(torch.device(device)))
     if len(seqs) == base.num_seqs:
-        return DecodeGroup(None, base.block_tables, base.context_lens, splits)
+        return DecodeGroup(None, base.block_tables, base.context_lens, splits, layout.window)
     index = host_to_device(seqs, torch.long, device)
     rows = host_to_device([starts[s] for s in seqs], torch.long, device)
-    return DecodeGroup(rows, base.block_tables[index], base.context_lens[index], splits)
+    return DecodeGroup(rows, base.block_tables[index], base.context_lens[index], splits, layout.window)
 
 
 @functools.cache
