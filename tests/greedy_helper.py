@@ -58,10 +58,15 @@ def assert_params_equal_hf(loaded: LoadedModel, hf_state: dict[str, torch.Tensor
     modules = dict(loaded.model.named_modules())
     ours = dict(loaded.model.named_parameters())
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    offset = loaded.config.norm_weight_offset  # added to norm weights as they load (Gemma)
     for name, param in ours.items():
         part = name.split(".")[-2]
-        sources = [name.replace(part, p) for p in fused.get(part, (part,))]
-        expected = torch.cat([hf_state[s] for s in sources]).to(loaded.dtype)
+        checkpoint_name = loaded.model.rename_weight(name, back=True)
+        sources = [checkpoint_name.replace(part, p) for p in fused.get(part, (part,))]
+        expected = torch.cat([hf_state[s] for s in sources])
+        if offset and name.endswith("norm.weight"):
+            expected = expected.float() + offset
+        expected = expected.to(loaded.dtype)
         if getattr(modules[name.rpartition(".")[0]], "tiles", False) and name.endswith(".weight"):
             expected = cpu_native.pack(expected)
         assert torch.equal(param.data, expected), name

@@ -147,6 +147,8 @@ class CausalLM(nn.Module):
 
     # (Hugging Face name part, ours): the first that a tensor name holds is replaced, before _STACKED's.
     WEIGHT_RENAMES: tuple[tuple[str, str], ...] = ()
+    # The chat template for a checkpoint whose tokenizer has none (GGUF files often carry none).
+    CHAT_TEMPLATE: str | None = None
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None, shard: Shard = WHOLE
@@ -275,7 +277,7 @@ class CausalLM(nn.Module):
                 continue  # recomputed from the config
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy of the embeddings
-            name, shard = _our_name(self._renamed(hf_name))
+            name, shard = _our_name(self.rename_weight(hf_name))
             param = params.get(name)
             if param is None:
                 raise WeightLoadError(
@@ -295,10 +297,10 @@ class CausalLM(nn.Module):
             target.copy_(tensor)
             pending.discard((name, shard or 0))
         if pending:
-            missing = sorted(self._renamed(_hf_name(name, shard), back=True) for name, shard in pending)
+            missing = sorted(self.rename_weight(_hf_name(name, shard), back=True) for name, shard in pending)
             raise WeightLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
 
-    def _renamed(self, name: str, back: bool = False) -> str:
+    def rename_weight(self, name: str, back: bool = False) -> str:
         """A checkpoint tensor's name as ours (WEIGHT_RENAMES), or with `back` ours as the checkpoint's."""
         for theirs, ours in self.WEIGHT_RENAMES:
             old, new = (ours, theirs) if back else (theirs, ours)

@@ -71,6 +71,17 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's Hugging Face names differ from the Llama names above (Gemma 3 norms every sublayer's
+# input and output, and calls the MLP's input norm by its place).
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added; Hugging Face's hold the weight alone.
+_NORM_SHIFTED = ("gemma3",)
 # Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # Llama 3.1+ rope scaling: llama.cpp keeps only the per-frequency factors (tensor rope_freqs.weight).
@@ -257,13 +268,14 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return out.reshape(*raw.shape[:-1], out.shape[-1])
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    names = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -310,6 +322,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in file.tensors,
         "torch_dtype": _checkpoint_dtype(file),
     }
+    if arch == "gemma3":
+        config |= _gemma3_config(file, config)
     if arch == "granite":  # llama.cpp's names for Granite's multipliers
         config |= {
             "embedding_multiplier": key("embedding_scale", 1.0),
@@ -326,10 +340,30 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         for k in ("eos", "eot", "eom")
         if f"tokenizer.ggml.{k}_token_id" in md
     ]
+    if arch == "gemma3":  # a Gemma turn ends with <end_of_turn>, which its files do not mark
+        stop += [i for i, t in enumerate(md["tokenizer.ggml.tokens"]) if t == "<end_of_turn>"]
     stop = list(dict.fromkeys(stop))
     if stop:
         config["eos_token_id"] = stop[0] if len(stop) == 1 else stop
     return config
+
+
+def _gemma3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's keys that llama.cpp keeps implicit: every sixth layer full, the sliding layers' RoPE base,
+    and the attention scale (the 27B model's, of 62 layers, from hidden_size / heads, the others' head_dim)."""
+    md = file.metadata
+    if "gemma3.attention.sliding_window" not in md:
+        raise GGUFError(f"{file.path}: gemma3 metadata lacks gemma3.attention.sliding_window")
+    layers = config["num_hidden_layers"]
+    scalar = config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+    return {
+        "sliding_window": md["gemma3.attention.sliding_window"],
+        "layer_types": ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)],
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": md.get("gemma3.final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
 
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -416,7 +450,7 @@ def iter_gguf_weights(
     for name in file.tensors:
         if name == _ROPE_FACTORS or name in skip:
             continue  # folded into hf_config["rope_scaling"], or installed in its own type
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, file.architecture)
         if hf_name is None:
             raise GGUFError(
                 f"{file.path}: tensor {name!r} has no counterpart in kvd's {file.architecture} model"
@@ -426,6 +460,8 @@ def iter_gguf_weights(
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if permuted and kind in heads:
             tensor = unpermute_qk(tensor, heads[kind])
+        if file.architecture in _NORM_SHIFTED and name.endswith("norm.weight"):
+            tensor = tensor - 1.0
         yield hf_name, tensor
 
 

@@ -151,6 +151,8 @@ def load_model(
             resolve_backend_name(attention_backend, device, run_dtype)
         )
     tokenizer = checkpoint.load_tokenizer()
+    if getattr(tokenizer, "chat_template", None) is None:
+        tokenizer.chat_template = family_class(config.model_type).CHAT_TEMPLATE
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
     causal_lm = build_causal_lm(config, attention_backend, run_dtype, device, shard)
     plan = ShardPlan(config, shard)

@@ -12,6 +12,18 @@ from kvd.model.decoder import CausalLM
 
 _LOCAL_ROPE_THETA = 10000.0  # transformers' default for rope_local_base_freq
 
+# Gemma's turns: "user" and "model" only, system text leading the next user turn, each turn's text trimmed.
+_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = ns.system + message['content'] + '\n\n' %}"
+    "{% else %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+    "{{ ns.system + (message['content'] or '') | trim }}{{ '<end_of_turn>\n' }}{% set ns.system = '' %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 
 class Gemma3ForCausalLM(CausalLM):
     # Gemma names its four layer norms by place; ours (kvd.model.decoder.DecoderLayer) by what they feed.
@@ -20,6 +32,7 @@ class Gemma3ForCausalLM(CausalLM):
         (".pre_feedforward_layernorm.", ".post_attention_layernorm."),
         (".post_feedforward_layernorm.", ".mlp_output_norm."),
     )
+    CHAT_TEMPLATE = _CHAT_TEMPLATE
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
