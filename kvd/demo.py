@@ -1,7 +1,9 @@
-"""`make demo`: start the daemon on the bundled model, chat with it through the client, stop it cleanly."""
+"""`make demo`: start the daemon on the bundled model (or `--model`'s), chat with it through the client, stop it
+cleanly."""
 
 from __future__ import annotations
 
+import argparse
 import signal
 import subprocess
 import sys
@@ -14,12 +16,17 @@ QUESTIONS = ["What is the capital of France? Answer in one sentence.", "And what
 READY_TIMEOUT_S = 300.0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvd.demo", description=__doc__)
+    parser.add_argument("--model", help="what `kvd serve --model` takes (default: the bundled SmolLM2)")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvd-demo-") as workdir:
         # A private endpoint, so the demo never collides with a daemon the user already runs.
         endpoint = f"ipc://{workdir}/kvd.sock"
-        print("Starting `kvd serve` on the bundled SmolLM2-135M-Instruct ...", flush=True)
+        print(f"Starting `kvd serve` on {args.model or 'the bundled SmolLM2-135M-Instruct'} ...", flush=True)
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen", endpoint, "--kv-cache-memory", "256M"]
+        if args.model:
+            cmd += ["--model", args.model]
         daemon = subprocess.Popen(cmd)
         try:
             if not _wait_ready(daemon, endpoint):

@@ -169,14 +169,17 @@ def test_flash_attn_backend_imports_lazily_with_a_clear_error():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def dense_attention(q, keys, values, scale):
-    """q [n, H, D] = the last n of keys/values' [ctx, KV, D] positions, causal; float32 [n, H, D]."""
+def dense_attention(q, keys, values, scale, window=None):
+    """q [n, H, D] = the last n of keys/values' [ctx, KV, D] positions, causal (each query seeing its last
+    `window` positions when given); float32 [n, H, D]."""
     group = q.shape[1] // keys.shape[1]
     k, v = (x.float().repeat_interleave(group, 1) for x in (keys, values))
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
     ctx, n = keys.shape[0], q.shape[0]
     positions = torch.arange(ctx, device=q.device)
     hidden = positions[None, :] > positions[ctx - n :, None]
+    if window is not None:
+        hidden |= positions[None, :] <= positions[ctx - n :, None] - window
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
@@ -204,6 +207,7 @@ def flash_varlen_reference(
     softmax_scale=None,
     causal=False,
     block_table=None,
+    window_size=(-1, -1),
 ):
     """flash_attn_varlen_func with a paged cache: causal masks align each sequence's queries to its keys' end."""
     check_flash_args(k, block_table, cu_seqlens_q, cu_seqlens_k)
@@ -216,19 +220,31 @@ def flash_varlen_reference(
         length = starts_k[s + 1] - starts_k[s]
         keys, values = gather_paged(k, block_table[s], length), gather_paged(v, block_table[s], length)
         rows = slice(starts_q[s], starts_q[s + 1])
-        out[rows] = dense_attention(q[rows], keys, values, softmax_scale).to(q.dtype)
+        window = None if window_size[0] < 0 else window_size[0] + 1
+        out[rows] = dense_attention(q[rows], keys, values, softmax_scale, window).to(q.dtype)
     return out
 
 
 def flash_with_kvcache_reference(
-    q, k_cache, v_cache, cache_seqlens=None, block_table=None, softmax_scale=None, causal=False, num_splits=0
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    num_splits=0,
+    window_size=(-1, -1),
 ):
     """flash_attn_with_kvcache over a paged cache for one new token per sequence: q [B, 1, H, D]."""
     check_flash_args(k_cache, block_table, cache_seqlens)
     assert num_splits == 1  # batch invariance: no split count chosen by batch size
     assert q.dim() == 4 and q.shape[1] == 1
     pool = torch.stack((k_cache, v_cache))
-    return paged_decode_attention_reference(q[:, 0], pool, block_table, cache_seqlens, softmax_scale)[:, None]
+    window = None if window_size[0] < 0 else window_size[0] + 1
+    return paged_decode_attention_reference(q[:, 0], pool, block_table, cache_seqlens, softmax_scale, window)[
+        :, None
+    ]
 
 
 REFERENCE_FLASH_OPS = FlashAttnOps(flash_varlen_reference, flash_with_kvcache_reference)
@@ -261,20 +277,43 @@ def make_batch(seqs, block_size, num_heads=6, num_kv_heads=2, head_dim=16, dtype
     return pool.to(DEVICE), tables, (q, k, v)
 
 
-def run_backend(backend, seqs, block_size, pool, tables, qkv):
+def run_backend(backend, seqs, block_size, pool, tables, qkv, window=None):
+    """The backend over one step; with a window, a sliding layer's attention (the step's sliding metadata)."""
     pool = pool.clone()
     attn = build_attention_metadata(
-        tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size, DEVICE, backend
+        tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size, DEVICE, backend, window=window
     )
+    if window is not None:
+        attn = attn.sliding
     return backend.forward(*qkv, pool, attn, 0.25), pool, attn
 
 
+WINDOWS = [None, 5, 24]  # none; narrower than any prompt here; wider than some contexts, narrower than others
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_triton_backend_matches_torch_backend(batch):
+def test_torch_backend_matches_dense_attention(batch, window):
     seqs = BATCHES[batch]
     pool, tables, qkv = make_batch(seqs, 16)
-    expected, expected_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv)
-    out, out_pool, attn = run_backend(TritonAttentionBackend(), seqs, 16, pool, tables, qkv)
+    out, out_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window)
+    k_cache, v_cache = out_pool[0], out_pool[1]
+    row = 0
+    for (cached, new), table in zip(seqs, tables, strict=True):
+        table = torch.tensor(table)
+        keys, values = gather_paged(k_cache, table, cached + new), gather_paged(v_cache, table, cached + new)
+        want = dense_attention(qkv[0][row : row + new], keys, values, 0.25, window)
+        torch.testing.assert_close(out[row : row + new].float(), want, rtol=1e-5, atol=1e-5)
+        row += new
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("batch", BATCHES)
+def test_triton_backend_matches_torch_backend(batch, window):
+    seqs = BATCHES[batch]
+    pool, tables, qkv = make_batch(seqs, 16)
+    expected, expected_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window)
+    out, out_pool, attn = run_backend(TritonAttentionBackend(), seqs, 16, pool, tables, qkv, window)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(out_pool, expected_pool)
     assert (attn.decode is not None) == any(n == 1 for _, n in seqs)
@@ -293,13 +332,16 @@ FLASH_VARIANTS = flash_variants()
 
 
 @pytest.mark.parametrize("variant", FLASH_VARIANTS)
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("batch", BATCHES)
-def test_flash_backend_matches_torch_backend(batch, variant):
+def test_flash_backend_matches_torch_backend(batch, window, variant):
     ops, dtype, tol = FLASH_VARIANTS[variant]
     seqs = BATCHES[batch]
     pool, tables, qkv = make_batch(seqs, 256, dtype=dtype)
-    expected, expected_pool, torch_attn = run_backend(TorchAttentionBackend(), seqs, 256, pool, tables, qkv)
-    out, out_pool, attn = run_backend(FlashAttentionBackend(ops), seqs, 256, pool, tables, qkv)
+    expected, expected_pool, torch_attn = run_backend(
+        TorchAttentionBackend(), seqs, 256, pool, tables, qkv, window
+    )
+    out, out_pool, attn = run_backend(FlashAttentionBackend(ops), seqs, 256, pool, tables, qkv, window)
     torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
     assert torch.equal(out_pool, expected_pool)
     # The same batch yields the same shared metadata, plus the cumulative key lengths flash-attn takes.

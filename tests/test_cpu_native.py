@@ -25,12 +25,13 @@ def _qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: tor
     return [t.view(tokens, -1, head_dim) for t in fused.split(sizes, dim=-1)]
 
 
-def _attention_reference(q, pool, tables, lens, scale):
+def _attention_reference(q, pool, tables, lens, scale, window=None):
     block_size, group = pool.shape[2], q.shape[1] // pool.shape[3]
     flat = pool.view(2, -1, *pool.shape[-2:]).float()
     out = []
     for s, ctx in enumerate(lens.tolist()):
-        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(ctx)]
+        first = max(0, ctx - window) if window else 0
+        slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(first, ctx)]
         k = flat[0, slots].repeat_interleave(group, dim=1)
         v = flat[1, slots].repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[s].float(), k) * scale
@@ -38,15 +39,17 @@ def _attention_reference(q, pool, tables, lens, scale):
     return torch.stack(out)
 
 
-def _assert_matches_reference_and_alone(q, pool, tables, lens):
+def _assert_matches_reference_and_alone(q, pool, tables, lens, window=None):
     """The native attention of every row against the torch reference, and bit for bit the same row alone."""
     scale = q.shape[-1] ** -0.5
-    got = cpu_native.paged_attention(q, pool, tables, lens, scale)
+    got = cpu_native.paged_attention(q, pool, tables, lens, scale, window)
     tolerance = 1e-5 if q.dtype == torch.float32 else 1e-2
-    want = _attention_reference(q, pool, tables, lens, scale)
+    want = _attention_reference(q, pool, tables, lens, scale, window)
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
     for s in range(len(lens)):
-        alone = cpu_native.paged_attention(q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], scale)
+        alone = cpu_native.paged_attention(
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], scale, window
+        )
         assert torch.equal(alone, got[s : s + 1]), s
 
 
@@ -105,10 +108,12 @@ def test_odd_blocks_and_contexts_pair_their_last_key_with_nothing(dtype, block_s
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16)]
 )
-def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("window", [None, 7, 20])
+def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_dim, block_size, window):
     """A prompt's rows (contexts 1 .. 40) and a later chunk of another prompt (21 .. 45) among decode rows: on a
     CPU with AMX, a bf16 pool's rows take bf16 tiles (a prompt's rows in chunks of up to 16, 7 query heads a kv
-    head: several sets of 16). Every row matches the reference and has the same bits alone."""
+    head: several sets of 16). With a sliding window, each row sees its last `window` tokens, which start inside a
+    block. Every row matches the reference and has the same bits alone."""
     torch.manual_seed(heads + head_dim)
     num_blocks = 24
     tables = torch.randperm(num_blocks).to(torch.int32)[:15].view(5, 3)
@@ -116,7 +121,30 @@ def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_di
     lens = torch.tensor([*range(1, 41), *range(21, 46), 48, 17, 33], dtype=torch.int32)
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
-    _assert_matches_reference_and_alone(q, pool, tables, lens)
+    _assert_matches_reference_and_alone(q, pool, tables, lens, window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 12])
+def test_a_window_reads_no_block_before_the_one_it_starts_in(dtype, head_dim):
+    """A sliding layer's table entries before its window may name any block (one that the layer gave back): here
+    a block of NaN keys and values, which no row may read, while the window's first block holds tokens before the
+    window too (finite, weighted zero)."""
+    torch.manual_seed(head_dim)
+    block_size, window, heads, kv_heads = 4, 6, 6, 2
+    pool = torch.randn(2, 12, block_size, kv_heads, head_dim).to(dtype)
+    pool[:, 0] = float("nan")
+    lens = torch.tensor([*range(9, 17), 23, 13], dtype=torch.int32)  # a prompt's rows, then two decode rows
+    tables = torch.zeros(len(lens), 6, dtype=torch.int32)
+    for s, ctx in enumerate(lens.tolist()):
+        live = (ctx - window) // block_size  # the block holding the window's first token
+        tables[s, live : -(-ctx // block_size)] = torch.arange(1 + live, 1 + -(-ctx // block_size))
+    q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5, window)
+    assert torch.isfinite(got).all()
+    clean = pool.clone()
+    clean[:, 0] = 0  # what the reference reads there is masked out anyway
+    _assert_matches_reference_and_alone(q, clean, tables, lens, window)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])

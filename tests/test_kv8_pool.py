@@ -56,15 +56,16 @@ def test_store_quantizes_each_head_row_and_skips_minus_one(dtype):
     assert torch.count_nonzero(pool.view(2, 16, -1)[:, untouched]) == 0
 
 
-def _reference(q, pool, tables, lens, scale, head_dim):
+def _reference(q, pool, tables, lens, scale, head_dim, window=None):
     """Float64 attention over the pool's dequantized rows, the query heads quantized as the kernel does."""
     block_size, kv_heads = pool.shape[2], pool.shape[3]
     group = q.shape[1] // kv_heads
     qc, qs = _quantize(q)
     out = []
     for s, ctx in enumerate(lens.tolist()):
+        first = max(0, ctx - window) if window else 0
         slots = torch.tensor(
-            [tables[s, t // block_size].item() * block_size + t % block_size for t in range(ctx)]
+            [tables[s, t // block_size].item() * block_size + t % block_size for t in range(first, ctx)]
         )
         kc, ks, vc, vs = _rows(pool, slots, head_dim)
         k = (kc * ks).double().repeat_interleave(group, dim=1)
@@ -79,8 +80,9 @@ def _reference(q, pool, tables, lens, scale, head_dim):
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16), (4, 4, 8, 16), (6, 1, 12, 16)],
 )
+@pytest.mark.parametrize("window", [None, 19])
 def test_attention_over_the_codes_matches_torch_and_each_row_alone(
-    dtype, heads, kv_heads, head_dim, block_size
+    dtype, heads, kv_heads, head_dim, block_size, window
 ):
     """A prompt's rows (contexts 1 .. 40), a later chunk of another prompt (contexts 21 .. 45) and decode rows of
     other sequences over shuffled blocks; head sizes 64 and 128 take the VNNI scores (16 keys a sum and the keys
@@ -97,13 +99,13 @@ def test_attention_over_the_codes_matches_torch_and_each_row_alone(
     kv = torch.randn(2, len(slots), kv_heads, head_dim).to(dtype)
     cpu_native.store_kv(kv[0], kv[1], pool, slots)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5)
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5, window)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    want = _reference(q, pool, tables, lens, head_dim**-0.5, head_dim)
+    want = _reference(q, pool, tables, lens, head_dim**-0.5, head_dim, window)
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
     for s in range(len(lens)):
         alone = cpu_native.paged_attention(
-            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5, window
         )
         assert torch.equal(alone, got[s : s + 1]), s
 

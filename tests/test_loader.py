@@ -235,6 +235,12 @@ TINY = {
             "logits_scaling": 3.0,
         },
     ),
+    # What a Gemma 3 file leaves implicit, as llama.cpp reads it: five sliding layers to one full (both sliding
+    # here), the attention scale from head_dim, the sliding layers' RoPE base 10000.
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention"] * 2, "query_pre_attn_scalar": 16},
+    ),
 }
 
 
@@ -290,7 +296,7 @@ def write_tiny_gguf(
     q/k row permutation. `tensor_types`: GGUF tensor name -> the type to store it in (else float32)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    arch = config.model_type
+    arch = config.model_type.removesuffix("_text")
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -300,7 +306,8 @@ def write_tiny_gguf(
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if arch == "granite":  # as llama.cpp's converter writes the multipliers
@@ -308,6 +315,8 @@ def write_tiny_gguf(
         writer.add_residual_scale(config.residual_multiplier)
         writer.add_attention_scale(config.attention_multiplier)
         writer.add_logit_scale(config.logits_scaling)
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
     tokens, merges, types = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -326,6 +335,8 @@ def write_tiny_gguf(
         if arch in PERMUTED_QK and base.endswith(("q_proj", "k_proj")):
             kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
             data = llama_cpp_permute(data, config.num_attention_heads, kv)
+        if arch == "gemma3" and base.endswith("norm"):  # llama.cpp stores Gemma's 1 + weight
+            data = data + np.float32(1.0)
         name = f"{names.get_name(base)}.{suffix}"
         qtype = (tensor_types or {}).get(name)
         if qtype is None:
@@ -376,9 +387,12 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     if arch == "granite":  # its multipliers, from llama.cpp's keys
         names = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
         assert [getattr(config, n) for n in names] == pytest.approx([getattr(hf, n) for n in names])
-    assert config.rope_theta == hf.rope_parameters["rope_theta"]
+    assert config.rope_theta == hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"]
     assert config.max_position_embeddings == hf.max_position_embeddings
-    assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch == "qwen3")
+    assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch in ("qwen3", "gemma3"))
+    if arch == "gemma3":
+        assert (config.attention_window, config.layer_types) == (8, ("sliding_attention",) * 2)
+        assert (config.attention_scale, config.sliding_rope_theta) == (16**-0.5, 10000.0)
     assert (config.bos_token_id, config.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
 
 

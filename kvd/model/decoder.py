@@ -264,8 +264,11 @@ class CausalLM(nn.Module):
             layer.self_attn.kv_cache = cache
         self._native_decoder = None
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters, casting to their dtype."""
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], offset_norms: bool = True
+    ) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters, casting to their dtype; norm weights
+        with config.norm_weight_offset added unless `offset_norms` is False (a file that holds them so)."""
         params = dict(self.named_parameters())
         pending = {
             (name, shard)
@@ -292,7 +295,7 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(target.shape)}"
                 )
-            if self.config.norm_weight_offset and name.endswith("norm.weight"):
+            if offset_norms and self.config.norm_weight_offset and name.endswith("norm.weight"):
                 tensor = tensor.float() + self.config.norm_weight_offset  # as the family's norm adds it
             target.copy_(tensor)
             pending.discard((name, shard or 0))

@@ -80,7 +80,8 @@ _ARCH_LAYER_TENSORS = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
 }
-# llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added; Hugging Face's hold the weight alone.
+# llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight alone):
+# as kvd's model holds them, so they load as they are (norms_hold_offset).
 _NORM_SHIFTED = ("gemma3",)
 # Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
@@ -444,7 +445,8 @@ def iter_gguf_weights(
     file: GGUFFile, hf_config: dict[str, Any], skip: set[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for every weight but those named in `skip`, dequantized to float32, q/k rows
-    put back in HF order where llama.cpp permuted them (PERMUTED_QK)."""
+    put back in HF order where llama.cpp permuted them (PERMUTED_QK); norm weights as the file holds them
+    (norms_hold_offset)."""
     permuted = file.architecture in PERMUTED_QK
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     for name in file.tensors:
@@ -460,9 +462,12 @@ def iter_gguf_weights(
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if permuted and kind in heads:
             tensor = unpermute_qk(tensor, heads[kind])
-        if file.architecture in _NORM_SHIFTED and name.endswith("norm.weight"):
-            tensor = tensor - 1.0
         yield hf_name, tensor
+
+
+def norms_hold_offset(file: GGUFFile) -> bool:
+    """Whether the file's norm weights have the family's norm_weight_offset added (a Gemma file)."""
+    return file.architecture in _NORM_SHIFTED
 
 
 def load_gguf_tokenizer(file: GGUFFile, cache_dir: Path | None = None) -> PreTrainedTokenizerFast:

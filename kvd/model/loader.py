@@ -27,6 +27,7 @@ from kvd.model.gguf_loader import (
     GGUFFile,
     hf_config_from_gguf,
     iter_gguf_weights,
+    norms_hold_offset,
     load_gguf_tokenizer,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
@@ -170,7 +171,8 @@ def load_model(
             desc=f"Loading {name}",
             unit="tensor",
             disable=None,
-        )
+        ),
+        offset_norms=not checkpoint.norms_offset,
     )
     if quantization != "gguf":
         quantize_model(causal_lm, quantization)
@@ -246,6 +248,7 @@ class _Checkpoint:
     # names it took.
     install_native: Callable[[nn.Module, torch.dtype, ShardPlan], set[str]] | None = None
     file_types: dict[str, tuple[int, int]] = field(default_factory=dict)
+    norms_offset: bool = False  # its norm weights hold the family's norm_weight_offset already
 
 
 def _open_gguf(path: Path) -> _Checkpoint:
@@ -259,6 +262,7 @@ def _open_gguf(path: Path) -> _Checkpoint:
         lambda native: gguf_native.auto_quantization(file, native),
         lambda model, dtype, plan: gguf_native.install(model, file, hf_config, dtype, plan),
         gguf_native.file_types(file),
+        norms_hold_offset(file),
     )
 
 
