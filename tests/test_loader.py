@@ -239,7 +239,12 @@ TINY = {
     # here), the attention scale from head_dim, the sliding layers' RoPE base 10000.
     "gemma3": (
         transformers.Gemma3TextConfig,
-        {"head_dim": 16, "sliding_window": 8, "layer_types": ["sliding_attention"] * 2, "query_pre_attn_scalar": 16},
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention"] * 2,
+            "query_pre_attn_scalar": 16,
+        },
     ),
 }
 

@@ -27,8 +27,8 @@ from kvd.model.gguf_loader import (
     GGUFFile,
     hf_config_from_gguf,
     iter_gguf_weights,
-    norms_hold_offset,
     load_gguf_tokenizer,
+    norms_hold_offset,
 )
 from kvd.model.hub import ModelNotFoundError, resolve_model_path
 from kvd.model.huge_pages import pack_weights
