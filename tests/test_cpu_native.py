@@ -238,22 +238,31 @@ def test_bf16_norms_round_as_transformers_does():
     )
 
 
+GATES = {  # the native gated activation -> torch's definition of its activation
+    cpu_native.silu_mul: F.silu,
+    cpu_native.gelu_tanh_mul: lambda g: F.gelu(g.double(), approximate="tanh").float(),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_matches_torch_on_views_of_one_projection(dtype):
+@pytest.mark.parametrize("kernel", GATES, ids=lambda k: k.__name__)
+def test_gated_activations_match_torch_on_views_of_one_projection(dtype, kernel):
     torch.manual_seed(0)
     gate_up = (torch.randn(9, 2 * 100) * 6).to(dtype)  # 100: SIMD lanes and a scalar tail; large |g| too
     gate, up = gate_up.split(100, dim=-1)
     before = gate_up.clone()
-    want = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
-    got = cpu_native.silu_mul(gate, up)
+    want = (GATES[kernel](gate.float()).to(dtype).float() * up.float()).to(dtype)
+    got = kernel(gate, up)
     tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     torch.testing.assert_close(got, want, **tol)
     assert torch.equal(gate_up, before)  # out of place: the projection output is left as it was
-    if dtype == torch.bfloat16:  # silu rounded to bf16, then the product: exactly, lanes and tail alike
-        silu = cpu_native.silu_mul(gate.float(), torch.ones_like(gate, dtype=torch.float32))
-        assert torch.equal(got, (silu.to(dtype).float() * up.float()).to(dtype))
+    if (
+        dtype == torch.bfloat16
+    ):  # the activation rounded to bf16, then the product: exactly, lanes and tail alike
+        act = kernel(gate.float(), torch.ones_like(gate, dtype=torch.float32))
+        assert torch.equal(got, (act.to(dtype).float() * up.float()).to(dtype))
     with pytest.raises(cpu_native.NativeKernelError, match="one stride"):
-        cpu_native.silu_mul(gate.contiguous(), up)
+        kernel(gate.contiguous(), up)
 
 
 def test_rms_norm_of_heads_and_of_rows_matches_torch():
@@ -369,8 +378,11 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
     shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
-    layer = cpu_native.LayerWeights(0, 0, 0, 0, (empty,), empty, (empty,), empty, 0)
-    hidden, residual, cos_sin = torch.zeros(2, 16), torch.zeros(2, 16), torch.zeros(64, 16)
+    cos_sin = torch.zeros(64, 16)
+    layer = cpu_native.LayerWeights(
+        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0
+    )
+    hidden, residual = torch.zeros(2, 16), torch.zeros(2, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
 
     def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens):
@@ -379,7 +391,6 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
             layers,
             hidden,
             residual,
-            cos_sin,
             torch.tensor(positions),
             torch.tensor(slots),
             tables,

@@ -60,19 +60,23 @@ typedef struct {
 // the parts after the last have n = 0.
 enum kvd_parts { KVD_MAX_PARTS = 3 };
 
-// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights
-// and the pool in the model's dtype (kvd_shape.bf16).
+// One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights,
+// rotary table and pool in the model's dtype (kvd_shape.bf16).
 typedef struct {
     const void* input_norm;
     const void* post_attention_norm;
     const void* q_norm;  // NULL without per-head q/k norms
     const void* k_norm;
+    const void* attn_output_norm;  // NULL, or the norm of the attention's output before its residual add
+    const void* mlp_output_norm;   // likewise of the MLP's
+    const void* cos_sin;           // the rotary table [kvd_shape.num_positions, 2 head_dim] (kvd_rotary)
     kvd_weight qkv[KVD_MAX_PARTS];
     kvd_weight o;
     kvd_weight gate_up[KVD_MAX_PARTS];
     kvd_weight down;
     void* kv_cache;
     int64_t window;  // 0, or the sliding window of this layer's attention (kvd_paged_attention)
+    int32_t gelu;    // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
 } kvd_layer;
 
 // bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
@@ -143,16 +147,20 @@ void kvd_add_rms_norm(const void* x, void* residual, const void* weight, void* o
 void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
                   int nthreads);
 
+// As kvd_silu_mul with gelu(gate) (tanh approximation: gate x sigmoid(2 sqrt(2 / pi) (gate + 0.044715 gate^3))).
+void kvd_gelu_tanh_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I,
+                       int bf16, int nthreads);
+
 // out[r] = the index of the largest value of row r of x [rows, n] (float32, n >= 1): the first of equal ones, and
 // the first NaN where the row holds one, as torch.argmax answers (greedy sampling over the logits).
 void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthreads);
 
 // Every decoder layer for S sequences of one new token each, in the model's dtype: hidden [S, hidden] (the
 // embeddings in, the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that
-// output out); the rotary table cos_sin [num_positions, 2 x head_dim] in that dtype too.
-// positions, slots [S]; block tables [S, table_width] and context lengths [S] as for the attention above.
+// output out). positions, slots [S]; block tables [S, table_width] and context lengths [S] as for the attention
+// above.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
-                      void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
+                      void* residual, int64_t S, const int64_t* positions,
                       const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
                       int nthreads);
 

@@ -108,8 +108,36 @@ static inline __m512 silu16(__m512 g) {
 }
 #endif
 
-void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
-                  int nthreads) {
+// gelu(x), tanh approximation, as x x sigmoid(z) with z = 2 sqrt(2 / pi) (x + 0.044715 x^3): silu's steps on z.
+#define GELU_C1 1.5957691216057308f  // 2 sqrt(2 / pi)
+#define GELU_C3 0.0713548162726009f  // 2 sqrt(2 / pi) x 0.044715
+
+static inline float gelu_tanh(float x) {
+    const float z = x * (GELU_C1 + GELU_C3 * x * x), e = expf(-fabsf(z));
+    return (z >= 0.f ? x : x * e) / (1.f + e);
+}
+
+#if KVD_AVX2
+static inline __m256 gelu_tanh8(__m256 x) {
+    const __m256 z = _mm256_mul_ps(x, _mm256_fmadd_ps(_mm256_set1_ps(GELU_C3), _mm256_mul_ps(x, x), _mm256_set1_ps(GELU_C1)));
+    const __m256 e = exp_nonpositive(_mm256_or_ps(z, _mm256_set1_ps(-0.f)));
+    const __m256 num = _mm256_blendv_ps(x, _mm256_mul_ps(x, e), _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+}
+#endif
+
+#if KVD_AVX512
+static inline __m512 gelu_tanh16(__m512 x) {
+    const __m512 z = _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_set1_ps(GELU_C3), _mm512_mul_ps(x, x), _mm512_set1_ps(GELU_C1)));
+    const __m512 e = exp_nonpositive16(_mm512_or_ps(z, _mm512_set1_ps(-0.f)));
+    const __m512 num = _mm512_mask_mul_ps(x, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), x, e);
+    return _mm512_div_ps(num, _mm512_add_ps(e, _mm512_set1_ps(1.f)));
+}
+#endif
+
+// out = act(gate) x up, act rounded to the dtype first (as torch's act then mul_ round): SiLU or, with gelu, GELU.
+static void gated_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                      int gelu, int nthreads) {
     const int elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
     for (int64_t t = 0; t < T; t++) {
@@ -119,7 +147,8 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
         int64_t i = 0;
 #if KVD_AVX512
         for (; i + 16 <= I; i += 16) {
-            __m512 s = silu16(load16(g + i * elem, bf16));
+            const __m512 gi = load16(g + i * elem, bf16);
+            __m512 s = gelu ? gelu_tanh16(gi) : silu16(gi);
             if (bf16) s = _mm512_castsi512_ps(bf16_bits16(s));
             const __m512 v = _mm512_mul_ps(s, load16(u + i * elem, bf16));
             if (bf16)
@@ -130,15 +159,26 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
 #endif
 #if KVD_AVX2
         for (; i + 8 <= I; i += 8) {
-            const __m256 s = round8(silu8(load8(g + i * elem, bf16)), bf16);
+            const __m256 gi = load8(g + i * elem, bf16);
+            const __m256 s = round8(gelu ? gelu_tanh8(gi) : silu8(gi), bf16);
             store8(o + i * elem, _mm256_mul_ps(s, load8(u + i * elem, bf16)), bf16);
         }
 #endif
         for (; i < I; i++) {
-            const float sj = silu(load_f(g, i, bf16));
+            const float gj = load_f(g, i, bf16), sj = gelu ? gelu_tanh(gj) : silu(gj);
             store_f(o, i, (bf16 ? bf16_to_f32(f32_to_bf16(sj)) : sj) * load_f(u, i, bf16), bf16);
         }
     }
+}
+
+void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                  int nthreads) {
+    gated_mul(gate, up, stride, out, T, I, bf16, 0, nthreads);
+}
+
+void kvd_gelu_tanh_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I,
+                       int bf16, int nthreads) {
+    gated_mul(gate, up, stride, out, T, I, bf16, 1, nthreads);
 }
 
 // ---- rotary embedding ---------------------------------------------------------------------------------------
@@ -217,7 +257,7 @@ static int64_t widest_part(const kvd_weight* parts) {
 
 // The indices are checked once, before layer 0 writes anything; after that only memory can run out.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
-                      void* residual, int64_t S, const void* cos_sin, const int64_t* positions,
+                      void* residual, int64_t S, const int64_t* positions,
                       const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
                       int nthreads) {
     const int64_t num_slots = m->num_blocks * m->block_size;
@@ -251,16 +291,21 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
             kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
         }
         // The k heads follow the q heads in a qkv row: one pass rotates both.
-        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, cos_sin, m->num_positions, positions, nthreads);
+        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, L->cos_sin, m->num_positions, positions,
+                   nthreads);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
                                       m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, m->scale,
                                       nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        if (L->attn_output_norm)
+            kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->attn_output_norm, m->eps, bf16);
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
         failed |= parts_linear(L->gate_up, x, bf16, S, gate_up, scratch, nthreads) != KVD_OK;
-        kvd_silu_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, nthreads);
+        gated_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, L->gelu, nthreads);
         failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        if (L->mlp_output_norm)
+            kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->mlp_output_norm, m->eps, bf16);
     }
     free(x);
     free(qkv);

@@ -437,14 +437,23 @@ def add_rms_norm(
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate and up [T, I] whose rows lie equally far apart (views of one [T, 2I] output)."""
-    bf16 = _same_dtype("silu_mul", gate, up)
+    return _gated_mul("silu_mul", gate, up)
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up (tanh approximation), gate and up as for silu_mul."""
+    return _gated_mul("gelu_tanh_mul", gate, up)
+
+
+def _gated_mul(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    bf16 = _same_dtype(name, gate, up)
     if gate.dim() != 2 or gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(1) != 1:
         raise NativeKernelError(
-            f"silu_mul: gate and up must be [T, I] rows of one stride, got {tuple(gate.shape)} "
+            f"{name}: gate and up must be [T, I] rows of one stride, got {tuple(gate.shape)} "
             f"{gate.stride()} and {tuple(up.shape)} {up.stride()}"
         )
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    library().kvd_silu_mul(
+    getattr(library(), f"kvd_{name}")(
         _ptr(gate), _ptr(up), gate.stride(0), _ptr(out), gate.shape[0], gate.shape[1], bf16, _threads()
     )
     return out
@@ -466,26 +475,24 @@ def decode_layers(
     layers: tuple[LayerWeights, ...],
     hidden: torch.Tensor,
     residual: torch.Tensor,
-    cos_sin: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> None:
     """Every decoder layer of a decode step, in place on hidden and residual [S, hidden_size] (the model's
-    dtype: shape.bf16)."""
+    dtype: shape.bf16); each layer's rotary table [shape.num_positions, 2 head_dim] in it too."""
     seqs = hidden.shape[0]
     dtype = torch.bfloat16 if shape.bf16 else torch.float32
     for name, t in (("hidden", hidden), ("residual", residual)):
         _check_tensor(t, name, dtype, (seqs, shape.hidden))
-    _check_tensor(cos_sin, "cos_sin", dtype, (shape.num_positions, 2 * shape.head_dim))
     _check_tensor(positions, "positions", torch.int64, (seqs,))
     _check_tensor(slots, "slots", torch.int64, (seqs,))
     _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
     _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
     status = library().kvd_decode_layers(
         _struct("kvd_shape", shape), _layer_array(layers), len(layers), _ptr(hidden), _ptr(residual), seqs,
-        _ptr(cos_sin), _ptr(positions), _ptr(slots), _ptr(block_tables), block_tables.shape[1],
+        _ptr(positions), _ptr(slots), _ptr(block_tables), block_tables.shape[1],
         _ptr(context_lens), _threads(),
     )  # fmt: skip
     _check(status, "decode layers")

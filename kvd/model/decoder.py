@@ -189,21 +189,27 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
-        rope = self.rotary.lookup(positions)
-        sliding_rope = rope if self.sliding_rotary is None else self.sliding_rotary.lookup(positions)
         sliding_attn = self._sliding_metadata(attn)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
         decoder = self._decoder_for(hidden, attn)
         if decoder is not None:
-            decoder.forward(hidden, residual, self.rotary.cos_sin_cache, positions, attn)
+            decoder.forward(hidden, residual, positions, attn)
         else:
-            for layer in self.model.layers:
+            rows = {id(r): r.lookup(positions) for r in (self.rotary, self.sliding_rotary) if r is not None}
+            for layer, rotary in zip(self.model.layers, self.layer_rotaries(), strict=True):
                 sliding = layer.self_attn.window is not None
                 hidden, residual = layer(
-                    hidden, residual, sliding_rope if sliding else rope, sliding_attn if sliding else attn
+                    hidden, residual, rows[id(rotary)], sliding_attn if sliding else attn
                 )
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def layer_rotaries(self) -> list[RotaryEmbedding]:
+        """Each layer's rotary table: the sliding layers' own where the model has one (Gemma 3)."""
+        return [
+            self.sliding_rotary if self.sliding_rotary is not None and layer.self_attn.window else self.rotary
+            for layer in self.model.layers
+        ]
 
     def _sliding_metadata(self, attn: AttentionMetadata) -> AttentionMetadata:
         """The step's metadata for the sliding layers; `attn` itself when the model has none."""

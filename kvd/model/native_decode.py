@@ -80,14 +80,18 @@ class NativeDecoder:
                 post_attention_norm=_norm(layer.post_attention_layernorm),
                 q_norm=_norm(layer.self_attn.q_norm),
                 k_norm=_norm(layer.self_attn.k_norm),
+                attn_output_norm=_norm(layer.attn_output_norm),
+                mlp_output_norm=_norm(layer.mlp_output_norm),
+                cos_sin=rotary.cos_sin_cache.data_ptr(),
                 qkv=_parts(layer.self_attn.qkv_proj),
                 o=layer.self_attn.o_proj.native_weight(),
                 gate_up=_parts(layer.mlp.gate_up_proj),
                 down=layer.mlp.down_proj.native_weight(),
                 kv_cache=layer.self_attn.kv_cache.data_ptr(),
                 window=layer.self_attn.window or 0,
+                gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
             )
-            for layer in layers
+            for layer, rotary in zip(layers, model.layer_rotaries(), strict=True)
         )
         self.key = self._key(model)
         # Float32 linears leave large steps to torch's matmul, unless batch invariance keeps them native.
@@ -119,16 +123,19 @@ class NativeDecoder:
         norms = [
             n
             for layer in layers
-            for n in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm)
+            for n in (
+                layer.input_layernorm,
+                layer.post_attention_layernorm,
+                layer.self_attn.q_norm,
+                layer.attn_output_norm,
+            )
             if n is not None
         ]
-        config = model.config
+        tables = [rotary.cos_sin_cache for rotary in model.layer_rotaries()]
         return (
-            # The C loop adds sublayer outputs as they are, gates by SiLU, and rotates every layer alike.
-            config.residual_multiplier == 1.0
-            and not config.output_norms
-            and config.hidden_act == "silu"
-            and config.sliding_rope_theta is None
+            model.config.residual_multiplier == 1.0  # the C loop adds sublayer outputs as they are
+            and model.config.hidden_act in ("silu", "gelu_pytorch_tanh")
+            and all(t.dtype == dtype and t.shape == tables[0].shape and t.is_contiguous() for t in tables)
             and all(_native_linear(m, dtype) for m in _linears(layers))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
@@ -151,13 +158,12 @@ class NativeDecoder:
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor,
-        cos_sin: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
     ) -> None:
         """Run every layer in place on hidden and residual [S, hidden_size] (contiguous, the model's dtype)."""
         plan: NativeDecodePlan = attn.decode
         cpu_native.decode_layers(
-            self.shape, self.layers, hidden, residual, cos_sin, positions.contiguous(), attn.slot_mapping,
+            self.shape, self.layers, hidden, residual, positions.contiguous(), attn.slot_mapping,
             plan.block_tables, plan.context_lens,
         )  # fmt: skip

@@ -12,15 +12,23 @@ from kvd.kernels import cpu_native
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; torch's ops compute it in gate's memory (the caller's fresh projection output)."""
-    if cpu_native.supports(gate) and gate.dim() == 2 and gate.stride() == up.stride() and gate.stride(1) == 1:
-        # The native layer loop of decode steps (kvd.model.native_decode) uses the same kernel.
+    if _native(gate, up):
         return cpu_native.silu_mul(gate, up)
     return F.silu(gate, inplace=True).mul_(up)
 
 
 def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate, tanh approximation) * up, as transformers' gelu_pytorch_tanh computes it."""
+    """gelu(gate, tanh approximation) * up (transformers' gelu_pytorch_tanh)."""
+    if _native(gate, up):
+        return cpu_native.gelu_tanh_mul(gate, up)
     return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def _native(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    # The native layer loop of decode steps (kvd.model.native_decode) uses the same kernels.
+    return (
+        cpu_native.supports(gate) and gate.dim() == 2 and gate.stride() == up.stride() and gate.stride(1) == 1
+    )
 
 
 def gated_activation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
