@@ -62,6 +62,38 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "logits_scaling": 3.0,
         },
     ),
+    "olmo2": ("Olmo2Config", {}),  # output norms only, q/k norms over all heads
+    # Fused qkv and gate_up; LongRoPE's short factors (the table is no longer than the trained length).
+    "phi3": (
+        "Phi3Config",
+        {
+            "original_max_position_embeddings": 256,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
+    # LongRoPE's long factors and attention factor: a table past the trained 16 positions (the prompts are
+    # longer, so that transformers takes the long factors too).
+    "phi3_long": (
+        "Phi3Config",
+        {
+            "original_max_position_embeddings": 16,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+            "pad_token_id": 0,
+            "eos_token_id": 1,
+            "bos_token_id": 2,
+        },
+    ),
     # A sliding layer (window 8: the parity prompts are longer) before a full one, each with its own RoPE base;
     # the attention scale off 1 / sqrt(head_dim) and the logits soft-capped, so that each shows.
     "gemma3": (

@@ -46,6 +46,7 @@ MODES = [
     # Qwen2's in the native layer loop over an 8-bit pool.
     ("bfloat16", "int4", "gemma3", "auto"),
     ("float32", "int8", "qwen2_window", "int8"),
+    ("float32", "int4", "olmo2", "auto"),  # no input norms, q/k norms over all heads (the Python loop)
 ]
 
 

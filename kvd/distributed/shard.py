@@ -74,6 +74,11 @@ class ShardPlan(Generic[C]):
         config, n = self.config, self.shard.world_size
         if not self.shard.sharded:
             return config
+        if getattr(config, "qk_norm_all_heads", False):
+            raise ShardingError(
+                "this model norms q and k over all their heads at once (OLMo 2), which ranks holding some heads "
+                "each cannot compute: run it at a tensor-parallel size of 1"
+            )
         if config.num_key_value_heads < n:
             raise ShardingError(
                 f"the model has {config.num_key_value_heads} KV heads, fewer than {n} ranks: use a "

@@ -10,7 +10,7 @@ from kvd.model.registry import SUPPORTED_ARCHITECTURES, family_class
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 # The MLP's gate activation (config.json's hidden_act, or Gemma's hidden_activation) -> kvd.model.layers.activation.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' values
@@ -29,6 +29,8 @@ class Layout:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    qk_norm_all_heads: bool = False  # with qk_norm: over all of q's heads and all of k's at once (OLMo 2)
+    input_norms: bool = True  # an RMSNorm before attention and before the MLP (OLMo 2 norms outputs only)
     sliding_window: int | None = None  # the attention window of the layers layer_types marks SLIDING
     # Each layer's attention, SLIDING or FULL; None: every layer slides when there is a window.
     layer_types: tuple[str, ...] | None = None
@@ -65,6 +67,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    qk_norm_all_heads: bool = False  # this and the next: see Layout
+    input_norms: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
@@ -163,6 +167,8 @@ class ModelConfig:
             o_proj_bias=layout.o_proj_bias,
             mlp_bias=layout.mlp_bias,
             qk_norm=layout.qk_norm,
+            qk_norm_all_heads=layout.qk_norm_all_heads,
+            input_norms=layout.input_norms,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             model_type=model_type,
@@ -228,7 +234,10 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; only full rotary is")
     if rope_type == "default":
         return theta, None
-    if rope_type == "llama3":
-        # transformers falls back to max_position_embeddings when the original length is not given.
-        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
+    if rope_type in ("llama3", "longrope"):
+        # transformers falls back to the config's own keys when the parameters do not give them.
+        original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
+        params.setdefault("original_max_position_embeddings", original)
+    if rope_type == "longrope":
+        params["max_position_embeddings"] = d.get("max_position_embeddings", 2048)
     return theta, {"rope_type": rope_type, **params}

@@ -60,16 +60,21 @@ class SelfAttention(nn.Module):
             config.hidden_size, [config.q_size, config.kv_size, config.kv_size], bias=config.attention_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qk_norm_all_heads = config.qk_norm_all_heads
+        q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_all_heads else (config.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:
             raise KVCacheNotBoundError("call model.bind_kv_cache(allocate_kv_cache(...)) before forward")
         tokens = x.shape[0]
-        q, k, v = (t.view(tokens, -1, self.head_dim) for t in self.qkv_proj.forward_shards(x))
-        if self.q_norm is not None:
+        q, k, v = self.qkv_proj.forward_shards(x)
+        if self.q_norm is not None and self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale)
@@ -90,15 +95,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face Llama's names),
-    and with config.output_norms an RMSNorm on each sublayer's output (Gemma's sandwich)."""
+    """input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face Llama's names;
+    neither without config.input_norms), and with config.output_norms an RMSNorm on each sublayer's output
+    (Gemma's sandwich, OLMo 2's post-norms)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard, index: int) -> None:
         super().__init__()
         window = config.sliding_window if config.layer_types[index] == SLIDING else None
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.input_norms else None
+        self.input_layernorm, self.post_attention_layernorm = norm, copy.deepcopy(norm)
         self.self_attn = SelfAttention(config, backend, shard, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, shard)
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
         self.attn_output_norm, self.mlp_output_norm = norm, copy.deepcopy(norm)
@@ -112,9 +118,9 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
-        hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = _add_and_norm(hidden, residual, self.input_layernorm)
         hidden = self._output(self.self_attn(hidden, rope, attn), self.attn_output_norm)
-        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        hidden, residual = _add_and_norm(hidden, residual, self.post_attention_layernorm)
         return self._output(self.mlp(hidden), self.mlp_output_norm), residual
 
     def _output(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -122,6 +128,16 @@ class DecoderLayer(nn.Module):
         dtype, as transformers' residual + out * m rounds it)."""
         out = out if norm is None else norm(out)
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+
+
+def _add_and_norm(
+    hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sublayer's input, the residual stream with `hidden` added in place): normed, or the stream itself."""
+    if norm is not None:
+        return norm.add_and_norm(hidden, residual)
+    residual.add_(hidden)
+    return residual, residual
 
 
 class DecoderModel(nn.Module):
@@ -182,6 +198,12 @@ class CausalLM(nn.Module):
     def read_layout(hf_config: dict[str, Any]) -> Layout:
         """The optional pieces this family's config.json (as a dict) turns on; by default none."""
         return Layout()
+
+    @staticmethod
+    def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The tensors in Hugging Face Llama's names that a checkpoint tensor holds (the loader cuts a tensor-parallel
+        rank's slice from these): by default the tensor itself."""
+        return [(name, tensor)]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata

@@ -79,6 +79,10 @@ _ARCH_LAYER_TENSORS = {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "olmo2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight alone):
 # as kvd's model holds them, so they load as they are (norms_hold_offset).

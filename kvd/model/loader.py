@@ -164,13 +164,19 @@ def load_model(
                 "quantization 'gguf' runs a GGUF file's own types; this model is no GGUF file"
             )
         taken = checkpoint.install_native(causal_lm, run_dtype, plan)
+    family = family_class(config.model_type)
+    tensors = tqdm(
+        checkpoint.weights(taken),
+        total=checkpoint.num_tensors - len(taken),
+        desc=f"Loading {name}",
+        unit="tensor",
+        disable=None,
+    )
     causal_lm.load_weights(  # casts to the parameters' dtype
-        tqdm(
-            ((n, plan.tensor(n, t)) for n, t in checkpoint.weights(taken)),
-            total=checkpoint.num_tensors - len(taken),
-            desc=f"Loading {name}",
-            unit="tensor",
-            disable=None,
+        (
+            (part, plan.tensor(part, t))
+            for n, whole in tensors
+            for part, t in family.checkpoint_tensors(config, n, whole)
         ),
         offset_norms=not checkpoint.norms_offset,
     )

@@ -134,6 +134,8 @@ class NativeDecoder:
         tables = [rotary.cos_sin_cache for rotary in model.layer_rotaries()]
         return (
             model.config.residual_multiplier == 1.0  # the C loop adds sublayer outputs as they are
+            and model.config.input_norms  # ... norms each sublayer's input ...
+            and not model.config.qk_norm_all_heads  # ... and q and k per head
             and model.config.hidden_act in ("silu", "gelu_pytorch_tanh")
             and all(t.dtype == dtype and t.shape == tables[0].shape and t.is_contiguous() for t in tables)
             and all(_native_linear(m, dtype) for m in _linears(layers))

@@ -22,6 +22,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Gemma3ForCausalLM": "gemma3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
 # A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -30,6 +32,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

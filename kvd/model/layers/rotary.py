@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox layout) with default, linear and llama3 frequency scaling."""
+"""Rotary position embedding (neox layout) with default, linear, llama3 and longrope frequency scaling."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
     rope_type = scaling["rope_type"] if scaling else "default"
     if rope_type == "default":
         return inv_freq
-    factor = scaling["factor"]
+    factor = scaling.get("factor")
     if rope_type == "linear":
         return inv_freq / factor
     if rope_type == "llama3":
@@ -30,7 +30,24 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
+    if rope_type == "longrope":
+        # Per-frequency divisors: the long ones for a table past the trained length (llama.cpp's rule: by the
+        # served length, not by each sequence's, so that every sequence and batch rotates alike).
+        long = scaling["max_position_embeddings"] > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     raise ValueError(f"unknown rope_type {rope_type!r}")
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos and sin are multiplied by: 1, or longrope's sqrt(1 + ln(factor) / ln(trained length))."""
+    if not scaling or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 @dataclass
@@ -55,7 +72,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         # A buffer, so model.to(dtype) casts it: transformers also casts float32 cos/sin to the model dtype.
-        cos, sin = freqs.cos(), freqs.sin()
+        scale = attention_factor(scaling)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
         table = torch.cat((cos, cos, -sin, sin), dim=-1)
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
