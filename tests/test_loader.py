@@ -395,7 +395,9 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
         assert [getattr(config, n) for n in names] == pytest.approx([getattr(hf, n) for n in names])
     assert config.rope_theta == hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"]
     assert config.max_position_embeddings == hf.max_position_embeddings
-    assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (arch in ("qwen3", "gemma3", "olmo2"))
+    assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (
+        arch in ("qwen3", "gemma3", "olmo2")
+    )
     if arch == "gemma3":
         assert (config.attention_window, config.layer_types) == (8, ("sliding_attention",) * 2)
         assert (config.attention_scale, config.sliding_rope_theta) == (16**-0.5, 10000.0)

@@ -246,6 +246,14 @@ def test_config_features_kvd_lacks_are_refused_naming_the_field(overrides, messa
         ModelConfig.from_hf_dict(_llama_dict(**overrides))
 
 
+def test_olmo2_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkpoint):
+    from kvd.distributed.shard import Shard, ShardingError, ShardPlan
+
+    config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint("olmo2") / "config.json").read_text()))
+    with pytest.raises(ShardingError, match=r"all their heads at once.*tensor-parallel size of 1"):
+        ShardPlan(config, Shard(0, 2)).local_config()
+
+
 def test_load_weights_rejects_unknown_missing_and_misshaped(tiny_checkpoint):
     from safetensors.torch import load_file
 

@@ -86,6 +86,8 @@ def _close_rows(got: dict, want: dict) -> None:
     ("family", "quantization", "kv_cache_dtype"),
     [
         *((f, "none", "auto") for f in ("llama", "llama3_rope", "linear_rope", "mistral", "qwen2", "qwen3")),
+        ("gemma3", "none", "auto"),  # sliding-window layers, their own RoPE base, output norms on shards
+        ("phi3_long", "none", "auto"),  # fused checkpoint tensors cut into Llama's, then sliced per rank
         ("llama", "int4", "auto"),  # the native quantized kernels on shards
         ("qwen2", "int8", "auto"),
         ("qwen3", "none", "int8"),  # every rank's pool in 8 bits: the plan carries the pool's dtype

@@ -61,7 +61,9 @@ class SelfAttention(nn.Module):
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm_all_heads = config.qk_norm_all_heads
-        q_width, k_width = (config.q_size, config.kv_size) if self.qk_norm_all_heads else (config.head_dim,) * 2
+        q_width, k_width = (
+            (config.q_size, config.kv_size) if self.qk_norm_all_heads else (config.head_dim,) * 2
+        )
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
         self.kv_cache: torch.Tensor | None = None
@@ -200,7 +202,9 @@ class CausalLM(nn.Module):
         return Layout()
 
     @staticmethod
-    def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(
+        config: ModelConfig, name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
         """The tensors in Hugging Face Llama's names that a checkpoint tensor holds (the loader cuts a tensor-parallel
         rank's slice from these): by default the tensor itself."""
         return [(name, tensor)]

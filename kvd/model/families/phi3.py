@@ -19,9 +19,13 @@ class Phi3ForCausalLM(CausalLM):
         return Layout(sliding_window=None if window is None else int(window))
 
     @staticmethod
-    def checkpoint_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def checkpoint_tensors(
+        config: ModelConfig, name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
         if ".qkv_proj." in name:
-            parts = zip(("q_proj", "k_proj", "v_proj"), (config.q_size, config.kv_size, config.kv_size), strict=True)
+            parts = zip(
+                ("q_proj", "k_proj", "v_proj"), (config.q_size, config.kv_size, config.kv_size), strict=True
+            )
         elif ".gate_up_proj." in name:
             parts = zip(("gate_proj", "up_proj"), (config.intermediate_size,) * 2, strict=True)
         else:
