@@ -1,0 +1,39 @@
+"""The families added after the first four, through a real daemon: the same greedy tokens as in process (a prompt
+longer than Gemma 3's tiny window), streamed alike, and embeddings. (Structured output is the same path for every
+family: tests/test_structured_output.py; these tiny checkpoints' tokenizer is larger than their vocabulary, which
+grammars refuse.)"""
+
+from __future__ import annotations
+
+import pytest
+from daemon_fixtures import start_daemon
+
+from kvd import LLM, SamplingParams
+
+PROMPT = [(7 * i + 3) % 250 for i in range(30)]  # longer than the tiny Gemma 3's 8-token window
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma3", "olmo2", "phi3"])
+def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
+    folder = tiny_checkpoint(family)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16M")
+    expected = llm.generate([PROMPT], greedy, use_tqdm=False)[0].token_ids
+    del llm
+    daemon = start_daemon(tmp_path, "--dtype", "float32", model=folder, kv_cache_memory="16M")
+    try:
+        with daemon.client() as client:
+            assert client.info()["model"] == folder.name
+            got = client.generate(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
+            assert got.token_ids == expected
+            streamed = [
+                t
+                for chunk in client.stream(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
+                for t in chunk.token_ids
+            ]
+            assert streamed == expected
+            vectors = client.embed([PROMPT, PROMPT[:9]]).embeddings
+            assert len(vectors) == 2 and vectors[0] != vectors[1]
+            assert all(abs(sum(x * x for x in v) - 1.0) < 1e-4 for v in vectors)
+    finally:
+        assert daemon.stop() == 0, daemon.log()
