@@ -66,7 +66,11 @@ def assert_params_equal_hf(
     for name, param in ours.items():
         part = name.split(".")[-2]
         checkpoint_name = loaded.model.rename_weight(name, back=True)
-        sources = [checkpoint_name.replace(part, p) for p in fused.get(part, (part,))]
+        sources = (  # a checkpoint that fuses them too (Phi-3), or the parts stacked
+            [checkpoint_name]
+            if checkpoint_name in hf_state
+            else [checkpoint_name.replace(part, p) for p in fused.get(part, (part,))]
+        )
         expected = torch.cat([hf_state[s] for s in sources])
         if offset and name.endswith("norm.weight"):
             expected = expected.float() + offset

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -236,6 +237,19 @@ TINY = {
         },
     ),
     "olmo2": (transformers.Olmo2Config, {}),
+    # Fused qkv and gate_up in one file tensor each; LongRoPE's factors as tensors beside the trained length.
+    "phi3": (
+        transformers.Phi3Config,
+        {
+            "original_max_position_embeddings": 32,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + i / 8 for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+            },
+            "pad_token_id": 0,
+        },
+    ),
     # What a Gemma 3 file leaves implicit, as llama.cpp reads it: five sliding layers to one full (both sliding
     # here), the attention scale from head_dim, the sliding layers' RoPE base 10000.
     "gemma3": (
@@ -323,6 +337,19 @@ def write_tiny_gguf(
         writer.add_logit_scale(config.logits_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "phi3":  # as llama.cpp's converter writes Phi-3's window and LongRoPE
+        writer.add_sliding_window(config.sliding_window or 0)
+        writer.add_rope_dimension_count(head_dim)
+        rope = config.rope_parameters
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(32)) if scale > 1 else 1.0
+        )
+        for kind in ("long", "short"):
+            writer.add_tensor(
+                f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32)
+            )
     tokens, merges, types = tiny_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -398,10 +425,31 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (
         arch in ("qwen3", "gemma3", "olmo2")
     )
+    if arch == "phi3":
+        assert config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["long_factor"][1] == 3.0
     if arch == "gemma3":
         assert (config.attention_window, config.layer_types) == (8, ("sliding_attention",) * 2)
         assert (config.attention_scale, config.sliding_rope_theta) == (16**-0.5, 10000.0)
     assert (config.bos_token_id, config.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+
+
+def test_a_phi3_file_runs_its_fused_tensors_in_their_own_type(tmp_path):
+    """attn_qkv and ffn_up (Q8_0 here) cut by rows into the parts of kvd's projections, in the file's type; greedy
+    tokens follow the dequantized model's (only the activations' int8 rounding between them)."""
+    from greedy_helper import greedy_generate
+
+    path = tmp_path / "tiny-phi3.gguf"
+    fused = {f"blk.{i}.{t}.weight": Q.Q8_0 for i in range(2) for t in ("attn_qkv", "ffn_up", "ffn_down")}
+    write_tiny_gguf(tiny_hf_model("phi3"), path, tensor_types=fused)
+    native = load_model(str(path), dtype="float32", quantization="gguf")
+    # q, k and v's rows of the one file tensor, in one type: one part of them all, split as q, k and v.
+    qkv = native.model.model.layers[0].self_attn.qkv_proj
+    assert [(s.kind, s.bits, s.rows) for s in qkv.specs] == [("blocks", 8, 64 + 32 + 32)]
+    assert qkv.out_sizes == [64, 32, 32]
+    reference = load_model(str(path), dtype="float32", quantization="none")
+    prompt = list(range(3, 40))
+    ours = greedy_generate(native.model, prompt, 8)
+    assert ours == greedy_generate(reference.model, prompt, 8)
 
 
 def test_gguf_config_agrees_with_transformers(tmp_path):

@@ -83,6 +83,7 @@ _ARCH_LAYER_TENSORS = {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as Phi-3's checkpoints
 }
 # llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight alone):
 # as kvd's model holds them, so they load as they are (norms_hold_offset).
@@ -91,6 +92,9 @@ _NORM_SHIFTED = ("gemma3",)
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # Llama 3.1+ rope scaling: llama.cpp keeps only the per-frequency factors (tensor rope_freqs.weight).
 _ROPE_FACTORS = "rope_freqs.weight"
+# Phi-3's LongRoPE factors, stored as tensors too. All three are read into the config, never loaded as weights.
+_LONGROPE_FACTORS = {"long_factor": "rope_factors_long.weight", "short_factor": "rope_factors_short.weight"}
+_CONFIG_TENSORS = {_ROPE_FACTORS, *_LONGROPE_FACTORS.values()}
 # gguf.quants.dequantize works 16 rows at a time; its per-type kernels are ~3x faster on bigger slabs.
 _DEQUANT_ROWS = 256
 
@@ -329,6 +333,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     }
     if arch == "gemma3":
         config |= _gemma3_config(file, config)
+    if arch == "phi3":
+        config |= _phi3_config(file, config)
     if arch == "granite":  # llama.cpp's names for Granite's multipliers
         config |= {
             "embedding_multiplier": key("embedding_scale", 1.0),
@@ -369,6 +375,32 @@ def _gemma3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": md.get("gemma3.final_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
     }
+
+
+def _phi3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's window (0: none, as Phi-4 has), its rotary width (partial where narrower than a head) and LongRoPE
+    (factor tensors beside the trained length and attention factor)."""
+    md = file.metadata
+    out: dict[str, Any] = {"sliding_window": md.get("phi3.attention.sliding_window") or None}
+    rotary = md.get("phi3.rope.dimension_count", config["head_dim"])
+    if rotary != config["head_dim"]:
+        out["partial_rotary_factor"] = rotary / config["head_dim"]
+    if _LONGROPE_FACTORS["long_factor"] in file.tensors:
+        original = md.get("phi3.rope.scaling.original_context_length", config["max_position_embeddings"])
+        factors = {
+            key: dequantize(file.raw(file.tensors[name]), file.tensors[name].qtype).tolist()
+            for key, name in _LONGROPE_FACTORS.items()
+        }
+        attention = md.get("phi3.rope.scaling.attn_factor")
+        out["original_max_position_embeddings"] = original
+        out["rope_scaling"] = {
+            "rope_type": "longrope",
+            **factors,
+            "original_max_position_embeddings": original,
+        }
+        if attention is not None:
+            out["rope_scaling"]["attention_factor"] = attention
+    return out
 
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -454,7 +486,7 @@ def iter_gguf_weights(
     permuted = file.architecture in PERMUTED_QK
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
     for name in file.tensors:
-        if name == _ROPE_FACTORS or name in skip:
+        if name in _CONFIG_TENSORS or name in skip:
             continue  # folded into hf_config["rope_scaling"], or installed in its own type
         hf_name = hf_tensor_name(name, file.architecture)
         if hf_name is None:

@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from kvd.distributed.shard import ShardPlan
+from kvd.model.config import ModelConfig
 from kvd.model.gguf_loader import PERMUTED_QK, GGUFFile, dequantize, native_quantization, unpermute_qk
 from kvd.model.huge_pages import Arenas, return_freed_heap
 from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
@@ -59,6 +60,10 @@ _HF_NAMES = {
 }
 
 
+# (architecture, projection) -> the one file tensor that holds its parts (Phi-3's, as its checkpoints fuse them).
+_FUSED = {("phi3", "self_attn.qkv_proj"): "attn_qkv", ("phi3", "mlp.gate_up_proj"): "ffn_up"}
+
+
 class _Reader:
     def __init__(self, file: GGUFFile, hf_config: dict, dtype: torch.dtype, plan: ShardPlan) -> None:
         self.file, self.dtype, self.plan = file, dtype, plan
@@ -67,12 +72,13 @@ class _Reader:
         self.permuted = file.architecture in PERMUTED_QK  # llama.cpp reorders their q/k rows
 
     def part(
-        self, name: str, hf_name: str, kind: str | None = None
+        self, name: str, hf_name: str, kind: str | None = None, rows: slice | None = None
     ) -> tuple[str, np.ndarray, GGMLQuantizationType]:
         """(name, rows, type) of this rank's slice of one matrix (`hf_name`: the tensor whose shard plan it
-        follows): its stored rows when its type runs natively (F32 too), else float32 values."""
+        follows; `rows`: its rows of a fused file tensor): its stored rows when its type runs natively (F32 too),
+        else float32 values."""
         info = self.file.tensors[name]
-        raw = self.file.raw(info)
+        raw = self.file.raw(info) if rows is None else self.file.raw(info)[rows]
         qtype = info.qtype
         if not native_type(qtype) and qtype != GGMLQuantizationType.F32:
             logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
@@ -111,10 +117,17 @@ class _Reader:
         return raw[:, start // block * unit : (start + length) // block * unit], qtype
 
     def linear(
-        self, k: int, names: list[str], hf_names: list[str], kinds: tuple[str | None, ...], biases: list[str]
+        self,
+        k: int,
+        names: list[str],
+        hf_names: list[str],
+        kinds: tuple[str | None, ...],
+        biases: list[str],
+        rows: list[slice | None] | None = None,
     ) -> GGUFLinear:
         """The linear of these matrices; their pages leave this process's memory once it holds them."""
-        parts = [self.part(*p) for p in zip(names, hf_names, kinds, strict=True)]
+        rows = rows or [None] * len(names)
+        parts = [self.part(*p) for p in zip(names, hf_names, kinds, rows, strict=True)]
         bias = self.bias(biases, [n.replace(".weight", ".bias") for n in hf_names])
         linear = GGUFLinear(k, parts, bias, self.dtype, self.arenas.empty)
         self.file.drop_pages()
@@ -141,12 +154,20 @@ def install(
     hidden = model.config.hidden_size
     for i, layer in enumerate(model.model.layers):
         for path, kinds in _LINEARS.items():
-            names = [f"blk.{i}.{kind}.weight" for kind in kinds]
-            hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
-            biases = [f"blk.{i}.{kind}.bias" for kind in kinds]
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
-            k = getattr(parent, attr).weight.shape[1]
-            setattr(parent, attr, reader.linear(k, names, hf_names, kinds, biases))
+            linear = getattr(parent, attr)
+            hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
+            fused = _FUSED.get((file.architecture, path))
+            if fused is None:
+                names, rows = [f"blk.{i}.{kind}.weight" for kind in kinds], None
+            else:  # one file tensor holds the whole model's parts, stacked by rows (each rank then cuts its own)
+                names = [f"blk.{i}.{fused}.weight"] * len(kinds)
+                sizes = _part_rows(plan.config, path)
+                ends = np.cumsum(sizes).tolist()
+                rows = [slice(end - size, end) for end, size in zip(ends, sizes, strict=True)]
+            biases = [f"blk.{i}.{kind}.bias" for kind in kinds]
+            k = linear.weight.shape[1]
+            setattr(parent, attr, reader.linear(k, names, hf_names, kinds, biases, rows))
             taken.update(names, (b for b in biases if b in file.tensors))
     embed = model.model.embed_tokens
     table = reader.linear(hidden, ["token_embd.weight"], ["model.embed_tokens.weight"], (None,), [])
@@ -158,6 +179,13 @@ def install(
     model.lm_head = None  # the output runs from output_proj alone
     taken.update(("token_embd.weight", "output.weight"))
     return taken
+
+
+def _part_rows(config: ModelConfig, path: str) -> list[int]:
+    """The rows of each part of a fused projection in the whole model."""
+    if path == "self_attn.qkv_proj":
+        return [config.q_size, config.kv_size, config.kv_size]
+    return [config.intermediate_size] * 2
 
 
 def auto_quantization(file: GGUFFile, native: bool) -> str:
