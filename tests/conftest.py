@@ -63,15 +63,17 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
     "olmo2": ("Olmo2Config", {}),  # output norms only, q/k norms over all heads
-    # Fused qkv and gate_up; LongRoPE's short factors (the table is no longer than the trained length).
+    # Fused qkv and gate_up; LongRoPE's short factors (the table is no longer than the trained length); half of
+    # each head rotated, as Phi-4-mini rotates three quarters.
     "phi3": (
         "Phi3Config",
         {
+            "partial_rotary_factor": 0.5,
             "original_max_position_embeddings": 256,
             "rope_scaling": {
                 "rope_type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i for i in range(8)],
+                "short_factor": [1.0 + i / 8 for i in range(4)],
+                "long_factor": [2.0 + i for i in range(4)],
             },
             "pad_token_id": 0,
             "eos_token_id": 1,

@@ -182,20 +182,24 @@ def test_store_kv_writes_rows_of_their_own_strides_and_skips_minus_one(dtype):
     assert torch.count_nonzero(flat[:, [s for s in range(24) if s not in slots.tolist()]]) == 0
 
 
-# Head size 40: two eight-pair SIMD steps and four pairs past them, on the scalar loop.
-@pytest.mark.parametrize("head_dim", [64, 40])
+# Head size 40: two eight-pair SIMD steps and four pairs past them, on the scalar loop; rotating 24 of its 40 values
+# (partial rotary): one step and four pairs, the last 16 values left as they are.
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(64, 64), (40, 40), (40, 24)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_is_bit_identical_to_the_torch_ops(dtype, head_dim):
-    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None).to(dtype)
+def test_rotary_is_bit_identical_to_the_torch_ops(dtype, head_dim, rotary_dim):
+    rotary = RotaryEmbedding(rotary_dim, 4096, 10000.0, None).to(dtype)
     positions = torch.tensor([0, 1, 17, 300, 4095])
     q = _qkv_views(5, 9, 3, head_dim, dtype)[0]
     cos, sin = rotary.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
     want = apply_rotary(q.clone(), RotaryRows(cos, sin))
     rows = rotary.lookup(positions)
     assert rows.table is not None  # the native path
+    before = q.clone()
     got = apply_rotary(q, rows)
     assert torch.equal(got, want)
     assert got.data_ptr() == q.data_ptr()  # in place, in the projection output
+    assert torch.equal(got[..., rotary_dim:], before[..., rotary_dim:])
+    assert not torch.equal(got[1:, :, :rotary_dim], before[1:, :, :rotary_dim])  # position 0 is the identity
 
 
 def test_add_rms_norm_matches_torch_in_float32():
@@ -376,7 +380,7 @@ def test_dequantize_refuses_rows_past_the_weight():
 
 def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
-    shape = cpu_native.ModelShape(16, 2, 1, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
+    shape = cpu_native.ModelShape(16, 2, 1, 8, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     cos_sin = torch.zeros(64, 16)
     layer = cpu_native.LayerWeights(

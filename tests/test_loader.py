@@ -237,15 +237,17 @@ TINY = {
         },
     ),
     "olmo2": (transformers.Olmo2Config, {}),
-    # Fused qkv and gate_up in one file tensor each; LongRoPE's factors as tensors beside the trained length.
+    # Fused qkv and gate_up in one file tensor each; LongRoPE's factors as tensors beside the trained length; half
+    # of each head rotated (the file's rope.dimension_count).
     "phi3": (
         transformers.Phi3Config,
         {
+            "partial_rotary_factor": 0.5,
             "original_max_position_embeddings": 32,
             "rope_scaling": {
                 "rope_type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i for i in range(8)],
+                "short_factor": [1.0 + i / 8 for i in range(4)],
+                "long_factor": [2.0 + i for i in range(4)],
             },
             "pad_token_id": 0,
         },
@@ -339,7 +341,9 @@ def write_tiny_gguf(
         writer.add_sliding_window(config.sliding_window)
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3's window and LongRoPE
         writer.add_sliding_window(config.sliding_window or 0)
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(
+            int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+        )
         rope = config.rope_parameters
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         scale = config.max_position_embeddings / rope["original_max_position_embeddings"]
@@ -427,6 +431,7 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     )
     if arch == "phi3":
         assert config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["long_factor"][1] == 3.0
+        assert (config.head_dim, config.rotary_dim) == (16, 8)
     if arch == "gemma3":
         assert (config.attention_window, config.layer_types) == (8, ("sliding_attention",) * 2)
         assert (config.attention_scale, config.sliding_rope_theta) == (16**-0.5, 10000.0)
@@ -434,9 +439,9 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
 
 
 def test_a_phi3_file_runs_its_fused_tensors_in_their_own_type(tmp_path):
-    """attn_qkv and ffn_up (Q8_0 here) cut by rows into the parts of kvd's projections, in the file's type; greedy
-    tokens follow the dequantized model's (only the activations' int8 rounding between them)."""
-    from greedy_helper import greedy_generate
+    """attn_qkv and ffn_up (Q8_0 here) cut by rows into the parts of kvd's projections, in the file's type: each
+    projection holds exactly the rows the dequantized model's weight holds, in its order."""
+    from kvd.kernels import cpu_native
 
     path = tmp_path / "tiny-phi3.gguf"
     fused = {f"blk.{i}.{t}.weight": Q.Q8_0 for i in range(2) for t in ("attn_qkv", "ffn_up", "ffn_down")}
@@ -447,9 +452,13 @@ def test_a_phi3_file_runs_its_fused_tensors_in_their_own_type(tmp_path):
     assert [(s.kind, s.bits, s.rows) for s in qkv.specs] == [("blocks", 8, 64 + 32 + 32)]
     assert qkv.out_sizes == [64, 32, 32]
     reference = load_model(str(path), dtype="float32", quantization="none")
-    prompt = list(range(3, 40))
-    ours = greedy_generate(native.model, prompt, 8)
-    assert ours == greedy_generate(reference.model, prompt, 8)
+    for i in range(2):
+        for path in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+            linear = native.model.model.layers[i].get_submodule(path)
+            rows = linear.specs[0].rows
+            got = cpu_native.dequantize(linear.part_weight(0), 0, torch.empty(rows, linear.in_features))
+            want = reference.model.model.layers[i].get_submodule(path).row_weight()
+            assert torch.equal(got, want), (i, path)
 
 
 def test_gguf_config_agrees_with_transformers(tmp_path):

@@ -35,8 +35,9 @@ def _run(
     return outputs, model
 
 
-# plain; q/k/v biases; a sliding-window layer; q/k norms; Gemma 3 (output norms, GELU, two rotary tables)
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_window", "qwen3", "gemma3"])
+# plain; q/k/v biases; a sliding-window layer; q/k norms; Gemma 3 (output norms, GELU, two rotary tables); Phi-3
+# with half of each head rotated
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_window", "qwen3", "gemma3", "phi3"])
 @pytest.mark.parametrize(
     ("dtype", "quantization"),
     [("float32", "int4"), ("float32", "int8"), ("bfloat16", "int4"), ("bfloat16", "none")],

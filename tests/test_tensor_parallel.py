@@ -179,7 +179,7 @@ def test_step_inputs_round_trip_and_trim_block_tables():
 def test_uneven_kv_heads_split_in_whole_groups_and_cpulists_parse():
     config = ModelConfig(
         vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
+        num_key_value_heads=3, head_dim=8, rotary_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, rope_scaling=None,
         max_position_embeddings=64, tie_word_embeddings=True, attention_bias=False,
     )  # fmt: skip
     parts = [ShardPlan(config, Shard(r, 2)).local_config() for r in range(2)]

@@ -69,7 +69,7 @@ typedef struct {
     const void* k_norm;
     const void* attn_output_norm;  // NULL, or the norm of the attention's output before its residual add
     const void* mlp_output_norm;   // likewise of the MLP's
-    const void* cos_sin;           // the rotary table [kvd_shape.num_positions, 2 head_dim] (kvd_rotary)
+    const void* cos_sin;           // the rotary table [kvd_shape.num_positions, 2 rotary_dim] (kvd_rotary)
     kvd_weight qkv[KVD_MAX_PARTS];
     kvd_weight o;
     kvd_weight gate_up[KVD_MAX_PARTS];
@@ -82,7 +82,7 @@ typedef struct {
 // bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
 // the pool holds 8-bit rows instead (kvd_paged_attention).
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size, num_positions;
+    int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate, num_blocks, block_size, num_positions;
     float eps, scale;
     int32_t bf16, kv8;
 } kvd_shape;
@@ -127,10 +127,10 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 int kvd_store_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, void* pool, int bf16, int kv8,
                  int64_t num_slots, int64_t kv_heads, int64_t D, const int64_t* slots, int64_t T);
 
-// Rotate x [T, heads, D] (token t at t x stride) in place by the rows of cos_sin [num_positions, 2 * D] (cos |
-// signed sin) at positions[t].
-int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
-               int64_t num_positions, const int64_t* positions, int nthreads);
+// Rotate the first R values of each head of x [T, heads, D] (token t at t x stride; R even, R = D unless the model
+// rotates part of a head) in place by the rows of cos_sin [num_positions, 2 * R] (cos | signed sin) at positions[t].
+int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, int64_t R,
+               const void* cos_sin, int64_t num_positions, const int64_t* positions, int nthreads);
 
 // RMSNorm over each head's D values of x [tokens, heads, D] (token t at t x stride, out at t x out_stride; out
 // may be x). x, out and weight share one dtype: float32, or bf16 (normalized in float32 and rounded, then

@@ -197,28 +197,28 @@ static inline void rotate8(char* x, const char* cs, int bf16, int64_t D, int64_t
 }
 #endif
 
-// x * cos + roll(x, D / 2) * sin, each product and the sum rounded in x's dtype as torch computes them. Element
-// i and i + D / 2 read each other, so each pair is rotated together, in place.
-int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, const void* cos_sin,
-               int64_t num_positions, const int64_t* positions, int nthreads) {
+// x * cos + roll(x, R / 2) * sin over a head's first R values, each product and the sum rounded in x's dtype as
+// torch computes them. Element i and i + R / 2 read each other, so each pair is rotated together, in place.
+int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int64_t D, int64_t R,
+               const void* cos_sin, int64_t num_positions, const int64_t* positions, int nthreads) {
     if (!indices_in_range(positions, T, 0, num_positions)) return KVD_BAD_INDEX;
-    const int64_t half = D / 2;
+    const int64_t half = R / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 1)
     for (int64_t t = 0; t < T; t++) {
-        const int64_t row = positions[t] * 2 * D;
+        const int64_t row = positions[t] * 2 * R;
         for (int64_t h = 0; h < heads; h++) {
             const int64_t base = t * stride + h * D;
             int64_t i = 0;
 #if KVD_AVX2
             const int elem = bf16 ? 2 : 4;
             for (; i + 8 <= half; i += 8)
-                rotate8((char*)x + (base + i) * elem, (const char*)cos_sin + (row + i) * elem, bf16, D, half);
+                rotate8((char*)x + (base + i) * elem, (const char*)cos_sin + (row + i) * elem, bf16, R, half);
 #endif
             for (; i < half; i++) {
                 const float lo = load_f(x, base + i, bf16), hi = load_f(x, base + i + half, bf16);
-                float prod[4] = {lo * load_f(cos_sin, row + i, bf16), hi * load_f(cos_sin, row + D + i, bf16),
+                float prod[4] = {lo * load_f(cos_sin, row + i, bf16), hi * load_f(cos_sin, row + R + i, bf16),
                                  hi * load_f(cos_sin, row + i + half, bf16),
-                                 lo * load_f(cos_sin, row + D + i + half, bf16)};
+                                 lo * load_f(cos_sin, row + R + i + half, bf16)};
                 if (bf16)
                     for (int j = 0; j < 4; j++) prod[j] = bf16_to_f32(f32_to_bf16(prod[j]));
                 store_f(x, base + i, prod[0] + prod[1], bf16);
@@ -291,8 +291,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
             kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
         }
         // The k heads follow the q heads in a qkv row: one pass rotates both.
-        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, L->cos_sin, m->num_positions, positions,
-                   nthreads);
+        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, m->rotary_dim, L->cos_sin, m->num_positions,
+                   positions, nthreads);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
                                       m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, m->scale,

@@ -381,21 +381,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 
 def rotary(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] in place by cos_sin's rows [positions] (cos | signed sin, x's dtype); returns x."""
-    head_dim = x.shape[2]
+    """Rotate x [T, heads, D] in place by cos_sin's rows [positions] (cos | signed sin, x's dtype); returns x.
+    A table [positions, 2 R] with R < D rotates each head's first R values only (partial rotary)."""
+    head_dim, rotary_dim = x.shape[2], cos_sin.shape[-1] // 2
     if (
         cos_sin.dtype != x.dtype
         or not cos_sin.is_contiguous()
-        or cos_sin.shape[-1] != 2 * head_dim
-        or head_dim % 2
+        or cos_sin.shape[-1] % 4
+        or rotary_dim > head_dim
     ):
         raise NativeKernelError(
-            f"rotary: the table must be a contiguous {x.dtype} [positions, {2 * head_dim}] tensor, and the head "
-            f"size even (got {cos_sin.dtype} {tuple(cos_sin.shape)}, head size {head_dim})"
+            f"rotary: the table must be a contiguous {x.dtype} [positions, 2 R] tensor, R even and at most the "
+            f"head size (got {cos_sin.dtype} {tuple(cos_sin.shape)}, head size {head_dim})"
         )
     _check_tensor(positions, "positions", torch.int64, (x.shape[0],))
     status = library().kvd_rotary(
-        _ptr(x), _token_stride(x), _is_bf16(x), x.shape[0], x.shape[1], head_dim, _ptr(cos_sin),
+        _ptr(x), _token_stride(x), _is_bf16(x), x.shape[0], x.shape[1], head_dim, rotary_dim, _ptr(cos_sin),
         cos_sin.shape[0], _ptr(positions), _threads(),
     )  # fmt: skip
     _check(status, "rotary")

@@ -57,9 +57,10 @@ class ModelConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    rotary_dim: int  # the leading values of each head that RoPE rotates: head_dim, or less (partial rotary)
     rms_norm_eps: float
     rope_theta: float
-    # None for plain RoPE; else the scaling parameters with a "rope_type" key ("linear" or "llama3").
+    # None for plain RoPE; else the scaling parameters with a "rope_type" key (SUPPORTED_ROPE_TYPES).
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -143,11 +144,18 @@ class ModelConfig:
         hidden_size = int(d["hidden_size"])
         if num_heads % int(d.get("num_key_value_heads") or num_heads):
             raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
-        rope_theta, rope_scaling = _rope(d)
+        rope_theta, rope_scaling, partial_rotary = _rope(d)
         # The family reads its own keys (importing its module, and torch, on first use).
         layout = family_class(model_type).read_layout(d)
         num_layers = int(d["num_hidden_layers"])
         layer_types = _layer_types(layout, num_layers)
+        head_dim = int(d.get("head_dim") or hidden_size // num_heads)
+        rotary_dim = int(head_dim * partial_rotary)  # as transformers rounds it
+        if rotary_dim % 2:
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {partial_rotary} rotates {rotary_dim} of {head_dim} values a head; "
+                "RoPE needs an even number"
+            )
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -157,7 +165,8 @@ class ModelConfig:
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -217,8 +226,9 @@ def _model_type(d: dict[str, Any]) -> str:
     return model_type
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(theta, scaling, the share of each head rotated) from transformers 5's rope_parameters or the older
+    rope_theta + rope_scaling."""
     params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     if FULL in params:  # one set per layer type (Gemma 3): the full layers' here, the sliding ones' in Layout
         params = dict(params[FULL] or {})
@@ -229,15 +239,15 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    partial = params.pop("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; only full rotary is")
+    partial = float(params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
+    if not 0.0 < partial <= 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; it must be in (0, 1]")
     if rope_type == "default":
-        return theta, None
+        return theta, None, partial
     if rope_type in ("llama3", "longrope"):
         # transformers falls back to the config's own keys when the parameters do not give them.
         original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
         params.setdefault("original_max_position_embeddings", original)
     if rope_type == "longrope":
         params["max_position_embeddings"] = d.get("max_position_embeddings", 2048)
-    return theta, {"rope_type": rope_type, **params}
+    return theta, {"rope_type": rope_type, **params}, partial

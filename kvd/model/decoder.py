@@ -182,13 +182,13 @@ class CausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
         )
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.sliding_rotary = (  # the sliding layers' own RoPE base (Gemma 3); None: they share self.rotary
             None
             if config.sliding_rope_theta is None
             else RotaryEmbedding(
-                config.head_dim, config.max_position_embeddings, config.sliding_rope_theta, None
+                config.rotary_dim, config.max_position_embeddings, config.sliding_rope_theta, None
             )
         )
         # A quantized copy of the output projection (kvd.model.layers.quantized_linear), set after loading.

@@ -65,6 +65,7 @@ class NativeDecoder:
             heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim,
+            rotary_dim=config.rotary_dim,
             intermediate=config.intermediate_size,
             num_blocks=cache.shape[1],
             block_size=cache.shape[2],

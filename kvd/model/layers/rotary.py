@@ -85,7 +85,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
-    """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints).
+    """Rotate x [T, heads, head_dim] by its positions' angles (the rotate-half layout of HF checkpoints): its
+    first R values a head for a table of width 2 R (partial rotary), the rest as they are.
 
     transformers computes x * cos + cat(-x2, x1) * sin; rolling x by half gives cat(x2, x1), and the sign lives
     in the table (-sin | sin): the same products and sums, bit for bit, in half the ops. The native kernel does
@@ -93,4 +94,7 @@ def apply_rotary(x: torch.Tensor, rows: RotaryRows) -> torch.Tensor:
     """
     if rows.table is not None:
         return cpu_native.rotary(x, rows.table, rows.positions)
-    return x * rows.cos + x.roll(x.shape[-1] // 2, dims=-1) * rows.sin
+    width = rows.cos.shape[-1]
+    part = x[..., :width]
+    rotated = part * rows.cos + part.roll(width // 2, dims=-1) * rows.sin
+    return rotated if width == x.shape[-1] else torch.cat((rotated, x[..., width:]), dim=-1)
