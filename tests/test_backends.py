@@ -169,9 +169,9 @@ def test_flash_attn_backend_imports_lazily_with_a_clear_error():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def dense_attention(q, keys, values, scale, window=None):
+def dense_attention(q, keys, values, scale, window=None, sinks=None):
     """q [n, H, D] = the last n of keys/values' [ctx, KV, D] positions, causal (each query seeing its last
-    `window` positions when given); float32 [n, H, D]."""
+    `window` positions when given; `sinks` [H]: a logit per head in the softmax, with no value); float32."""
     group = q.shape[1] // keys.shape[1]
     k, v = (x.float().repeat_interleave(group, 1) for x in (keys, values))
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
@@ -180,7 +180,10 @@ def dense_attention(q, keys, values, scale, window=None):
     hidden = positions[None, :] > positions[ctx - n :, None]
     if window is not None:
         hidden |= positions[None, :] <= positions[ctx - n :, None] - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float()[:, None, None].expand(-1, n, 1)), dim=-1)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :ctx], v)
 
 
 def gather_paged(cache, table, length):
@@ -277,7 +280,7 @@ def make_batch(seqs, block_size, num_heads=6, num_kv_heads=2, head_dim=16, dtype
     return pool.to(DEVICE), tables, (q, k, v)
 
 
-def run_backend(backend, seqs, block_size, pool, tables, qkv, window=None):
+def run_backend(backend, seqs, block_size, pool, tables, qkv, window=None, sinks=None):
     """The backend over one step; with a window, a sliding layer's attention (the step's sliding metadata)."""
     pool = pool.clone()
     attn = build_attention_metadata(
@@ -285,35 +288,38 @@ def run_backend(backend, seqs, block_size, pool, tables, qkv, window=None):
     )
     if window is not None:
         attn = attn.sliding
-    return backend.forward(*qkv, pool, attn, 0.25), pool, attn
+    return backend.forward(*qkv, pool, attn, 0.25, sinks), pool, attn
 
 
 WINDOWS = [None, 5, 24]  # none; narrower than any prompt here; wider than some contexts, narrower than others
+SINKS = torch.linspace(-2.0, 5.0, 6, device=DEVICE)  # the batches' six query heads' sink logits
 
 
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "sinks"), [(w, None) for w in WINDOWS] + [(None, SINKS), (5, SINKS)])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_torch_backend_matches_dense_attention(batch, window):
+def test_torch_backend_matches_dense_attention(batch, window, sinks):
     seqs = BATCHES[batch]
     pool, tables, qkv = make_batch(seqs, 16)
-    out, out_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window)
+    out, out_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window, sinks)
     k_cache, v_cache = out_pool[0], out_pool[1]
     row = 0
     for (cached, new), table in zip(seqs, tables, strict=True):
         table = torch.tensor(table)
         keys, values = gather_paged(k_cache, table, cached + new), gather_paged(v_cache, table, cached + new)
-        want = dense_attention(qkv[0][row : row + new], keys, values, 0.25, window)
+        want = dense_attention(qkv[0][row : row + new], keys, values, 0.25, window, sinks)
         torch.testing.assert_close(out[row : row + new].float(), want, rtol=1e-5, atol=1e-5)
         row += new
 
 
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "sinks"), [(w, None) for w in WINDOWS] + [(None, SINKS), (5, SINKS)])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_triton_backend_matches_torch_backend(batch, window):
+def test_triton_backend_matches_torch_backend(batch, window, sinks):
     seqs = BATCHES[batch]
     pool, tables, qkv = make_batch(seqs, 16)
-    expected, expected_pool, _ = run_backend(TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window)
-    out, out_pool, attn = run_backend(TritonAttentionBackend(), seqs, 16, pool, tables, qkv, window)
+    expected, expected_pool, _ = run_backend(
+        TorchAttentionBackend(), seqs, 16, pool, tables, qkv, window, sinks
+    )
+    out, out_pool, attn = run_backend(TritonAttentionBackend(), seqs, 16, pool, tables, qkv, window, sinks)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     assert torch.equal(out_pool, expected_pool)
     assert (attn.decode is not None) == any(n == 1 for _, n in seqs)
@@ -354,6 +360,13 @@ def test_flash_backend_matches_torch_backend(batch, window, variant):
     )
     assert attn.cu_seqlens_k.tolist() == [0, *torch.tensor([c + n for c, n in seqs]).cumsum(0).tolist()]
     assert attn.is_decode == all(n == 1 for _, n in seqs)
+
+
+def test_flash_backend_refuses_attention_sinks_naming_the_backend_that_has_them():
+    seqs = BATCHES["decode"]
+    pool, tables, qkv = make_batch(seqs, 256)
+    with pytest.raises(AttentionBackendError, match=r"no attention sinks.*--attention-backend triton"):
+        run_backend(FlashAttentionBackend(REFERENCE_FLASH_OPS), seqs, 256, pool, tables, qkv, sinks=SINKS)
 
 
 def test_flash_backend_rejects_small_blocks():

@@ -25,30 +25,34 @@ def _qkv_views(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: tor
     return [t.view(tokens, -1, head_dim) for t in fused.split(sizes, dim=-1)]
 
 
-def _attention_reference(q, pool, tables, lens, scale, window=None):
+def _attention_reference(q, pool, tables, lens, scale, window=None, sinks=None):
+    """float64 attention; `sinks` [H]: a logit per query head in the softmax's denominator (a column of its own,
+    whose value is nothing)."""
     block_size, group = pool.shape[2], q.shape[1] // pool.shape[3]
-    flat = pool.view(2, -1, *pool.shape[-2:]).float()
+    flat = pool.view(2, -1, *pool.shape[-2:]).double()
     out = []
     for s, ctx in enumerate(lens.tolist()):
         first = max(0, ctx - window) if window else 0
         slots = [tables[s, t // block_size].item() * block_size + t % block_size for t in range(first, ctx)]
         k = flat[0, slots].repeat_interleave(group, dim=1)
         v = flat[1, slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[s].float(), k) * scale
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+        scores = torch.einsum("hd,thd->ht", q[s].double(), k) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double()[:, None]), dim=1)
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1)[:, : len(slots)], v))
     return torch.stack(out)
 
 
-def _assert_matches_reference_and_alone(q, pool, tables, lens, window=None):
+def _assert_matches_reference_and_alone(q, pool, tables, lens, window=None, sinks=None):
     """The native attention of every row against the torch reference, and bit for bit the same row alone."""
     scale = q.shape[-1] ** -0.5
-    got = cpu_native.paged_attention(q, pool, tables, lens, scale, window)
+    got = cpu_native.paged_attention(q, pool, tables, lens, scale, window, sinks)
     tolerance = 1e-5 if q.dtype == torch.float32 else 1e-2
-    want = _attention_reference(q, pool, tables, lens, scale, window)
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    want = _attention_reference(q, pool, tables, lens, scale, window, sinks)
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
     for s in range(len(lens)):
         alone = cpu_native.paged_attention(
-            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], scale, window
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], scale, window, sinks
         )
         assert torch.equal(alone, got[s : s + 1]), s
 
@@ -76,7 +80,7 @@ def test_paged_attention_reads_the_pool_in_place(dtype, heads, kv_heads, head_di
     want = _attention_reference(q, pool, tables, lens, head_dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
     for s in range(len(lens)):
         alone = cpu_native.paged_attention(
             q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5
@@ -108,12 +112,17 @@ def test_odd_blocks_and_contexts_pair_their_last_key_with_nothing(dtype, block_s
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16)]
 )
-@pytest.mark.parametrize("window", [None, 7, 20])
-def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_dim, block_size, window):
+@pytest.mark.parametrize(
+    ("window", "with_sinks"), [(None, False), (7, False), (20, False), (None, True), (7, True)]
+)
+def test_a_prompts_rows_attend_as_each_row_alone(
+    dtype, heads, kv_heads, head_dim, block_size, window, with_sinks
+):
     """A prompt's rows (contexts 1 .. 40) and a later chunk of another prompt (21 .. 45) among decode rows: on a
     CPU with AMX, a bf16 pool's rows take bf16 tiles (a prompt's rows in chunks of up to 16, 7 query heads a kv
     head: several sets of 16). With a sliding window, each row sees its last `window` tokens, which start inside a
-    block. Every row matches the reference and has the same bits alone."""
+    block. With attention sinks, each query head's own logit joins its softmax's denominator (some large enough to
+    outweigh every key). Every row matches the reference and has the same bits alone."""
     torch.manual_seed(heads + head_dim)
     num_blocks = 24
     tables = torch.randperm(num_blocks).to(torch.int32)[:15].view(5, 3)
@@ -121,7 +130,8 @@ def test_a_prompts_rows_attend_as_each_row_alone(dtype, heads, kv_heads, head_di
     lens = torch.tensor([*range(1, 41), *range(21, 46), 48, 17, 33], dtype=torch.int32)
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim).to(dtype)
     q = _qkv_views(len(lens), heads, kv_heads, head_dim, dtype)[0]
-    _assert_matches_reference_and_alone(q, pool, tables, lens, window)
+    sinks = torch.linspace(-3.0, 6.0, heads) if with_sinks else None
+    _assert_matches_reference_and_alone(q, pool, tables, lens, window, sinks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -384,7 +394,7 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     cos_sin = torch.zeros(64, 16)
     layer = cpu_native.LayerWeights(
-        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0
+        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0
     )
     hidden, residual = torch.zeros(2, 16), torch.zeros(2, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)

@@ -56,7 +56,7 @@ def test_store_quantizes_each_head_row_and_skips_minus_one(dtype):
     assert torch.count_nonzero(pool.view(2, 16, -1)[:, untouched]) == 0
 
 
-def _reference(q, pool, tables, lens, scale, head_dim, window=None):
+def _reference(q, pool, tables, lens, scale, head_dim, window=None, sinks=None):
     """Float64 attention over the pool's dequantized rows, the query heads quantized as the kernel does."""
     block_size, kv_heads = pool.shape[2], pool.shape[3]
     group = q.shape[1] // kv_heads
@@ -71,7 +71,9 @@ def _reference(q, pool, tables, lens, scale, head_dim, window=None):
         k = (kc * ks).double().repeat_interleave(group, dim=1)
         v = (vc * vs).double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", (qc[s] * qs[s]).double(), k) * scale
-        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v))
+        if sinks is not None:  # a logit per query head in the denominator, with no value
+            scores = torch.cat((scores, sinks.double()[:, None]), dim=1)
+        out.append(torch.einsum("ht,thd->hd", scores.softmax(-1)[:, : len(slots)], v))
     return torch.stack(out)
 
 
@@ -80,9 +82,9 @@ def _reference(q, pool, tables, lens, scale, head_dim, window=None):
     ("heads", "kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 2, 128, 32), (14, 2, 64, 16), (4, 4, 8, 16), (6, 1, 12, 16)],
 )
-@pytest.mark.parametrize("window", [None, 19])
+@pytest.mark.parametrize(("window", "with_sinks"), [(None, False), (19, False), (None, True)])
 def test_attention_over_the_codes_matches_torch_and_each_row_alone(
-    dtype, heads, kv_heads, head_dim, block_size, window
+    dtype, heads, kv_heads, head_dim, block_size, window, with_sinks
 ):
     """A prompt's rows (contexts 1 .. 40), a later chunk of another prompt (contexts 21 .. 45) and decode rows of
     other sequences over shuffled blocks; head sizes 64 and 128 take the VNNI scores (16 keys a sum and the keys
@@ -99,13 +101,14 @@ def test_attention_over_the_codes_matches_torch_and_each_row_alone(
     kv = torch.randn(2, len(slots), kv_heads, head_dim).to(dtype)
     cpu_native.store_kv(kv[0], kv[1], pool, slots)
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
-    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5, window)
+    sinks = torch.linspace(-3.0, 6.0, heads) if with_sinks else None
+    got = cpu_native.paged_attention(q, pool, tables, lens, head_dim**-0.5, window, sinks)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    want = _reference(q, pool, tables, lens, head_dim**-0.5, head_dim, window)
+    want = _reference(q, pool, tables, lens, head_dim**-0.5, head_dim, window, sinks)
     torch.testing.assert_close(got.double(), want, rtol=tolerance, atol=tolerance)
     for s in range(len(lens)):
         alone = cpu_native.paged_attention(
-            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5, window
+            q[s : s + 1], pool, tables[s : s + 1], lens[s : s + 1], head_dim**-0.5, window, sinks
         )
         assert torch.equal(alone, got[s : s + 1]), s
 

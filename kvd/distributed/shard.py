@@ -105,6 +105,9 @@ class ShardPlan(Generic[C]):
             return None
         if ".q_proj." in name:
             return (0, *self._rows(self._group()))
+        if name.endswith(".self_attn.sinks"):  # one logit per query head
+            start, length = self._rows(self._group())
+            return 0, start // self.config.head_dim, length // self.config.head_dim
         if ".k_proj." in name or ".v_proj." in name:
             return (0, *self._rows(1))
         if ".gate_proj." in name or ".up_proj." in name:

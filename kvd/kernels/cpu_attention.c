@@ -112,8 +112,10 @@ static inline __attribute__((always_inline)) __m256 dot_rows8(const float* q, co
 #endif
 
 // scores[t] = exp(scores[t] - max) for t < n; returns their sum. Eight at a time where SIMD runs: the order of
-// the sum depends on n alone, so a query's softmax is the same whatever else the call holds.
-static inline float softmax_numerators(float* sc, int64_t n) {
+// the sum depends on n alone, so a query's softmax is the same whatever else the call holds. `sink`: a logit of
+// its own in the denominator (an attention sink; -inf for none, which changes no bit): the max counts it, the sum
+// ends with its exponential.
+static inline float softmax_numerators(float* sc, int64_t n, float sink) {
     float mx = -INFINITY, sum = 0.f;
     int64_t t = 0;
 #if KVD_AVX2
@@ -133,6 +135,7 @@ static inline float softmax_numerators(float* sc, int64_t n) {
     for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
 #endif
     for (; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+    mx = sink > mx ? sink : mx;
     t = 0;
 #if KVD_AVX2
     const __m256 mv = _mm256_set1_ps(mx);
@@ -155,8 +158,11 @@ static inline float softmax_numerators(float* sc, int64_t n) {
         sc[t] = expf(sc[t] - mx);
         sum += sc[t];
     }
-    return sum;
+    return sum + expf(sink - mx);
 }
+
+// The sink logit of query head h, or -inf without sinks.
+static inline float head_sink(const float* sinks, int64_t h) { return sinks ? sinks[h] : -INFINITY; }
 
 // A windowed query sees only the last `window` of its ctx tokens: the scores before them leave the softmax
 // (exp_nonpositive and expf give exactly 0 for -inf). window 0: no window.
@@ -476,7 +482,8 @@ static inline __attribute__((always_inline)) void group_values(float* a, float* 
 static inline __attribute__((always_inline)) void attend_group(
     const void* q, void* out, const char* keys, const char* values, int bf16, int64_t s, int64_t kvh,
     int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
-    const int32_t* table, int64_t ctx, int64_t window, float scale, float* work, kv_stream* st) {
+    const int32_t* table, int64_t ctx, int64_t window, const float* sinks, float scale, float* work,
+    kv_stream* st) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D], pre-scaled
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
@@ -524,7 +531,8 @@ static inline __attribute__((always_inline)) void attend_group(
     }
     float* sums = acc + group * D;  // [group]
     mask_before_window(scores, ctx, group, ctx, window);
-    for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
+    for (int64_t g = 0; g < group; g++)
+        sums[g] = softmax_numerators(scores + g * ctx, ctx, head_sink(sinks, kvh * group + g));
     group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, bf16, group, D, st ? st + 1 : NULL);
     for (int64_t g = 0; g < group; g++) {
         const float inv = 1.f / sums[g];
@@ -671,7 +679,8 @@ static inline void value_scales8(float* p, int64_t stride, int64_t nv, const cha
 static inline __attribute__((always_inline)) void attend_group8(
     const void* q, void* out, const char* keys, const char* values, int q_bf16, int64_t s, int64_t kvh,
     int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,
-    const int32_t* table, int64_t ctx, int64_t window, float scale, float* work, kv_stream* st) {
+    const int32_t* table, int64_t ctx, int64_t window, const float* sinks, float scale, float* work,
+    kv_stream* st) {
     float* scores = work;            // [group, ctx]
     float* qf = work + group * ctx;  // [group, D] floats' room: the query codes, their scales and sums
     float* acc = qf + group * D;     // [group, D], then the softmax sums [group]
@@ -695,7 +704,8 @@ static inline __attribute__((always_inline)) void attend_group8(
     }
     float* sums = acc + group * D;  // [group]
     mask_before_window(scores, ctx, group, ctx, window);
-    for (int64_t g = 0; g < group; g++) sums[g] = softmax_numerators(scores + g * ctx, ctx);
+    for (int64_t g = 0; g < group; g++)
+        sums[g] = softmax_numerators(scores + g * ctx, ctx, head_sink(sinks, kvh * group + g));
     value_scales8(scores, ctx, group, values + head + D, table, ctx, block_size, slot_bytes);
     group_values(acc, scores, values, table, ctx, block_size, slot_bytes, head, KV_INT8, group, D, st ? st + 1 : NULL);
     for (int64_t g = 0; g < group; g++) {
@@ -986,7 +996,8 @@ static int64_t chunk_work_bytes(int64_t group, int64_t D, int64_t longest, int64
 static inline __attribute__((always_inline)) void attend_chunk(
     const void* q, void* out, const char* keys, const char* values, int kind, int q_bf16, int64_t s0, int64_t rows,
     int64_t kvh, int64_t group, const int64_t D, int64_t q_stride, int64_t H, int64_t block_size,
-    int64_t slot_bytes, const int32_t* table, int64_t ctx0, int64_t window, float scale, char* work, kv_stream* st) {
+    int64_t slot_bytes, const int32_t* table, int64_t ctx0, int64_t window, const float* sinks, float scale,
+    char* work, kv_stream* st) {
     const int64_t nv = rows * group, sets = (nv + AMX_ROWS - 1) / AMX_ROWS, ctx = ctx0 + rows - 1;
     const int64_t row = kind == KV_INT8 ? D + KVD_KV8_SCALE_BYTES : D * 2, head = kvh * row;
     const int64_t L = rows == 1 ? ctx : (ctx + 15) / 16 * 16;  // from one head's scores to the next
@@ -1021,7 +1032,7 @@ static inline __attribute__((always_inline)) void attend_chunk(
 #endif
     for (int64_t v = 0; v < nv; v++) {
         mask_before_window(scores + v * L, L, 1, ctx0 + v / group, window);
-        sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group);
+        sums[v] = softmax_numerators(scores + v * L, ctx0 + v / group, head_sink(sinks, kvh * group + v % group));
     }
     if (kind == KV_INT8) value_scales8(scores, L, nv, values + head + D, table, ctx, block_size, slot_bytes);
 #if KVD_TILE_VALUES
@@ -1114,7 +1125,8 @@ static int64_t row_runs(const int32_t* tables, int64_t width, const int32_t* len
 int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
-                               const int32_t* context_lens, int64_t window, float scale, int nthreads) {
+                               const int32_t* context_lens, int64_t window, const float* sinks, float scale,
+                               int nthreads) {
     if (window < 0) return KVD_BAD_INDEX;
     const int64_t longest = checked_max_context(block_tables, table_width, context_lens, S, num_blocks, block_size);
     if (longest < 0) return KVD_BAD_INDEX;
@@ -1184,13 +1196,13 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
                 // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
 #define ATTEND(HEAD_DIM, BF16)                                                                                   \
     attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
-                 ctx, window, scale, work, st)
+                 ctx, window, sinks, scale, work, st)
 #define ATTEND8(HEAD_DIM, BF16)                                                                        \
     attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
-                  table, ctx, window, scale, work, st)
+                  table, ctx, window, sinks, scale, work, st)
 #define ATTEND_CHUNK(HEAD_DIM, KIND, Q_BF16)                                                                  \
     attend_chunk(q, out, keys, values, KIND, Q_BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size, \
-                 slot_bytes, table, ctx, window, scale, (char*)work, st)
+                 slot_bytes, table, ctx, window, sinks, scale, (char*)work, st)
 #if KVD_AMX
                 if (tiles && !kv8 && D == 64)
                     ATTEND_CHUNK(64, 1, 1);

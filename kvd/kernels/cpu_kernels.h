@@ -75,8 +75,9 @@ typedef struct {
     kvd_weight gate_up[KVD_MAX_PARTS];
     kvd_weight down;
     void* kv_cache;
-    int64_t window;  // 0, or the sliding window of this layer's attention (kvd_paged_attention)
-    int32_t gelu;    // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
+    int64_t window;      // 0, or the sliding window of this layer's attention (kvd_paged_attention)
+    const float* sinks;  // NULL, or this layer's attention sinks (kvd_paged_attention)
+    int32_t gelu;        // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
 } kvd_layer;
 
 // bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
@@ -115,11 +116,13 @@ int kvd_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out,
 // block_size, kv_heads, D + 4]: D codes and a float32 scale each (keys' codes + 128, values' signed), which the
 // query heads meet quantized the same way (integer dot products). window > 0: each row sees only the last
 // `window` tokens of its context (a sliding-window layer), and no block before the one holding the first of them
-// is read, so a table's earlier entries may be any block in range.
+// is read, so a table's earlier entries may be any block in range. sinks: NULL, or a float32 logit per query head
+// that joins each softmax's denominator (attention sinks: weight that attends to nothing).
 int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* pool, int bf16, int kv8,
                                int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t D, int64_t S,
                                int64_t H, const int32_t* block_tables, int64_t table_width,
-                               const int32_t* context_lens, int64_t window, float scale, int nthreads);
+                               const int32_t* context_lens, int64_t window, const float* sinks, float scale,
+                               int nthreads);
 
 // The pool's K and V rows at slots[t] = k[t], v[t] (kv_heads x D values; token t at t x k_stride in k, t x
 // v_stride in v), quantized per head into an 8-bit pool (kv8, as kvd_paged_attention reads it); slot -1 is

@@ -295,8 +295,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
                    positions, nthreads);
         kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
-                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, m->scale,
-                                      nthreads) != KVD_OK;
+                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, L->sinks,
+                                      m->scale, nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
         if (L->attn_output_norm)
             kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->attn_output_norm, m->eps, bf16);

@@ -343,24 +343,28 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, H, D] (one query per row) over the pool [2, blocks, block_size, kv_heads, D] in place (an int8
     pool: [..., D + 4], see kvd_paged_attention).
 
     block_tables int32 [S, width] and context_lens int32 [S]: each row's blocks and the tokens it sees (its own
     included); a prompt's rows share their sequence's table, each with its own causal length. `window`: each
-    row sees only its context's last `window` tokens (a sliding-window layer).
+    row sees only its context's last `window` tokens (a sliding-window layer). `sinks`: float32 [H], a logit per
+    query head in each softmax's denominator (attention sinks).
     """
     kv8 = _check_pool(kv_cache, q)
     _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
     seqs, head_dim = q.shape[0], q.shape[-1]
     _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
     _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
+    if sinks is not None:
+        _check_tensor(sinks, "sinks", torch.float32, (q.shape[1],))
     out = torch.empty(q.shape, dtype=q.dtype)
     status = library().kvd_paged_attention(
         _ptr(q), _token_stride(q), _ptr(out), _ptr(kv_cache), _is_bf16(q), kv8, num_blocks, block_size,
         kv_heads, head_dim, seqs, q.shape[1], _ptr(block_tables), block_tables.shape[1], _ptr(context_lens),
-        window or 0, scale, _threads(),
+        window or 0, ffi.NULL if sinks is None else _ptr(sinks), scale, _threads(),
     )  # fmt: skip
     _check(status, "paged attention")
     return out

@@ -34,8 +34,10 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,
     scale: float,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch definition, one sequence at a time in float32.
+    """The torch definition, one sequence at a time in float32 (`sinks` [heads]: a logit per head in each
+    softmax's denominator).
 
     q [S, heads, head_dim]; kv_cache [2, num_blocks, block_size, kv_heads, head_dim]; block_tables int [S, W];
     context_lens int [S]. Sequence s attends to its first context_lens[s] pool tokens, the last `window` of them
@@ -48,7 +50,10 @@ def paged_decode_attention_reference(
         first = max(0, ctx - window) if window else 0
         kv = kv_cache[:, blocks].flatten(1, 2)[:, first:ctx]
         k, v = kv.float().repeat_interleave(num_heads // kv_heads, 2)
-        probs = (torch.einsum("hd,chd->hc", q[s].float(), k) * scale).softmax(-1)
+        scores = torch.einsum("hd,chd->hc", q[s].float(), k) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.float()[:, None]), dim=1)
+        probs = scores.softmax(-1)[:, : k.shape[0]]
         out[s] = torch.einsum("hc,chd->hd", probs, v).to(q.dtype)
     return out
 
@@ -70,16 +75,21 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     batch_invariant: bool = False,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same result as paged_decode_attention_reference, as Triton kernels; writes into `out` when given.
 
     A sequence with context length 0 gets zeros (CUDA-graph padding rows should use length 1 instead).
     `batch_invariant`: MAX_SPLITS splits of a size set by each sequence's own context (num_splits is ignored),
     so a sequence's output is bitwise the same whatever else the launch holds. `window`: each sequence attends
-    its last `window` tokens only (a sliding-window layer); the blocks before them are not read.
+    its last `window` tokens only (a sliding-window layer); the blocks before them are not read. `sinks`: float32
+    [heads], a logit per head in each softmax's denominator (joined where the splits merge, so there are two at
+    least).
     """
     if batch_invariant:
         num_splits = MAX_SPLITS
+    if sinks is not None:
+        num_splits = max(num_splits, 2)
     _check_inputs(q, kv_cache, block_tables, context_lens, num_splits)
     num_seqs, num_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
@@ -130,6 +140,7 @@ def paged_decode_attention(
         merge_kernel[(num_seqs, num_heads)](
             partial,
             lse,
+            sinks if sinks is not None else lse,
             out,
             *partial.stride()[:3],
             out.stride(0),
@@ -138,6 +149,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=max(2, 1 << (num_splits - 1).bit_length()),
+            HAS_SINKS=sinks is not None,
             num_warps=1,  # one [splits, head_dim] tile per program: a single warp covers it
         )
     return out
@@ -268,6 +280,7 @@ def _kernels():
     def merge_kernel(
         partial_ptr,
         lse_ptr,
+        sinks_ptr,  # float32 [heads]: each head's sink logit, read only with HAS_SINKS
         out_ptr,
         partial_stride_seq,
         partial_stride_head,
@@ -278,6 +291,7 @@ def _kernels():
         HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        HAS_SINKS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
@@ -289,8 +303,13 @@ def _kernels():
         )  # lse is a dense [S, heads, splits]
         lse = tl.load(lse_row + splits, mask=split_mask, other=float("-inf"))
         top = tl.max(lse, 0)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head)
+            top = tl.maximum(top, sink)
         weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
         total = tl.sum(weights, 0)
+        if HAS_SINKS:
+            total += tl.exp(sink - top)
         partial = tl.load(
             partial_ptr
             + seq * partial_stride_seq

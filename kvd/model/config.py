@@ -30,6 +30,7 @@ class Layout:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
     qk_norm_all_heads: bool = False  # with qk_norm: over all of q's heads and all of k's at once (OLMo 2)
+    attention_sinks: bool = False  # a learned logit per query head in each softmax's denominator (gpt-oss)
     input_norms: bool = True  # an RMSNorm before attention and before the MLP (OLMo 2 norms outputs only)
     sliding_window: int | None = None  # the attention window of the layers layer_types marks SLIDING
     # Each layer's attention, SLIDING or FULL; None: every layer slides when there is a window.
@@ -68,8 +69,9 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
-    qk_norm_all_heads: bool = False  # this and the next: see Layout
+    qk_norm_all_heads: bool = False  # this and the next two: see Layout
     input_norms: bool = True
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
@@ -177,6 +179,7 @@ class ModelConfig:
             mlp_bias=layout.mlp_bias,
             qk_norm=layout.qk_norm,
             qk_norm_all_heads=layout.qk_norm_all_heads,
+            attention_sinks=layout.attention_sinks,
             input_norms=layout.input_norms,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,

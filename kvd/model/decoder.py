@@ -66,6 +66,11 @@ class SelfAttention(nn.Module):
         )
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
+        # float32 whatever the model's dtype: every backend adds them to float32 scores.
+        sinks = (
+            torch.empty(config.num_attention_heads, dtype=torch.float32) if config.attention_sinks else None
+        )
+        self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
         self.kv_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
@@ -79,7 +84,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale)
+        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, self.sinks)
         return all_reduce(self.o_proj(out.reshape(tokens, -1)), self.shard)
 
 

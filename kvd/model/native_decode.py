@@ -90,6 +90,7 @@ class NativeDecoder:
                 down=layer.mlp.down_proj.native_weight(),
                 kv_cache=layer.self_attn.kv_cache.data_ptr(),
                 window=layer.self_attn.window or 0,
+                sinks=0 if layer.self_attn.sinks is None else layer.self_attn.sinks.data_ptr(),
                 gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
             )
             for layer, rotary in zip(layers, model.layer_rotaries(), strict=True)

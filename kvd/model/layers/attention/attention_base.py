@@ -142,8 +142,11 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, heads, head_dim], k/v [T, kv_heads, head_dim] (after RoPE) -> output [T, heads, head_dim].
 
-        kv_cache is the layer's [2, num_blocks, block_size, kv_heads, head_dim] pool tensor.
+        kv_cache is the layer's [2, num_blocks, block_size, kv_heads, head_dim] pool tensor. sinks: None, or
+        float32 [heads]: a logit per query head that joins its softmax's denominator and attends to nothing
+        (attention sinks, as gpt-oss has).
         """

@@ -15,6 +15,7 @@ import torch
 
 from kvd.kernels.store_kvcache import store_kvcache
 from kvd.model.layers.attention.attention_base import (
+    AttentionBackendError,
     AttentionBackendUnavailableError,
     AttentionMetadata,
     StepLayout,
@@ -100,8 +101,13 @@ class FlashAttentionBackend(GraphDecodeBackend):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_metadata(attn)
+        if sinks is not None:
+            raise AttentionBackendError(
+                "flash-attn has no attention sinks: run this model with --attention-backend triton"
+            )
         store_kvcache(k, v, kv_cache, attn.slot_mapping)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, kv_heads, head_dim]
         if attn.is_decode:

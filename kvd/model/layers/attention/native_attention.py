@@ -70,8 +70,13 @@ class NativeAttentionBackend(TorchAttentionBackend):
         cpu_native.store_kv(k, v, kv_cache, attn.slot_mapping)
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: NativeDecodePlan, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: NativeDecodePlan,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return cpu_native.paged_attention(
-            q, kv_cache, plan.block_tables, plan.context_lens, scale, plan.window
+            q, kv_cache, plan.block_tables, plan.context_lens, scale, plan.window, sinks
         )

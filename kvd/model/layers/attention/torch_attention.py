@@ -110,21 +110,22 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_metadata(attn)
         self._write(k, v, kv_cache, attn)
         decode, prefill = attn.decode, attn.prefill
         if prefill is None and decode is not None and decode.rows is None:
-            return self._decode(q, kv_cache, decode, scale)
+            return self._decode(q, kv_cache, decode, scale, sinks)
         if decode is None and prefill is not None and prefill.pad_index is None:
-            return self._prefill(q, k, v, kv_cache, prefill, scale)
+            return self._prefill(q, k, v, kv_cache, prefill, scale, sinks)
         out = torch.empty_like(q)
         if decode is not None:
             out.index_copy_(
-                0, decode.rows, self._decode(q.index_select(0, decode.rows), kv_cache, decode, scale)
+                0, decode.rows, self._decode(q.index_select(0, decode.rows), kv_cache, decode, scale, sinks)
             )
         if prefill is not None:
-            padded = self._prefill(q, k, v, kv_cache, prefill, scale)
+            padded = self._prefill(q, k, v, kv_cache, prefill, scale, sinks)
             out.index_copy_(0, prefill.out_rows, padded.index_select(0, prefill.out_pos))
         return out
 
@@ -152,12 +153,18 @@ class TorchAttentionBackend(AttentionBackend):
         return kv[0], kv[1]
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, plan: DecodePlan, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: DecodePlan,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         gather = plan.gather
         # GQA by reshape: the query heads that share a kv head become its query rows; K/V are not repeated.
         q = q.view(n, kv_cache.shape[-2], -1, head_dim)
+        sink_logits = None if sinks is None else sinks.view(1, *q.shape[1:3], 1)
         bias = gather.attn_bias(q.dtype)
         # Gather and attend a chunk of sequences at a time, so that SDPA reads the gathered K/V while they are
         # still in cache: on CPU this beats one gather of the whole batch (2-3x at long contexts) and it bounds
@@ -170,7 +177,7 @@ class TorchAttentionBackend(AttentionBackend):
             rows = slice(start, start + step)
             keys, values = self._gather(kv_cache, gather.block_ids[rows], gather.num_slots)
             mask = None if bias is None else bias[rows]
-            chunks.append(F.scaled_dot_product_attention(q[rows], keys, values, attn_mask=mask, scale=scale))
+            chunks.append(_attention(q[rows], keys, values, scale, mask, sink_logits=sink_logits))
         out = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         # reshape: CUDA's SDPA kernels may return the heads' rows strided, where a view cannot merge them.
         return out.reshape(n, num_heads, head_dim)
@@ -183,8 +190,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: PrefillPlan,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Output [num_seqs * max_query_len, heads, head_dim] in the padded layout."""
+        sink_logits = None if sinks is None else sinks.view(1, -1, 1, 1)
         n, width = plan.num_seqs, plan.max_query_len
 
         def padded(x: torch.Tensor) -> torch.Tensor:
@@ -193,20 +202,40 @@ class TorchAttentionBackend(AttentionBackend):
 
         if plan.gather is None:
             # Nothing cached: queries and keys share positions, padding sits at the end: is_causal is exact.
-            out = F.scaled_dot_product_attention(
-                padded(q), padded(k), padded(v), is_causal=True, scale=scale, enable_gqa=True
-            )
+            out = _attention(padded(q), padded(k), padded(v), scale, is_causal=True, sink_logits=sink_logits)
         else:
             keys, values = self._gather(kv_cache, plan.gather.block_ids, plan.gather.num_slots)
-            out = F.scaled_dot_product_attention(
-                padded(q),
-                keys,
-                values,
-                attn_mask=plan.gather.attn_bias(q.dtype),
-                scale=scale,
-                enable_gqa=True,
+            out = _attention(
+                padded(q), keys, values, scale, plan.gather.attn_bias(q.dtype), sink_logits=sink_logits
             )
         return out.transpose(1, 2).reshape(n * width, *q.shape[1:])
+
+
+def _attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    bias: torch.Tensor | None = None,
+    is_causal: bool = False,
+    sink_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA over q [..., heads, L, D] and keys/values [..., kv_heads, S, D] (GQA when fewer); with `sink_logits`
+    (broadcast to [..., heads, L, 1]) written out instead: each sink is one more column of its row's softmax,
+    which attends to nothing (SDPA has no such column)."""
+    if sink_logits is None:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=bias, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    group = q.shape[-3] // keys.shape[-3]
+    keys, values = (x.repeat_interleave(group, dim=-3).float() for x in (keys, values))
+    scores = q.float() @ keys.transpose(-1, -2) * scale
+    if is_causal:  # queries and keys share positions (a prompt with nothing cached)
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if bias is not None:
+        scores = scores + bias.float()
+    scores = torch.cat((scores, sink_logits.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    return (scores.softmax(-1)[..., :-1] @ values).to(q.dtype)
 
 
 def decode_rows(

@@ -90,27 +90,33 @@ class TritonAttentionBackend(GraphDecodeBackend):
         kv_cache: torch.Tensor,
         attn: AttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.check_metadata(attn)
         store_kvcache(k, v, kv_cache, attn.slot_mapping)
         decode, prefill = attn.decode, attn.prefill
         if prefill is None and decode.rows is None:
-            return self._decode(q, kv_cache, decode, scale)
+            return self._decode(q, kv_cache, decode, scale, sinks)
         if decode is None and prefill.rows is None:
-            return self._prefill_backend.forward(q, k, v, kv_cache, prefill.metadata, scale)
+            return self._prefill_backend.forward(q, k, v, kv_cache, prefill.metadata, scale, sinks)
         out = torch.empty_like(q)
         if decode is not None:
-            out.index_copy_(0, decode.rows, self._decode(q[decode.rows], kv_cache, decode, scale))
+            out.index_copy_(0, decode.rows, self._decode(q[decode.rows], kv_cache, decode, scale, sinks))
         if prefill is not None:
             rows = prefill.rows
             attended = self._prefill_backend.forward(
-                q[rows], k[rows], v[rows], kv_cache, prefill.metadata, scale
+                q[rows], k[rows], v[rows], kv_cache, prefill.metadata, scale, sinks
             )
             out.index_copy_(0, rows, attended)
         return out
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, scale: float
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: DecodeGroup,
+        scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return paged_decode_attention(
             q,
@@ -121,6 +127,7 @@ class TritonAttentionBackend(GraphDecodeBackend):
             num_splits=group.num_splits,
             batch_invariant=self.batch_invariant,
             window=group.window,
+            sinks=sinks,
         )
 
     def _prefill_group(
