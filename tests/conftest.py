@@ -26,6 +26,25 @@ _TINY = dict(
     initializer_range=0.1,
 )
 
+
+def phi3_longrope(trained: int, rotated: float, head_dim: int = 16) -> dict:
+    """A tiny Phi-3's LongRoPE settings: trained on `trained` positions, rotating that share of each head (and a
+    padding id inside the tiny vocabulary)."""
+    pairs = int(head_dim * rotated) // 2
+    return {
+        "partial_rotary_factor": rotated,
+        "original_max_position_embeddings": trained,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + i / 8 for i in range(pairs)],
+            "long_factor": [2.0 + i for i in range(pairs)],
+        },
+        "pad_token_id": 0,
+    }
+
+
+_PHI3_TOKENS = {"eos_token_id": 1, "bos_token_id": 2}  # inside the tiny vocabulary, as pad is
+
 # family name -> (transformers config class name, extra config kwargs). Each exercises one config switch.
 TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),  # GQA, untied embeddings
@@ -65,37 +84,10 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "olmo2": ("Olmo2Config", {}),  # output norms only, q/k norms over all heads
     # Fused qkv and gate_up; LongRoPE's short factors (the table is no longer than the trained length); half of
     # each head rotated, as Phi-4-mini rotates three quarters.
-    "phi3": (
-        "Phi3Config",
-        {
-            "partial_rotary_factor": 0.5,
-            "original_max_position_embeddings": 256,
-            "rope_scaling": {
-                "rope_type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(4)],
-                "long_factor": [2.0 + i for i in range(4)],
-            },
-            "pad_token_id": 0,
-            "eos_token_id": 1,
-            "bos_token_id": 2,
-        },
-    ),
+    "phi3": ("Phi3Config", phi3_longrope(trained=256, rotated=0.5) | _PHI3_TOKENS),
     # LongRoPE's long factors and attention factor: a table past the trained 16 positions (the prompts are
     # longer, so that transformers takes the long factors too).
-    "phi3_long": (
-        "Phi3Config",
-        {
-            "original_max_position_embeddings": 16,
-            "rope_scaling": {
-                "rope_type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(8)],
-                "long_factor": [2.0 + i for i in range(8)],
-            },
-            "pad_token_id": 0,
-            "eos_token_id": 1,
-            "bos_token_id": 2,
-        },
-    ),
+    "phi3_long": ("Phi3Config", phi3_longrope(trained=16, rotated=1.0) | _PHI3_TOKENS),
     # A sliding layer (window 8: the parity prompts are longer) before a full one, each with its own RoPE base;
     # the attention scale off 1 / sqrt(head_dim) and the logits soft-capped, so that each shows.
     "gemma3": (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,24 @@ def daemon_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "KVD_ENDPOINT"}
     env["HF_HUB_OFFLINE"] = "1"
     return env
+
+
+def run_demo(*args: str) -> tuple[str, list[str], list[int]]:
+    """`python -m kvd.demo ARGS` to its end, which must be a clean one: (its output, the assistant's replies, how
+    many prompt tokens of each turn the prefix cache served)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvd.demo", *args],
+        cwd=REPO,
+        env=daemon_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    replies = re.findall(r"^assistant: (.+)$", out, flags=re.MULTILINE)
+    cached = [int(n) for n in re.findall(r"(\d+) of them from the prefix cache", out)]
+    return out, replies, cached
 
 
 def start_daemon(

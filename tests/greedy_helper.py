@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvd.model.decoder import CausalLM
@@ -48,6 +50,14 @@ def greedy_generate(
         if next_id in stop_ids:
             break
     return output
+
+
+def transformers_gguf(path: Path) -> tuple[torch.nn.Module, object]:
+    """(model, tokenizer) as transformers loads a GGUF file itself, the model in float32, for eval."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def assert_params_equal_hf(

@@ -3,15 +3,10 @@ prompt longer than its 512-token window, and its chat through `make demo`'s path
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
-
 import pytest
 import torch
-from daemon_fixtures import REPO, daemon_env
-from greedy_helper import assert_params_equal_hf, greedy_generate
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from daemon_fixtures import run_demo
+from greedy_helper import assert_params_equal_hf, greedy_generate, transformers_gguf
 
 from benchmarks.real_models import GEMMA3_270M, model_path
 from kvd.model.loader import load_model
@@ -24,9 +19,7 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def reference():
     """transformers' own GGUF path (it dequantizes every tensor: ~30 s), loaded once for the module."""
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-    return model.eval(), tokenizer
+    return transformers_gguf(GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +77,7 @@ def test_greedy_continuation_equals_transformers(ours, reference, length):
 
 def test_chat_through_the_demo_path():
     """`python -m kvd.demo --model <file>`: the daemon serves the file in its own types and answers both turns."""
-    done = subprocess.run(
-        [sys.executable, "-m", "kvd.demo", "--model", str(GGUF)],
-        cwd=REPO,
-        env=daemon_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = done.stdout
-    assert done.returncode == 0, out + done.stderr
+    out, replies, cached = run_demo("--model", str(GGUF))
     assert "Connected: gemma-3-270m-it-Q4_K_M (gguf weights" in out
-    replies = re.findall(r"^assistant: (.+)$", out, flags=re.MULTILINE)
     assert len(replies) == 2 and all(r.strip() for r in replies)
-    cached = [int(n) for n in re.findall(r"(\d+) of them from the prefix cache", out)]
     assert cached[0] == 0 and cached[1] > 0

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from conftest import phi3_longrope
 from gguf import GGMLQuantizationType as Q
 from greedy_helper import assert_params_equal_hf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -239,19 +240,7 @@ TINY = {
     "olmo2": (transformers.Olmo2Config, {}),
     # Fused qkv and gate_up in one file tensor each; LongRoPE's factors as tensors beside the trained length; half
     # of each head rotated (the file's rope.dimension_count).
-    "phi3": (
-        transformers.Phi3Config,
-        {
-            "partial_rotary_factor": 0.5,
-            "original_max_position_embeddings": 32,
-            "rope_scaling": {
-                "rope_type": "longrope",
-                "short_factor": [1.0 + i / 8 for i in range(4)],
-                "long_factor": [2.0 + i for i in range(4)],
-            },
-            "pad_token_id": 0,
-        },
-    ),
+    "phi3": (transformers.Phi3Config, phi3_longrope(trained=32, rotated=0.5)),
     # What a Gemma 3 file leaves implicit, as llama.cpp reads it: five sliding layers to one full (both sliding
     # here), the attention scale from head_dim, the sliding layers' RoPE base 10000.
     "gemma3": (

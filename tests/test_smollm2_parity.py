@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from greedy_helper import assert_params_equal_hf, greedy_generate
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from greedy_helper import assert_params_equal_hf, greedy_generate, transformers_gguf
 
 from kvd.model.hub import default_model_path
 from kvd.model.loader import load_model
@@ -37,9 +36,7 @@ NEW_TOKENS = 48
 @pytest.fixture(scope="module")
 def reference():
     """transformers' own GGUF path, loaded once for the module (it takes ~15-30 s)."""
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-    return model.eval(), tokenizer
+    return transformers_gguf(GGUF)
 
 
 @pytest.fixture(scope="module")
