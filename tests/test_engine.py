@@ -252,6 +252,21 @@ def test_max_model_len_past_the_models_positions_is_capped(tiny_llama_dir, caplo
     assert "max_position_embeddings" in caplog.text
 
 
+def test_the_rotary_tables_hold_the_served_context_only(tiny_checkpoint):
+    """Gemma 3's two tables (full and sliding layers) cut to max_model_len rows: the same tokens as with the
+    model's whole table, up to that length."""
+    folder = tiny_checkpoint("gemma3")  # 256 positions
+    prompt, greedy = list(range(3, 43)), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    whole = LLM(str(folder), dtype="float32", kv_cache_memory="16M").generate(
+        [prompt], greedy, use_tqdm=False
+    )
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16M", max_model_len=48)
+    model = llm.engine.runner.model
+    assert [r.cos_sin_cache.shape[0] for r in (model.rotary, model.sliding_rotary)] == [48, 48]
+    cut = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    assert cut.finish_reason == "length" and cut.token_ids == whole[0].token_ids[:8]
+
+
 def test_generate_checks_params_again_and_takes_token_ids_in_any_sequence(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, dtype="float32", kv_cache_memory=64 * KV)
     params = SamplingParams(max_tokens=3, temperature=0.0)

@@ -12,6 +12,7 @@ from kvd.engine.scheduler import ScheduledChunk
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
 from kvd.model.decoder import CausalLM
+from kvd.model.huge_pages import return_freed_heap
 from kvd.model.layers.attention import build_attention_metadata, host_to_device
 from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
 from kvd.model.layers.kv_cache import allocate_kv_cache
@@ -52,6 +53,9 @@ class ModelRunner:
         self.device = device
         self.channel = channel
         self.null_block = num_blocks
+        for rotary in {id(r): r for r in model.layer_rotaries()}.values():
+            rotary.truncate(max_model_len)  # no position reaches past the context served
+        return_freed_heap()
         self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device)
         model.bind_kv_cache(self.kv_caches)
         self.graphs: DecodeGraphRunner | None = None

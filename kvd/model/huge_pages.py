@@ -93,7 +93,14 @@ def pack_weights(module: nn.Module) -> int:
     if not _LINUX:
         return 0
     slots = [(m._parameters, name) for m in module.modules() for name in m._parameters]
-    slots += [(m._buffers, name) for m in module.modules() for name in m._buffers]
+    # Non-persistent buffers (the rotary tables) stay where they are: they are cut to the served context later
+    # (ModelRunner), which an arena would not give back.
+    slots += [
+        (m._buffers, name)
+        for m in module.modules()
+        for name in m._buffers
+        if name not in m._non_persistent_buffers_set
+    ]
     moved: dict[int, torch.Tensor] = {}
     arenas, total = Arenas(), 0
     for table, name in slots:

@@ -77,6 +77,12 @@ class RotaryEmbedding(nn.Module):
         table = torch.cat((cos, cos, -sin, sin), dim=-1)
         self.register_buffer("cos_sin_cache", table, persistent=False)
 
+    def truncate(self, positions: int) -> None:
+        """Keep the first `positions` rows only (the context served): each row is computed on its own, so the
+        rows kept are the same bits; a 32k-position table of 256-wide heads is 32 MiB in bf16."""
+        if positions < self.cos_sin_cache.shape[0]:
+            self.cos_sin_cache = self.cos_sin_cache[:positions].clone()
+
     def lookup(self, positions: torch.Tensor) -> RotaryRows:
         if cpu_native.supports(self.cos_sin_cache):
             return RotaryRows(table=self.cos_sin_cache, positions=positions.contiguous())
