@@ -52,6 +52,17 @@ def greedy_generate(
     return output
 
 
+def load_with_private_cache(model: str | None, tmp_path_factory) -> LoadedModel:
+    """load_model in float32 with the GGUF tokenizer cache in a fresh folder, not the user's."""
+    import pytest
+
+    from kvd.model.loader import load_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+        return load_model(model, dtype=torch.float32)
+
+
 def transformers_gguf(path: Path) -> tuple[torch.nn.Module, object]:
     """(model, tokenizer) as transformers loads a GGUF file itself, the model in float32, for eval."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from daemon_fixtures import run_demo
-from greedy_helper import assert_params_equal_hf, greedy_generate, transformers_gguf
+from greedy_helper import assert_params_equal_hf, greedy_generate, load_with_private_cache, transformers_gguf
 
 from benchmarks.real_models import GEMMA3_270M, model_path
-from kvd.model.loader import load_model
 
 GGUF = model_path(GEMMA3_270M)
 TEXTS = ["Hello, world!", "  spaces\tand tabs\n\nnewlines ", "Ünïcödé — 🦙 中文", "<start_of_turn>user\nhi"]
@@ -24,9 +23,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))  # not the user's cache
-        return load_model(str(GGUF), dtype=torch.float32)
+    return load_with_private_cache(str(GGUF), tmp_path_factory)
 
 
 def test_weights_equal_transformers(ours, reference):

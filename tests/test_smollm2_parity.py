@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from greedy_helper import assert_params_equal_hf, greedy_generate, transformers_gguf
+from greedy_helper import assert_params_equal_hf, greedy_generate, load_with_private_cache, transformers_gguf
 
 from kvd.model.hub import default_model_path
-from kvd.model.loader import load_model
 
 GGUF = default_model_path()
 TEXTS = [
@@ -41,11 +40,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def ours(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(
-            "XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache"))
-        )  # not the user's tokenizer cache
-        return load_model(None, dtype=torch.float32)
+    return load_with_private_cache(None, tmp_path_factory)
 
 
 def test_weights_bit_identical_to_transformers(ours, reference):

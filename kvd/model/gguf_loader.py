@@ -277,6 +277,11 @@ def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return out.reshape(*raw.shape[:-1], out.shape[-1])
 
 
+def fused_file_tensor(arch: str, projection: str) -> str | None:
+    """The one GGUF layer tensor that holds all of a fused projection's parts (Phi-3's attn_qkv), or None."""
+    return next((k for k, v in _ARCH_LAYER_TENSORS.get(arch, {}).items() if v == projection), None)
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _GLOBAL_TENSORS:

@@ -16,7 +16,14 @@ from torch import nn
 
 from kvd.distributed.shard import ShardPlan
 from kvd.model.config import ModelConfig
-from kvd.model.gguf_loader import PERMUTED_QK, GGUFFile, dequantize, native_quantization, unpermute_qk
+from kvd.model.gguf_loader import (
+    PERMUTED_QK,
+    GGUFFile,
+    dequantize,
+    fused_file_tensor,
+    native_quantization,
+    unpermute_qk,
+)
 from kvd.model.huge_pages import Arenas, return_freed_heap
 from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
 
@@ -58,10 +65,6 @@ _HF_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-# (architecture, projection) -> the one file tensor that holds its parts (Phi-3's, as its checkpoints fuse them).
-_FUSED = {("phi3", "self_attn.qkv_proj"): "attn_qkv", ("phi3", "mlp.gate_up_proj"): "ffn_up"}
 
 
 class _Reader:
@@ -157,7 +160,7 @@ def install(
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             linear = getattr(parent, attr)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
-            fused = _FUSED.get((file.architecture, path))
+            fused = fused_file_tensor(file.architecture, path)
             if fused is None:
                 names, rows = [f"blk.{i}.{kind}.weight" for kind in kinds], None
             else:  # one file tensor holds the whole model's parts, stacked by rows (each rank then cuts its own)
