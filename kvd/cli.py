@@ -360,6 +360,11 @@ def _stats(args: argparse.Namespace) -> int:
     kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
     total = kv["total_blocks"]
     print(f"KV cache      {kv['used_blocks']}/{total} blocks used ({100 * kv['used_blocks'] / total:.1f} %)")
+    if len(kv["groups"]) > 1:  # the layers' KV in groups: say what each holds
+        held = ", ".join(
+            f"{g['used_blocks']} ({f'window {w}' if (w := g['window']) else 'full'})" for g in kv["groups"]
+        )
+        print(f"KV groups     {held}")
     print(f"prefix cache  {100 * prefix['hit_rate']:.1f} % hit rate ({prefix['hit_tokens']} tokens reused)")
     print(f"requests      {stats['num_running']} running, {stats['num_waiting']} waiting")
     print(f"throughput    {stats['generation_tokens_per_s_1m']:.1f} tokens/s (last minute)")

@@ -207,7 +207,7 @@ class PagedRunner:
             block_size=self.block_size,
             device="cpu",
             backend=self.model.attention_backend,
-            window=self.model.config.attention_window,
+            kv_groups=self.model.kv_groups,
         )
         for seq, tokens in chunks:
             self.lens[seq] = self.lens.get(seq, 0) + len(tokens)

@@ -38,7 +38,7 @@ def greedy_generate(
             block_size,
             param.device,
             model.attention_backend,
-            window=model.config.attention_window,
+            kv_groups=model.kv_groups,
         )
         input_ids = torch.tensor(new, device=param.device)
         positions = torch.arange(computed, len(tokens), device=param.device)

@@ -55,7 +55,7 @@ from kvd.model.layers.attention.selector import (
 )
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 from kvd.model.layers.attention.triton_attention import TritonAttentionBackend
-from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.layers.kv_cache import KVGroups, allocate_kv_cache
 from kvd.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -281,13 +281,12 @@ def make_batch(seqs, block_size, num_heads=6, num_kv_heads=2, head_dim=16, dtype
 
 
 def run_backend(backend, seqs, block_size, pool, tables, qkv, window=None, sinks=None):
-    """The backend over one step; with a window, a sliding layer's attention (the step's sliding metadata)."""
+    """The backend over one step; with a window, a sliding layer's attention."""
     pool = pool.clone()
+    groups = KVGroups((), (), (window,))  # every layer in one group with this window
     attn = build_attention_metadata(
-        tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size, DEVICE, backend, window=window
+        tables, [c + n for c, n in seqs], [n for _, n in seqs], block_size, DEVICE, backend, kv_groups=groups
     )
-    if window is not None:
-        attn = attn.sliding
     return backend.forward(*qkv, pool, attn, 0.25, sinks), pool, attn
 
 

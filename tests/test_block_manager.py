@@ -25,7 +25,7 @@ from kvd.engine.block_manager import (
     SequenceAlreadyAllocatedError,
     SequenceNotAllocatedError,
 )
-from kvd.engine.sequence import Sequence
+from kvd.engine.sequence import RELEASED, Sequence
 
 BS = 4
 PREFIX = list(range(100, 112))  # three full blocks of BS tokens
@@ -598,3 +598,77 @@ def test_benchmark_speed_scenarios_do_what_their_labels_say():
     assert prompt["cached"]["hit_tokens"] == 256 - 16
     assert prompt["cold_evicting"]["evictions"] == 256 // 16
     assert set(report["decode_step_us"]) == {"append", "append_no_prefix_caching", "cache_computed_blocks"}
+
+
+# KV groups: group 0 keeps every block, a windowed group frees those its window has passed
+
+
+def test_a_windowed_group_frees_the_blocks_its_window_has_passed():
+    bm = BlockManager(32, BS, group_windows=(None, 6))
+    seq = prefill(bm, seq_of([*PREFIX, 1, 2]))  # 14 tokens: the next (14) reads 9..14, blocks 2 and 3
+    assert seq.block_tables[1][:2] == [RELEASED, RELEASED] and RELEASED not in seq.block_tables[1][2:]
+    usage = bm.usage()
+    assert [(g.window, g.used_blocks, g.cached_blocks) for g in usage.groups] == [(None, 4, 0), (6, 2, 2)]
+    assert usage.used_blocks == 6
+    for token in range(30):
+        decode(bm, seq, token)
+        # The window's 6 tokens span at most 3 blocks of 4; group 0 holds all 44 tokens' 11.
+        assert len(seq.block_tables[1]) - seq.num_released[1] <= 3
+    assert [g.used_blocks for g in bm.usage().groups] == [11, 2]
+    bm.deallocate(seq)
+    assert bm.usage().used_blocks == 0
+    bm.check_invariants()
+
+
+def test_a_windowed_group_takes_its_blocks_chunk_by_chunk():
+    bm = BlockManager(32, BS, group_windows=(None, 6))
+    seq = seq_of([*PREFIX, 1])  # 13 tokens
+    assert bm.can_allocate(seq, 5)
+    bm.allocate(seq, 5)  # group 0 holds the whole prompt, group 1 the first chunk's tokens 0..4
+    assert [len(t) for t in seq.block_tables] == [4, 2]
+    seq.num_computed_tokens = 5
+    bm.cache_computed_blocks(seq)
+    bm.may_append(seq, 8)  # tokens 5..12; token 5 reads 0..5, so nothing is freed yet
+    assert [len(t) for t in seq.block_tables] == [4, 4] and seq.num_released == [0, 0]
+    seq.num_computed_tokens = 13
+    bm.cache_computed_blocks(seq)
+    assert seq.num_released == [0, 2]  # token 13 reads 8..13
+    bm.check_invariants()
+
+
+def test_a_prefix_hit_needs_only_the_blocks_the_window_reads():
+    bm = BlockManager(16, BS, group_windows=(None, 6))
+    a = seq_of([*PREFIX, 1])
+    bm.allocate(a)
+    window_blocks = a.block_tables[1][1:3]
+    a.num_computed_tokens = len(a)
+    bm.cache_computed_blocks(a)  # frees group 1's blocks 0 and 1
+    bm.deallocate(a)
+    b = seq_of([*PREFIX, 2, 3])
+    bm.allocate(b)  # 12 tokens hit: token 12 reads 7..12, blocks 1 and 2 of group 1
+    assert b.num_cached_tokens == 12
+    assert b.block_tables[1][:3] == [RELEASED, *window_blocks] and b.num_released == [0, 1]
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize(("evicted", "hit_tokens"), [(1, 12), (2, 0)])
+def test_a_prefix_hit_stops_where_a_window_block_was_evicted(evicted, hit_tokens):
+    bm = BlockManager(16, BS, group_windows=(None, 6))
+    bm.deallocate(prefill(bm, seq_of([*PREFIX, 1])))
+    # Cached-free, least recent first: group 1's blocks 0 and 1 (freed as the window passed), group 0's 2, 1, 0,
+    # group 1's 2. Ten plain free blocks; the filler takes 10 + `evicted`.
+    filler = seq_of(list(range(500, 524)))  # group 0: 6 blocks; group 1: the first chunk's
+    bm.allocate(filler, 4 * (4 + evicted))
+    assert bm.prefix_cache_stats().evictions == evicted
+    bm.deallocate(filler)
+    again = seq_of([*PREFIX, 2, 3])
+    bm.allocate(again)
+    assert again.num_cached_tokens == hit_tokens  # group 0's chain is whole; group 1's window decides
+    bm.check_invariants()
+
+
+def test_windows_are_validated_and_group_0_keeps_every_block():
+    with pytest.raises(ValueError, match="group_windows"):
+        BlockManager(8, BS, group_windows=(6, None))
+    with pytest.raises(ValueError, match="window"):
+        BlockManager(8, BS, group_windows=(None, 0))

@@ -34,36 +34,49 @@ SETTINGS = settings(
 
 class BlockManagerMachine(RuleBasedStateMachine):
     hash_fn: HashFn | None = None
+    group_windows: tuple[int | None, ...] = (None,)  # KV groups: group 0 and any others, with their windows
+    num_blocks = NUM_BLOCKS
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(NUM_BLOCKS, BS, hash_fn=self.hash_fn)
+        self.bm = BlockManager(self.num_blocks, BS, hash_fn=self.hash_fn, group_windows=self.group_windows)
         self.running: list[Sequence] = []
         self.stopped: list[Sequence] = []  # preempted or finished: their blocks are freed
-        self.content: dict[int, tuple] = {}  # block id -> (salt, token prefix) computed into it
+        self.content: dict[int, tuple] = {}  # block id -> (group, salt, token prefix) computed into it
 
-    def _admit(self, seq: Sequence) -> None:
+    def _holds(self, seq: Sequence, g: int, i: int) -> tuple:
+        return (g, seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
+
+    def _live(self, seq: Sequence):
+        for g, table in enumerate(seq.block_tables):
+            for i in range(seq.num_released[g], len(table)):
+                yield g, i, table[i]
+
+    def _admit(self, seq: Sequence, first_chunk: int | None = None) -> None:
         before = self.bm.usage()
-        if not self.bm.can_allocate(seq):
+        if not self.bm.can_allocate(seq, first_chunk):
             with pytest.raises(NoFreeBlocksError):
-                self.bm.allocate(seq)
+                self.bm.allocate(seq, first_chunk)
             assert seq.block_table == [] and self.bm.usage() == before
             return
-        self.bm.allocate(seq)
+        self.bm.allocate(seq, first_chunk)
         num_hit_blocks, rem = divmod(seq.num_cached_tokens, BS)
         assert rem == 0 and seq.num_cached_tokens < len(seq)
-        for i, block_id in enumerate(seq.block_table):
+        for g, i, block_id in self._live(seq):
             if i < num_hit_blocks:
-                assert self.content.get(block_id) == (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
+                assert self.content.get(block_id) == self._holds(seq, g, i)
             else:
                 self.content.pop(block_id, None)  # a new block: whatever it held is overwritten
         self.running.append(seq)
 
     def _compute(self, seq: Sequence, num_tokens: int) -> None:
-        """A forward pass writes the K/V of the next `num_tokens` tokens."""
-        end = seq.num_computed_tokens + num_tokens
-        for i in range(seq.num_computed_tokens // BS, end // BS):
-            self.content[seq.block_table[i]] = (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
+        """A forward pass writes the K/V of the next `num_tokens` tokens; each reads its window's blocks."""
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
+            first_read = 0 if window is None else max(0, start - window + 1) // BS
+            assert len(table) * BS >= end and seq.num_released[g] <= first_read, (g, table, start, end)
+            for i in range(start // BS, end // BS):
+                self.content[table[i]] = self._holds(seq, g, i)
         seq.num_computed_tokens = end
         self.bm.cache_computed_blocks(seq)
 
@@ -81,7 +94,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     )
     def admit(self, prefix, prefix_len, suffix, salt):
         tokens = [*prefix[:prefix_len], *suffix] or [0]
-        self._admit(Sequence(tokens, BS, cache_salt=salt))
+        self._admit(Sequence(tokens, BS, cache_salt=salt), first_chunk=1 + len(suffix) % 8)
 
     @precondition(lambda self: self.stopped)
     @rule(i=st.integers(0, 1000))
@@ -94,7 +107,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def prefill_chunk(self, i, chunk):
         prefilling = [s for s in self.running if s.num_computed_tokens < len(s)]
         seq = prefilling[i % len(prefilling)]
-        self._compute(seq, min(chunk, len(seq) - seq.num_computed_tokens))
+        chunk = min(chunk, len(seq) - seq.num_computed_tokens)
+        if not self.bm.can_append(seq, chunk):  # a windowed group's blocks come chunk by chunk
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.may_append(seq, chunk)
+            self._stop(seq)
+            return
+        tables = [list(t) for t in seq.block_tables]
+        self.bm.may_append(seq, chunk)
+        for old, table in zip(tables, seq.block_tables, strict=True):
+            for block_id in table[len(old) :]:
+                self.content.pop(block_id, None)
+        self._compute(seq, chunk)
 
     @precondition(lambda self: any(s.num_computed_tokens == len(s) for s in self.running))
     @rule(i=st.integers(0, 1000), token=st.integers(0, 3))
@@ -107,11 +131,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 self.bm.may_append(seq)
             self._stop(seq)  # the scheduler would preempt it
             return
-        num_blocks = len(seq.block_table)
+        lengths = [len(t) for t in seq.block_tables]
         self.bm.may_append(seq)
-        assert len(seq.block_table) == seq.num_blocks
-        for block_id in seq.block_table[num_blocks:]:
-            self.content.pop(block_id, None)
+        for old, table in zip(lengths, seq.block_tables, strict=True):
+            assert len(table) == seq.num_blocks
+            for block_id in table[old:]:
+                self.content.pop(block_id, None)
         self._compute(seq, 1)
 
     @precondition(lambda self: self.running)
@@ -135,8 +160,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         self.bm.check_invariants()
         usage = self.bm.usage()
-        assert usage.used_blocks == len({b for s in self.running for b in s.block_table})
-        assert usage.used_blocks + usage.free_blocks == NUM_BLOCKS
+        assert usage.used_blocks == len({b for s in self.running for _, _, b in self._live(s)})
+        assert usage.used_blocks == sum(g.used_blocks for g in usage.groups)
+        assert usage.cached_blocks == sum(g.cached_blocks for g in usage.groups)
+        assert usage.used_blocks + usage.free_blocks == self.num_blocks
         assert usage.allocated_tokens + usage.internal_fragmentation_tokens == usage.reserved_tokens
 
     def teardown(self):
@@ -144,7 +171,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self._stop(seq)
         self.bm.check_invariants()
         usage = self.bm.usage()
-        assert usage.used_blocks == 0 and usage.free_blocks == NUM_BLOCKS
+        assert usage.used_blocks == 0 and usage.free_blocks == self.num_blocks
         assert all(block.ref_count == 0 for block in self.bm.blocks)
 
 
@@ -156,7 +183,16 @@ class CollidingHashMachine(BlockManagerMachine):
         return xxh3_64_intdigest(token_bytes, parent_hash) % 3
 
 
+class GroupedMachine(BlockManagerMachine):
+    """Three KV groups: a window of 6 tokens (it frees blocks behind it) and a second full group."""
+
+    group_windows = (None, 6, None)
+    num_blocks = 28
+
+
 TestBlockManagerProperties = BlockManagerMachine.TestCase
 TestBlockManagerProperties.settings = SETTINGS
 TestBlockManagerPropertiesWithCollisions = CollidingHashMachine.TestCase
 TestBlockManagerPropertiesWithCollisions.settings = SETTINGS
+TestBlockManagerPropertiesWithKVGroups = GroupedMachine.TestCase
+TestBlockManagerPropertiesWithKVGroups.settings = SETTINGS

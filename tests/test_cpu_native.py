@@ -394,21 +394,15 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     cos_sin = torch.zeros(64, 16)
     layer = cpu_native.LayerWeights(
-        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0
+        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0, 0
     )
     hidden, residual = torch.zeros(2, 16), torch.zeros(2, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
 
-    def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens):
+    def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens, groups=1):
+        group = (torch.tensor(slots), tables)
         cpu_native.decode_layers(
-            shape,
-            layers,
-            hidden,
-            residual,
-            torch.tensor(positions),
-            torch.tensor(slots),
-            tables,
-            lens,
+            shape, layers, hidden, residual, torch.tensor(positions), [group] * groups, lens
         )
 
     run(())  # valid indices, no layer: nothing to do
@@ -416,9 +410,14 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
         {"slots": (16, 64)},
         {"positions": (3, 64)},
         {"lens": torch.tensor([17, 40], dtype=torch.int32)},
+        {"tables": torch.tensor([[0, 1], [4, 3]], dtype=torch.int32)},
     ):
         with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
             run((layer,), **bad)
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        run((layer._replace(kv_group=1),))  # a KV group the call did not give
+    with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+        run((layer._replace(kv_group=1),), groups=2, slots=(16, 99))  # every group's indices are checked
 
 
 def test_the_struct_views_are_read_from_the_header():

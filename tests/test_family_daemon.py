@@ -23,7 +23,12 @@ def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
     daemon = start_daemon(tmp_path, "--dtype", "float32", model=folder, kv_cache_memory="16M")
     try:
         with daemon.client() as client:
-            assert client.info()["model"] == folder.name
+            info = client.info()
+            assert info["model"] == folder.name
+            windows = [g["window"] for g in info["kv_groups"]]
+            assert windows == (
+                [None, 8] if family == "gemma3" else [None]
+            )  # Gemma 3's sliding layer: a group
             got = client.generate(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
             assert got.token_ids == expected
             streamed = [
@@ -32,6 +37,8 @@ def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
                 for t in chunk.token_ids
             ]
             assert streamed == expected
+            groups = client.stats()["kv_cache"]["groups"]
+            assert [g["window"] for g in groups] == windows and all(g["used_blocks"] == 0 for g in groups)
             vectors = client.embed([PROMPT, PROMPT[:9]]).embeddings
             assert len(vectors) == 2 and vectors[0] != vectors[1]
             assert all(abs(sum(x * x for x in v) - 1.0) < 1e-4 for v in vectors)

@@ -481,6 +481,7 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
     info, stats = kvd.info(), kvd.stats()
     assert after[("kvd_daemon_up", ())] == 1
     assert after[("kvd_kv_cache_blocks", ())] == info["num_blocks"]
+    assert ("kvd_kv_cache_group_used_blocks", (("group", "0"), ("window", "full"))) in after  # one group here
     assert after[("kvd_preemptions_total", ())] == stats["num_preemptions"]
     assert after[("kvd_prefix_cache_hit_tokens_total", ())] <= stats["prefix_cache"]["hit_tokens"]
     for name in (

@@ -112,7 +112,12 @@ def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_inva
     else:
         folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
-    kw = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
+    # Gemma 3's sliding layer frees the blocks behind its window: a smaller pool still preempts.
+    kw = {
+        "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype,
+        "blocks": 7 if family == "gemma3" else 12,
+    }
     single = _engine(folder, 1, **kw)
     want = _generate(single, PROMPTS)
     want_rows = dict(recorder.rows)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import torch
@@ -40,31 +40,38 @@ class StepInputs:
     input_ids: list[int]
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: list[list[int]]  # KV group 0's, one per sequence
+    group_tables: list[list[list[int]]] = field(default_factory=list)  # groups 1..'s, [group][sequence]
 
     @property
     def positions(self) -> list[int]:
         return [p for q, c in zip(self.query_lens, self.context_lens, strict=True) for p in range(c - q, c)]
 
     def encode(self, block_size: int) -> list[int]:
-        """[S, then per sequence: query, context, blocks, its blocks..., then the token ids]."""
-        out = [len(self.query_lens)]
-        for q, c, table in zip(self.query_lens, self.context_lens, self.block_tables, strict=True):
-            used = table[: -(-c // block_size)]  # only the blocks the context covers
-            out += [q, c, len(used), *used]
+        """[S, groups after 0, then per sequence: query, context; then per group and sequence: blocks, its
+        blocks...; then the token ids]."""
+        out = [len(self.query_lens), len(self.group_tables)]
+        for q, c in zip(self.query_lens, self.context_lens, strict=True):
+            out += [q, c]
+        for tables in (self.block_tables, *self.group_tables):
+            for c, table in zip(self.context_lens, tables, strict=True):
+                used = table[: -(-c // block_size)]  # only the blocks the context covers
+                out += [len(used), *used]
         return out + self.input_ids
 
     @classmethod
     def decode(cls, ints: list[int]) -> StepInputs:
-        num_seqs, i = ints[0], 1
-        queries, contexts, tables = [], [], []
-        for _ in range(num_seqs):
-            q, c, n = ints[i : i + 3]
-            queries.append(q)
-            contexts.append(c)
-            tables.append(ints[i + 3 : i + 3 + n])
-            i += 3 + n
-        return cls(ints[i:], queries, contexts, tables)
+        num_seqs, num_other = ints[0], ints[1]
+        queries, contexts = ints[2 : 2 + 2 * num_seqs : 2], ints[3 : 3 + 2 * num_seqs : 2]
+        i = 2 + 2 * num_seqs
+        groups = []
+        for _ in range(1 + num_other):
+            tables = []
+            for _ in range(num_seqs):
+                tables.append(ints[i + 1 : i + 1 + ints[i]])
+                i += 1 + ints[i]
+            groups.append(tables)
+        return cls(ints[i:], queries, contexts, groups[0], groups[1:])
 
 
 def _broadcast(ints: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,12 @@ K/V computed (`cache_computed_blocks`); a decoding sequence's block by `cache_fi
 A hit is never trusted on the hash alone: the candidate must hold the same token ids and have been computed
 after exactly the parent content this sequence has (compared by content id), so hits are exact at any hash
 width.
+
+KV groups (kvd.model.layers.kv_cache.KVGroups): each sequence has a block table per group, all drawn from the one
+pool. Group 0 keeps every block and names content as above; another group's block is registered under the
+content id of group 0's block at the same place. A group with a window frees (RELEASED) the blocks wholly behind
+the window of the next token to compute, and gets blocks chunk by chunk; a prefix hit needs group 0's blocks
+and, in each other group, the blocks its window still reads at the hit's end.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from itertools import count
 
 from xxhash import xxh3_64_intdigest
 
-from kvd.engine.sequence import Sequence
+from kvd.engine.sequence import RELEASED, Sequence
 
 HashFn = Callable[[bytes, int], int]
 """hash_fn(token_bytes, parent_hash): a full block's hash from its token ids (little-endian int64) and its
@@ -75,13 +81,22 @@ class InvariantError(BlockManagerError):
 class Block:
     block_id: int
     ref_count: int = 0
-    # Set once the block is full and hashed; None while it holds a partial block or nothing.
+    group: int = 0  # the KV group whose table holds it
+    # The key it is registered under once full: in group 0 its chained hash, in another group the uid of group
+    # 0's block at the same place. None while it holds a partial block or nothing.
     hash: int | None = None
     token_bytes: bytes | None = None
     # What this block's K/V was computed after: the parent block's `uid`, or the cache salt for a first block.
     parent_key: int | str | None = None
     # Identity of the content: equal uids mean identical K/V (same tokens after the same prefix).
     uid: int = -1
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    window: int | None  # the group frees blocks behind this window; None: it keeps them all
+    used_blocks: int  # blocks its tables hold
+    cached_blocks: int  # of the cached-free blocks, those it registered
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,7 @@ class BlockUsage:
     reserved_tokens: int  # used_blocks * block_size
     internal_fragmentation_tokens: int  # reserved_tokens - allocated_tokens
     block_utilization: float  # allocated_tokens / reserved_tokens (0.0 when nothing is used)
+    groups: tuple[GroupUsage, ...]  # per KV group
 
 
 @dataclass(frozen=True)
@@ -112,7 +128,16 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_fn: HashFn | None = None,
+        group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
+        """group_windows: per KV group, the window behind which it frees blocks (KVGroups.release_windows);
+        group 0's is None."""
+        if not group_windows or group_windows[0] is not None:
+            raise ValueError(
+                f"group_windows[0] must be None (group 0 keeps every block), got {group_windows}"
+            )
+        if any(w is not None and w < 1 for w in group_windows):
+            raise ValueError(f"a group's window must be at least 1 token, got {group_windows}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -121,10 +146,13 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn: HashFn = hash_fn or xxh3_64_intdigest
+        self.group_windows = tuple(group_windows)
+        self.windowed = any(w is not None for w in group_windows)  # some group frees blocks behind a window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
-        self._cached_free: OrderedDict[int, Block] = OrderedDict()  # least recently used first
-        self._cached: dict[int, Block] = {}  # hash -> the block registered under it
+        self._cached_free: OrderedDict[int, Block] = OrderedDict()  # least recently used first, all groups
+        # Per group: key (Block.hash) -> the block registered under it.
+        self._cached: list[dict[int, Block]] = [{} for _ in group_windows]
         self._seqs: dict[int, Sequence] = {}  # id(seq) -> each allocated sequence
         self._uids = count()
         self._pack_block = struct.Struct(f"<{block_size}q").pack
@@ -136,18 +164,23 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free_ids) + len(self._cached_free)
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        """Whether `allocate(seq)` would succeed: cached prefix blocks in use cost nothing."""
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    def can_allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
+        """Whether `allocate(seq, max_new_tokens)` would succeed: cached prefix blocks in use cost nothing."""
         self._check_block_size(seq)
         free = self.num_free_blocks
-        if free >= seq.num_blocks:  # never needs more than num_blocks, so skip the lookup
+        if free >= seq.num_blocks * self.num_groups:  # never needs more, so skip the lookup
             return True
-        if not self.enable_prefix_caching:
-            return False
-        return free >= self._blocks_needed(seq, self._find_hits(seq))
+        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
+        return free >= self._blocks_needed(seq, hits, max_new_tokens)
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` a block table for its tokens, reusing cached prefix blocks; sets `num_cached_tokens`."""
+    def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> None:
+        """Give `seq` block tables, reusing cached prefix blocks; sets `num_cached_tokens`. Groups without a
+        window get blocks for every token; windowed ones for the first `max_new_tokens` tokens to compute (None:
+        all of them), the rest chunk by chunk (`may_append`)."""
         self._check_block_size(seq)
         if id(seq) in self._seqs or seq.block_table:
             raise SequenceAlreadyAllocatedError(
@@ -155,28 +188,41 @@ class BlockManager:
             )
         if not seq.token_ids:
             raise EmptySequenceError("allocate: the sequence has no tokens")
-        hits = self._find_hits(seq) if self.enable_prefix_caching else []
-        needed = self._blocks_needed(seq, hits)
+        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
+        needed = self._blocks_needed(seq, hits, max_new_tokens)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"allocate: {len(seq)} tokens need {needed} free blocks but {self.num_free_blocks} are free; "
                 "check can_allocate(seq) first, or free other sequences"
             )
-        table = seq.block_table
-        for block in hits:
-            if block.ref_count == 0:  # revive a cached-free block
-                del self._cached_free[block.block_id]
-            block.ref_count += 1
-            table.append(block.block_id)
-        table += self._take_free_blocks(seq.num_blocks - len(hits))
-        num_cached = len(hits) * self.block_size
+        group_hits = hits or [[] for _ in self.group_windows]
+        num_hit = len(group_hits[0])
+        seq.block_tables = [[] for _ in self.group_windows]
+        seq.num_released = [0] * self.num_groups
+        # Every group's hits first: taking new blocks may evict cached-free ones, another group's hits among them.
+        for g, (window, table, found) in enumerate(
+            zip(self.group_windows, seq.block_tables, group_hits, strict=True)
+        ):
+            first = self._released_below(window, num_hit * self.block_size)
+            table += [RELEASED] * first
+            seq.num_released[g] = first
+            for block in found:
+                if block.ref_count == 0:  # revive a cached-free block
+                    del self._cached_free[block.block_id]
+                block.ref_count += 1
+                table.append(block.block_id)
+        for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
+            end = self._first_chunk_end(seq, window, num_hit, max_new_tokens)
+            table += self._take_free_blocks(-(-end // self.block_size) - len(table), g)
+        num_cached = num_hit * self.block_size
         seq.num_cached_tokens = seq.num_computed_tokens = num_cached
         self._seqs[id(seq)] = seq
         self._queried_tokens += len(seq)
         self._hit_tokens += num_cached
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
-        """Register the full blocks whose K/V are now computed (`seq.num_computed_tokens`) for reuse.
+        """Register the full blocks whose K/V are now computed (`seq.num_computed_tokens`) for reuse, then free
+        the blocks the windows have passed.
 
         Call after each forward pass. Blocks are not offered at `allocate` time: a chunked prefill would
         otherwise let another request read K/V that nobody has written yet.
@@ -195,27 +241,41 @@ class BlockManager:
                 )
             if num_full and self.blocks[table[num_full - 1]].hash is None:
                 self._hash_blocks(seq, num_full)
+        if self.windowed:
+            self._release_behind_windows(seq)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether `may_append(seq)` would succeed (it needs a block when len(seq) % block_size == 1)."""
-        missing = -(-len(seq.token_ids) // self.block_size) - len(seq.block_table)
-        return missing <= 0 or len(self._free_ids) + len(self._cached_free) >= missing
+    def can_append(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
+        """Whether `may_append(seq, num_new_tokens)` would succeed."""
+        if not seq.block_table:
+            raise SequenceNotAllocatedError("can_append: the sequence holds no blocks; allocate it first")
+        end, freed, missing = self._append_end(seq, num_new_tokens), 0, 0
+        for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
+            missing += max(0, -(-end // self.block_size) - len(table))
+            below = min(len(table), self._released_below(window, seq.num_computed_tokens))
+            for i in range(seq.num_released[g], below):
+                freed += self.blocks[table[i]].ref_count == 1
+        return missing <= 0 or self.num_free_blocks + freed >= missing
 
-    def may_append(self, seq: Sequence) -> None:
-        """Give the tokens appended since the last call their slots: a new block for a token that starts one
-        (len(seq) % block_size == 1). Hashes nothing; see `cache_filled_block`."""
-        table = seq.block_table
-        if not table:
+    def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
+        """Give the next `num_new_tokens` tokens to compute their slots in every group (None: the tokens
+        appended since the last call, for a decode step: a new block for a token that starts one), after
+        freeing the blocks the windows have passed. Hashes nothing; see `cache_filled_block`."""
+        if not seq.block_table:
             raise SequenceNotAllocatedError("may_append: the sequence holds no blocks; allocate it first")
-        missing = -(-len(seq.token_ids) // self.block_size) - len(table)
-        if missing <= 0:
+        if self.windowed:
+            self._release_behind_windows(seq)
+        num_blocks = -(-self._append_end(seq, num_new_tokens) // self.block_size)
+        missing = sum(max(0, num_blocks - len(t)) for t in seq.block_tables)
+        if not missing:
             return
         if missing > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"may_append: needs {missing} free block(s) but {self.num_free_blocks} are free; "
                 "check can_append(seq) first, or preempt another sequence"
             )
-        table += self._take_free_blocks(missing)
+        for g, table in enumerate(seq.block_tables):
+            if num_blocks > len(table):
+                table += self._take_free_blocks(num_blocks - len(table), g)
 
     def cache_filled_block(self, seq: Sequence) -> None:
         """After `may_append`: hash and register the block the last token filled (len(seq) % block_size == 0),
@@ -238,18 +298,13 @@ class BlockManager:
                 "deallocate: the sequence holds no blocks here (freed twice, or never allocated); "
                 "call deallocate exactly once per allocate"
             )
-        blocks, cached, cached_free, free_ids = self.blocks, self._cached, self._cached_free, self._free_ids
         # Tail first: of one sequence's blocks the LRU then evicts the tail before the prefix others share.
-        for block_id in reversed(seq.block_table):
-            block = blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None and cached.get(block.hash) is block:
-                    cached_free[block_id] = block
-                else:
-                    block.hash = block.token_bytes = block.parent_key = None
-                    free_ids.append(block_id)
-        seq.block_table.clear()
+        for table in seq.block_tables:
+            for block_id in reversed(table):
+                if block_id != RELEASED:
+                    self._free_block(block_id)
+        seq.block_tables = [[]]
+        seq.num_released = [0]
         seq.num_cached_tokens = seq.num_computed_tokens = 0
 
     def reset_prefix_cache(self) -> bool:
@@ -260,15 +315,23 @@ class BlockManager:
             block.hash = block.token_bytes = block.parent_key = None
             self._free_ids.append(block.block_id)
         self._cached_free.clear()
-        self._cached.clear()
+        for cached in self._cached:
+            cached.clear()
         return True
 
     def usage(self) -> BlockUsage:
         used = self.num_blocks - self.num_free_blocks
         reserved = used * self.block_size
-        # Only a sequence's last block can be partial, and a partial block is never shared.
-        empty_slots = sum(max(0, len(s.block_table) * self.block_size - len(s)) for s in self._seqs.values())
+        # Only a table's last block can be partial, and a partial block is never shared.
+        empty_slots = sum(
+            max(0, (len(t) * self.block_size - len(s))) for s in self._seqs.values() for t in s.block_tables
+        )
         allocated = reserved - empty_slots
+        group_used, group_cached = [0] * self.num_groups, [0] * self.num_groups
+        for block in self.blocks:
+            group_used[block.group] += block.ref_count > 0
+        for block in self._cached_free.values():
+            group_cached[block.group] += 1
         return BlockUsage(
             used_blocks=used,
             free_blocks=self.num_free_blocks,
@@ -277,6 +340,10 @@ class BlockManager:
             reserved_tokens=reserved,
             internal_fragmentation_tokens=empty_slots,
             block_utilization=allocated / reserved if reserved else 0.0,
+            groups=tuple(
+                GroupUsage(w, u, c)
+                for w, u, c in zip(self.group_windows, group_used, group_cached, strict=True)
+            ),
         )
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -294,14 +361,78 @@ class BlockManager:
                 "build the Sequence with the engine's block size"
             )
 
+    def _released_below(self, window: int | None, num_computed: int) -> int:
+        """Blocks wholly behind the window of the token at `num_computed`, the next to compute: it reads
+        positions num_computed - window + 1 .. num_computed."""
+        return 0 if window is None else max(0, (num_computed - window + 1) // self.block_size)
+
+    def _first_chunk_end(
+        self, seq: Sequence, window: int | None, num_hit: int, max_new_tokens: int | None
+    ) -> int:
+        """The tokens a group holds blocks for once allocated: all of them without a window, else up to the
+        end of the first chunk."""
+        if window is None or max_new_tokens is None:
+            return len(seq)
+        return min(len(seq), num_hit * self.block_size + max_new_tokens)
+
+    def _append_end(self, seq: Sequence, num_new_tokens: int | None) -> int:
+        if num_new_tokens is None:
+            return len(seq.token_ids)
+        end = seq.num_computed_tokens + num_new_tokens
+        if not (num_new_tokens > 0 and end <= len(seq.token_ids)):
+            raise ComputedTokensError(
+                f"{num_new_tokens} new tokens after {seq.num_computed_tokens} computed: the sequence has "
+                f"{len(seq.token_ids)} tokens"
+            )
+        return end
+
+    def _release_behind_windows(self, seq: Sequence) -> None:
+        for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
+            below = min(len(table), self._released_below(window, seq.num_computed_tokens))
+            for i in range(seq.num_released[g], below):
+                self._free_block(table[i])
+                table[i] = RELEASED
+            seq.num_released[g] = max(seq.num_released[g], below)
+
+    def _free_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None and self._cached[block.group].get(block.hash) is block:
+                self._cached_free[block_id] = block
+            else:
+                block.hash = block.token_bytes = block.parent_key = None
+                self._free_ids.append(block_id)
+
     def _root_hash(self, cache_salt: str | None) -> int:
         return ROOT_HASH if cache_salt is None else self.hash_fn(cache_salt.encode(), ROOT_HASH)
 
+    def _find_all_hits(self, seq: Sequence) -> list[list[Block]]:
+        """Per group, the cached blocks of the longest prefix that every group holds: group 0's from the first
+        block, a windowed group's from the first its window reads at the prefix's end."""
+        hits = self._find_hits(seq)
+        num_hit = len(hits)
+        while num_hit:
+            groups, missing = [hits[:num_hit]], None
+            for g in range(1, self.num_groups):
+                cached = self._cached[g]
+                first = self._released_below(self.group_windows[g], num_hit * self.block_size)
+                found = [cached.get(block.uid) for block in hits[first:num_hit]]
+                if None in found:
+                    # No shorter prefix that still reads this block can hit either.
+                    missing = first + found.index(None)
+                    break
+                groups.append(found)
+            if missing is None:
+                return groups
+            num_hit = missing
+        return [[] for _ in self.group_windows]
+
     def _find_hits(self, seq: Sequence) -> list[Block]:
-        """The verified cached blocks of the longest cached prefix, leaving the last token to compute."""
+        """Group 0's verified cached blocks of the longest cached prefix, leaving the last token to compute."""
         if not seq.reads_prefix_cache:
             return []
-        hash_fn, cached = self.hash_fn, self._cached
+        hash_fn, cached = self.hash_fn, self._cached[0]
         parent_hash = self._root_hash(seq.cache_salt)
         parent_key: int | str | None = seq.cache_salt
         hits: list[Block] = []
@@ -330,13 +461,20 @@ class BlockManager:
         step = 8 * bs
         return [data[offset : offset + step] for offset in range(0, len(data), step)]
 
-    def _blocks_needed(self, seq: Sequence, hits: list[Block]) -> int:
-        """Free blocks `allocate` takes: one per miss, plus one per revived cached-free hit."""
-        revived = sum(1 for block in hits if block.ref_count == 0)
-        return seq.num_blocks - len(hits) + revived
+    def _blocks_needed(
+        self, seq: Sequence, hits: list[list[Block]] | None, max_new_tokens: int | None
+    ) -> int:
+        """Free blocks `allocate` takes: one per miss up to each group's end, plus one per revived cached hit."""
+        needed = 0
+        for window, found in zip(self.group_windows, hits or [[] for _ in self.group_windows], strict=True):
+            num_hit = len(hits[0]) if hits else 0
+            end = self._first_chunk_end(seq, window, num_hit, max_new_tokens)
+            needed += -(-end // self.block_size) - num_hit + sum(1 for b in found if b.ref_count == 0)
+        return needed
 
-    def _take_free_blocks(self, n: int) -> list[int]:
-        """`n` blocks for new content: plain free ones first, then the least recently used cached ones."""
+    def _take_free_blocks(self, n: int, group: int) -> list[int]:
+        """`n` blocks for new content in `group`: plain free ones first, then the least recently used cached
+        ones."""
         free_ids, blocks = self._free_ids, self.blocks
         keep = max(0, len(free_ids) - n)
         taken = free_ids[keep:]
@@ -347,16 +485,18 @@ class BlockManager:
             popitem, cached = self._cached_free.popitem, self._cached
             for _ in range(num_evicted):
                 block_id, block = popitem(last=False)
-                del cached[block.hash]
+                del cached[block.group][block.hash]
                 block.hash = block.token_bytes = block.parent_key = None
                 taken.append(block_id)
             self._evictions += num_evicted
         for block_id in taken:
-            blocks[block_id].ref_count = 1
+            block = blocks[block_id]
+            block.ref_count, block.group = 1, group
         return taken
 
     def _hash_blocks(self, seq: Sequence, num_full: int) -> None:
-        """Hash the sequence's not yet hashed blocks below `num_full` (all full) and register them."""
+        """Hash the sequence's not yet hashed blocks below `num_full` (all full) and register them, in group 0
+        by their chained hash, in the other groups by the content id of group 0's block at the same place."""
         blocks, table = self.blocks, seq.block_table
         first = num_full - 1
         while first and blocks[table[first - 1]].hash is None:
@@ -366,7 +506,7 @@ class BlockManager:
             parent_hash, parent_key = parent.hash, parent.uid
         else:
             parent_hash, parent_key = self._root_hash(seq.cache_salt), seq.cache_salt
-        hash_fn, cached, uids = self.hash_fn, self._cached, self._uids
+        hash_fn, cached, uids = self.hash_fn, self._cached[0], self._uids
         for i, token_bytes in enumerate(self._pack_blocks(seq.token_ids, first, num_full), first):
             block = blocks[table[i]]
             parent_hash = hash_fn(token_bytes, parent_hash)
@@ -383,6 +523,12 @@ class BlockManager:
             else:  # new content, or a hash collision (then this block stays unregistered)
                 block.uid = next(uids)
             parent_key = block.uid
+        for g in range(1, self.num_groups):
+            group_table, group_cached = seq.block_tables[g], self._cached[g]
+            for i in range(max(first, seq.num_released[g]), num_full):
+                block = blocks[group_table[i]]
+                block.hash = blocks[table[i]].uid
+                group_cached.setdefault(block.hash, block)  # a copy of registered content stays unregistered
 
     def check_invariants(self) -> None:
         """Raise InvariantError unless the state is consistent (for tests; O(blocks + tokens))."""
@@ -395,8 +541,10 @@ class BlockManager:
         holders = [0] * self.num_blocks
         for seq in self._seqs.values():
             self._check_sequence(seq)
-            for block_id in seq.block_table:
-                holders[block_id] += 1
+            for g, table in enumerate(seq.block_tables):
+                for block_id in table[seq.num_released[g] :]:
+                    holders[block_id] += 1
+                    _require(self.blocks[block_id].group == g, f"block {block_id} is in group {g}'s table")
         num_used = 0
         for block in self.blocks:
             bid = block.block_id
@@ -404,7 +552,7 @@ class BlockManager:
                 block.ref_count == holders[bid],
                 f"block {bid}: ref_count {block.ref_count} but {holders[bid]} block tables hold it",
             )
-            registered = block.hash is not None and self._cached.get(block.hash) is block
+            registered = block.hash is not None and self._cached[block.group].get(block.hash) is block
             if block.ref_count > 0:
                 num_used += 1
                 _require(bid not in free_ids and bid not in cached_free_ids, f"used block {bid} is also free")
@@ -415,11 +563,15 @@ class BlockManager:
             else:
                 _require(bid in free_ids, f"block {bid} is neither used, cached-free nor free")
                 _require(block.hash is None, f"free block {bid} still holds a hash")
-        for h, block in self._cached.items():
-            _require(
-                block.hash == h, f"hash map entry {h} points at block {block.block_id} holding {block.hash}"
-            )
-            _require(block.token_bytes is not None, f"registered block {block.block_id} has no token ids")
+        for g, cached in enumerate(self._cached):
+            for h, block in cached.items():
+                _require(
+                    block.hash == h and block.group == g,
+                    f"group {g}'s map entry {h} points at block {block.block_id} holding {block.hash}",
+                )
+                _require(
+                    g or block.token_bytes is not None, f"registered block {block.block_id} has no tokens"
+                )
         _require(
             len(free_ids) + len(cached_free_ids) + num_used == self.num_blocks,
             f"free {len(free_ids)} + cached-free {len(cached_free_ids)} + used {num_used} != total",
@@ -428,8 +580,9 @@ class BlockManager:
     def _check_sequence(self, seq: Sequence) -> None:
         bs, table = self.block_size, seq.block_table
         _require(bool(table), "an allocated sequence has an empty block table")
-        _require(len(set(table)) == len(table), f"a block table lists a block twice: {table}")
-        _require(len(table) <= seq.num_blocks, f"{len(table)} blocks for {len(seq)} tokens")
+        _require(len(seq.block_tables) == self.num_groups, f"{len(seq.block_tables)} block tables")
+        for g, group_table in enumerate(seq.block_tables):
+            self._check_group_table(seq, g, group_table)
         _require(
             0 <= seq.num_cached_tokens < len(seq) and seq.num_cached_tokens % bs == 0,
             f"num_cached_tokens {seq.num_cached_tokens} for a sequence of {len(seq)} tokens",
@@ -454,6 +607,28 @@ class BlockManager:
                 f"block {block_id} (position {i}) does not hold this sequence's block {i}",
             )
             parent_key = block.uid
+
+    def _check_group_table(self, seq: Sequence, g: int, table: list[int]) -> None:
+        """A group's table: RELEASED exactly where its window has passed, then distinct live blocks; a group
+        other than 0 registers a block under group 0's content id at the same place."""
+        released = seq.num_released[g]
+        below = min(len(table), self._released_below(self.group_windows[g], seq.num_computed_tokens))
+        _require(
+            released == below and all(b == RELEASED for b in table[:released]),
+            f"group {g}: {released} blocks released, but the window has passed {below}",
+        )
+        live = table[released:]
+        _require(RELEASED not in live, f"group {g}'s table has a released block after a live one: {table}")
+        _require(len(set(live)) == len(live), f"a block table lists a block twice: {table}")
+        _require(len(table) <= seq.num_blocks, f"{len(table)} blocks for {len(seq)} tokens")
+        if g == 0:
+            return
+        for i in range(released, len(table)):
+            key = self.blocks[table[i]].hash
+            _require(
+                key is None or key == self.blocks[seq.block_table[i]].uid,
+                f"group {g}'s block {table[i]} (position {i}) holds other content than group 0's block there",
+            )
 
 
 def _require(condition: bool, message: str) -> None:

@@ -114,7 +114,7 @@ def run_profile_step(
             block_size,
             param.device,
             model.attention_backend,
-            window=model.config.attention_window,
+            kv_groups=model.kv_groups,
         )
         positions = torch.cat(
             [

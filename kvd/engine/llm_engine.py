@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -95,9 +95,18 @@ class LLMEngine:
         self.developer_role = "developer" in (chat_template or "")
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
         self.num_blocks = kv_pool_blocks(args, loaded.model, self.kv_dtype, max_model_len, baseline)
-        pool_tokens = self.num_blocks * args.block_size
+        groups = loaded.model.kv_groups
+        pool_tokens = groups.max_tokens(self.num_blocks, args.block_size)
+        if pool_tokens < 1:
+            raise RequestRejectedError(
+                f"the KV pool's {self.num_blocks} blocks do not hold the sliding-window layers' windows; "
+                "raise kv_cache_memory",
+                "kv_cache_memory",
+            )
         self.max_model_len = min(max_model_len, pool_tokens)
-        self.block_manager = BlockManager(self.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.num_blocks, args.block_size, args.enable_prefix_caching, group_windows=groups.release_windows
+        )
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
         self.weight_bytes = weight_bytes(loaded.model)
         self.file_types = loaded.file_types
@@ -135,10 +144,10 @@ class LLMEngine:
         self.requests: dict[Hashable, EngineRequest] = {}
         self._by_seq_id: dict[int, EngineRequest] = {}
         logger.info(
-            "KV pool: %d blocks x %d tokens = %d tokens (%.0f MiB, %s); max_model_len %d; %s attention",
+            "KV pool: %d blocks x %d tokens in %d group(s) (%.0f MiB, %s); max_model_len %d; %s attention",
             self.num_blocks,
             args.block_size,
-            pool_tokens,
+            groups.num_groups,
             self.num_blocks
             * kv_cache_bytes_per_block(loaded.model.config, args.block_size, self.kv_dtype)
             / 2**20,
@@ -318,7 +327,11 @@ class LLMEngine:
     def num_blocks_allocated(self, request_id: Hashable) -> int:
         """KV blocks the request holds right now; 0 if unknown or waiting."""
         request = self.requests.get(request_id)
-        return len(request.seq.block_table) if request else 0
+        if request is None:
+            return 0
+        return sum(
+            len(t) - n for t, n in zip(request.seq.block_tables, request.seq.num_released, strict=True)
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -359,7 +372,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache": vars(usage) | {"total_blocks": self.num_blocks},
+            "kv_cache": asdict(usage) | {"total_blocks": self.num_blocks},
             "prefix_cache": vars(cache),
             **self.metrics.summary(),
         }
@@ -378,6 +391,7 @@ class LLMEngine:
             "block_size": self.args.block_size,
             "attention_backend": self.attention_backend,
             "num_blocks": self.num_blocks,
+            "kv_groups": self.runner.model.kv_groups.describe(),
             "max_num_seqs": self.args.max_num_seqs,
             "max_num_batched_tokens": self.args.max_num_batched_tokens,
             "vocab_size": self.config.vocab_size,

@@ -9,6 +9,7 @@ import torch
 from kvd.distributed.step import Command, StepChannel, StepInputs
 from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
+from kvd.engine.sequence import RELEASED
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
 from kvd.model.decoder import CausalLM
@@ -56,7 +57,7 @@ class ModelRunner:
         for rotary in {id(r): r for r in model.layer_rotaries()}.values():
             rotary.truncate(max_model_len)  # no position reaches past the context served
         return_freed_heap()
-        self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device)
+        self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device, model.kv_groups)
         model.bind_kv_cache(self.kv_caches)
         self.graphs: DecodeGraphRunner | None = None
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
@@ -83,11 +84,17 @@ class ModelRunner:
             start = chunk.seq.num_computed_tokens
             starts.append(len(input_ids))
             input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_new_tokens])
+        null = self.null_block
         inputs = StepInputs(
             input_ids,
             query_lens=[c.num_new_tokens for c in chunks],
             context_lens=[c.seq.num_computed_tokens + c.num_new_tokens for c in chunks],
             block_tables=[c.seq.block_table for c in chunks],
+            # A sliding group's released blocks (behind its window: no kernel reads them) name the null block.
+            group_tables=[
+                [[null if b == RELEASED else b for b in c.seq.block_tables[g]] for c in chunks]
+                for g in range(1, self.model.kv_groups.num_groups)
+            ],
         )
         if self._replays(chunks):
             self.num_graph_steps += 1
@@ -106,7 +113,8 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             backend=self.model.attention_backend,
-            window=self.model.config.attention_window,
+            kv_groups=self.model.kv_groups,
+            group_tables=inputs.group_tables,
         )
         return self.model(
             host_to_device(inputs.input_ids, torch.long, self.device),

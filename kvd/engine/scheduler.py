@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.engine.block_manager import BlockManager
@@ -72,9 +73,12 @@ class Scheduler:
             used += 1
         return used
 
-    def _make_room_to_append(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Preempt the most recently admitted sequences until `seq` can take a new block; False if `seq` went."""
-        while not self.block_manager.can_append(seq):
+    def _make_room_to_append(
+        self, seq: Sequence, out: SchedulerOutput, num_new_tokens: int | None = None
+    ) -> bool:
+        """Preempt the most recently admitted sequences until `seq` can take the blocks of its next tokens
+        (`BlockManager.may_append`); False if `seq` went."""
+        while not self.block_manager.can_append(seq, num_new_tokens):
             if len(self.running) == 1:
                 # Alone and still no block: the sequence has outgrown the whole pool; the engine finishes it.
                 out.out_of_memory.append(seq)
@@ -82,6 +86,8 @@ class Scheduler:
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
+            # A prefill chunk's room may cost a decode scheduled earlier in this step.
+            out.chunks = [c for c in out.chunks if c.seq is not victim]
             if victim is seq:
                 return False
         return True
@@ -96,11 +102,19 @@ class Scheduler:
 
     def _schedule_running_prefills(self, out: SchedulerOutput, budget: int) -> int:
         used = 0
-        for seq in self.running:
+        for seq in list(self.running):
             if used == budget:
                 break
-            if seq.is_prefilling:
-                n = min(len(seq) - seq.num_computed_tokens, budget - used)
+            if seq.status == SequenceStatus.RUNNING and seq.is_prefilling:
+                # A sliding-window group takes its blocks chunk by chunk (the others have the whole prompt's):
+                # the chunk shrinks to the blocks there are, and only a chunk of none preempts.
+                wanted = min(len(seq) - seq.num_computed_tokens, budget - used)
+                n = self._fit(lambda m, s=seq: self.block_manager.can_append(s, m), wanted)
+                if not n:
+                    if not self._make_room_to_append(seq, out, 1):
+                        continue
+                    n = self._fit(lambda m, s=seq: self.block_manager.can_append(s, m), wanted)
+                self.block_manager.may_append(seq, n)
                 out.chunks.append(ScheduledChunk(seq, n))
                 used += n
         return used
@@ -109,17 +123,31 @@ class Scheduler:
         # Strict FCFS: when the head does not fit, nothing behind it jumps ahead, so no request starves.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
+            first_chunk = self._fit(lambda m, s=seq: self.block_manager.can_allocate(s, m), budget)
+            if not first_chunk:
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, first_chunk)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.num_admitted_tokens = len(seq)
             self.running.append(seq)
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            n = min(len(seq) - seq.num_computed_tokens, first_chunk)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    def _fit(self, fits: Callable[[int], bool], most: int) -> int:
+        """The largest n <= most with fits(n) (fits is monotonic), 0 if not even 1 fits. Only a group with a
+        window takes fewer blocks for fewer tokens: without one, the first try answers."""
+        if fits(most):
+            return most
+        if not self.block_manager.windowed:
+            return 0
+        low, high = 0, most  # fits(low) or low == 0; not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Advance computed counts; append the token sampled for each sequence whose chunk finished it."""

@@ -7,6 +7,9 @@ from enum import Enum
 
 _seq_ids = itertools.count()
 
+RELEASED = -1
+"""A block table entry that a sliding-window group freed: its window has passed that block."""
+
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
@@ -37,7 +40,9 @@ class Sequence:
         self.cache_salt = cache_salt
         # False for requests that need every prompt position computed (prompt logprobs, embeddings).
         self.reads_prefix_cache = reads_prefix_cache
-        self.block_table: list[int] = []
+        # One table per KV group (kvd.model.layers.kv_cache.KVGroups); a sliding group's starts with RELEASED.
+        self.block_tables: list[list[int]] = [[]]
+        self.num_released: list[int] = [0]  # per group: the leading RELEASED entries of its table
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.seq_id = next(_seq_ids)
@@ -48,6 +53,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table: every block of the sequence's tokens (all it holds with one KV group)."""
+        return self.block_tables[0]
 
     @property
     def num_output_tokens(self) -> int:

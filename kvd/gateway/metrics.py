@@ -39,6 +39,14 @@ class DaemonCollector:
             _ratio(kv["used_blocks"], kv["total_blocks"]),
         )
         yield _gauge("kvd_kv_cache_blocks", "blocks in the KV pool", kv["total_blocks"])
+        groups = GaugeMetricFamily(
+            "kvd_kv_cache_group_used_blocks",
+            "blocks each KV group's tables hold (a sliding-window group frees those behind its window)",
+            labels=["group", "window"],
+        )
+        for i, group in enumerate(kv["groups"]):
+            groups.add_metric([str(i), str(group["window"] or "full")], group["used_blocks"])
+        yield groups
         yield _gauge(
             "kvd_prefix_cache_hit_rate",
             "prompt tokens served from the prefix cache / queried",

@@ -78,7 +78,16 @@ typedef struct {
     int64_t window;      // 0, or the sliding window of this layer's attention (kvd_paged_attention)
     const float* sinks;  // NULL, or this layer's attention sinks (kvd_paged_attention)
     int32_t gelu;        // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
+    int32_t kv_group;    // the KV group whose block tables this layer's pool is read through (kvd_kv_group)
 } kvd_layer;
+
+// A KV group's step tables (kvd_decode_layers): the slot of each new token's K/V [S] and the block tables
+// [S, table_width] of the group's layers (a sliding-window group has its own, from kvd.model.layers.kv_cache).
+typedef struct {
+    const int64_t* slots;
+    const int32_t* tables;
+    int64_t table_width;
+} kvd_kv_group;
 
 // bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
 // the pool holds 8-bit rows instead (kvd_paged_attention).
@@ -160,12 +169,11 @@ void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthre
 
 // Every decoder layer for S sequences of one new token each, in the model's dtype: hidden [S, hidden] (the
 // embeddings in, the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that
-// output out). positions, slots [S]; block tables [S, table_width] and context lengths [S] as for the attention
-// above.
+// output out). positions [S]; each KV group's slots and block tables (kvd_kv_group, num_groups of them, layer l
+// reading groups[layers[l].kv_group]) and the context lengths [S] as for the attention above.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
-                      void* residual, int64_t S, const int64_t* positions,
-                      const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
-                      int nthreads);
+                      void* residual, int64_t S, const int64_t* positions, const kvd_kv_group* groups,
+                      int64_t num_groups, const int32_t* lens, int nthreads);
 
 // cffi: end
 

@@ -257,13 +257,16 @@ static int64_t widest_part(const kvd_weight* parts) {
 
 // The indices are checked once, before layer 0 writes anything; after that only memory can run out.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
-                      void* residual, int64_t S, const int64_t* positions,
-                      const int64_t* slots, const int32_t* tables, int64_t table_width, const int32_t* lens,
-                      int nthreads) {
+                      void* residual, int64_t S, const int64_t* positions, const kvd_kv_group* groups,
+                      int64_t num_groups, const int32_t* lens, int nthreads) {
     const int64_t num_slots = m->num_blocks * m->block_size;
-    if (checked_max_context(tables, table_width, lens, S, m->num_blocks, m->block_size) < 0 ||
-        !indices_in_range(slots, S, -1, num_slots) || !indices_in_range(positions, S, 0, m->num_positions))
-        return KVD_BAD_INDEX;
+    if (!indices_in_range(positions, S, 0, m->num_positions)) return KVD_BAD_INDEX;
+    for (int64_t g = 0; g < num_groups; g++)
+        if (checked_max_context(groups[g].tables, groups[g].table_width, lens, S, m->num_blocks, m->block_size) < 0 ||
+            !indices_in_range(groups[g].slots, S, -1, num_slots))
+            return KVD_BAD_INDEX;
+    for (int64_t l = 0; l < num_layers; l++)
+        if (layers[l].kv_group < 0 || layers[l].kv_group >= num_groups) return KVD_BAD_INDEX;
     const int bf16 = m->bf16;
     const size_t elem = bf16 ? 2 : 4;
     const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
@@ -283,6 +286,7 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     int failed = !x || !qkv || !att || !gate_up || !act || !scratch;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;
+        const kvd_kv_group* G = groups + L->kv_group;
         kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, bf16, nthreads);
         failed |= parts_linear(L->qkv, x, bf16, S, qkv, scratch, nthreads) != KVD_OK;
         char *q = qkv, *k = qkv + q_size * elem, *v = k + kv_size * elem;
@@ -293,10 +297,10 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         // The k heads follow the q heads in a qkv row: one pass rotates both.
         kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, m->rotary_dim, L->cos_sin, m->num_positions,
                    positions, nthreads);
-        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, slots, S);
+        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, G->slots, S);
         failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
-                                      m->kv_heads, D, S, m->heads, tables, table_width, lens, L->window, L->sinks,
-                                      m->scale, nthreads) != KVD_OK;
+                                      m->kv_heads, D, S, m->heads, G->tables, G->table_width, lens, L->window,
+                                      L->sinks, m->scale, nthreads) != KVD_OK;
         failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
         if (L->attn_output_norm)
             kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->attn_output_norm, m->eps, bf16);

@@ -481,23 +481,25 @@ def decode_layers(
     hidden: torch.Tensor,
     residual: torch.Tensor,
     positions: torch.Tensor,
-    slots: torch.Tensor,
-    block_tables: torch.Tensor,
+    groups: list[tuple[torch.Tensor, torch.Tensor]],
     context_lens: torch.Tensor,
 ) -> None:
     """Every decoder layer of a decode step, in place on hidden and residual [S, hidden_size] (the model's
-    dtype: shape.bf16); each layer's rotary table [shape.num_positions, 2 head_dim] in it too."""
+    dtype: shape.bf16); each layer's rotary table [shape.num_positions, 2 head_dim] in it too. groups: per KV
+    group (LayerWeights.kv_group), the slots [S] of the new tokens' K/V and the block tables [S, width]."""
     seqs = hidden.shape[0]
     dtype = torch.bfloat16 if shape.bf16 else torch.float32
     for name, t in (("hidden", hidden), ("residual", residual)):
         _check_tensor(t, name, dtype, (seqs, shape.hidden))
     _check_tensor(positions, "positions", torch.int64, (seqs,))
-    _check_tensor(slots, "slots", torch.int64, (seqs,))
-    _check_tensor(block_tables, "block_tables", torch.int32, (seqs, block_tables.shape[-1]))
     _check_tensor(context_lens, "context_lens", torch.int32, (seqs,))
+    kv_groups = ffi.new("kvd_kv_group[]", len(groups))
+    for entry, (slots, tables) in zip(kv_groups, groups, strict=True):
+        _check_tensor(slots, "slots", torch.int64, (seqs,))
+        _check_tensor(tables, "block_tables", torch.int32, (seqs, tables.shape[-1]))
+        entry.slots, entry.tables, entry.table_width = _ptr(slots), _ptr(tables), tables.shape[1]
     status = library().kvd_decode_layers(
         _struct("kvd_shape", shape), _layer_array(layers), len(layers), _ptr(hidden), _ptr(residual), seqs,
-        _ptr(positions), _ptr(slots), _ptr(block_tables), block_tables.shape[1],
-        _ptr(context_lens), _threads(),
+        _ptr(positions), kv_groups, len(groups), _ptr(context_lens), _threads(),
     )  # fmt: skip
     _check(status, "decode layers")

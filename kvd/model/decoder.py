@@ -16,7 +16,7 @@ from kvd.model.config import SLIDING, Layout, ModelConfig
 from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, AttentionMetadataError
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
-from kvd.model.layers.kv_cache import pool_row
+from kvd.model.layers.kv_cache import kv_groups, pool_row
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
@@ -43,7 +43,7 @@ class KVCacheNotBoundError(RuntimeError):
 class SelfAttention(nn.Module):
     """With tensor parallelism: this rank's heads and KV heads (config is the rank's slice); o is
     row-parallel, so its partial sums are all-reduced. A sliding layer (`window`) attends over its last
-    `window` tokens, given the step's sliding metadata (AttentionMetadata.sliding)."""
+    `window` tokens, given its KV group's metadata (CausalLM.kv_groups)."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None
@@ -181,6 +181,7 @@ class CausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         config = ShardPlan(config, shard).local_config()
         self.config = config
+        self.kv_groups = kv_groups(config)  # which layers share a block table (kvd.model.layers.kv_cache)
         self.attention_backend = attention_backend or TorchAttentionBackend()
         self.model = DecoderModel(config, self.attention_backend, shard, shard.vocab_start(self.vocab_size))
         self.lm_head = (
@@ -220,7 +221,7 @@ class CausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         if self.config.embedding_multiplier != 1.0:
             hidden = hidden * self.config.embedding_multiplier
-        sliding_attn = self._sliding_metadata(attn)
+        group_attn = self._group_metadata(attn)
         # The residual stream starts at zero, so layer 0's fused add leaves it equal to the embeddings.
         residual = torch.zeros_like(hidden)
         decoder = self._decoder_for(hidden, attn)
@@ -228,11 +229,10 @@ class CausalLM(nn.Module):
             decoder.forward(hidden, residual, positions, attn)
         else:
             rows = {id(r): r.lookup(positions) for r in (self.rotary, self.sliding_rotary) if r is not None}
-            for layer, rotary in zip(self.model.layers, self.layer_rotaries(), strict=True):
-                sliding = layer.self_attn.window is not None
-                hidden, residual = layer(
-                    hidden, residual, rows[id(rotary)], sliding_attn if sliding else attn
-                )
+            for layer, rotary, group in zip(
+                self.model.layers, self.layer_rotaries(), self.kv_groups.layer_group, strict=True
+            ):
+                hidden, residual = layer(hidden, residual, rows[id(rotary)], group_attn[group])
         return self.model.norm.add_and_norm(hidden, residual)[0]
 
     def layer_rotaries(self) -> list[RotaryEmbedding]:
@@ -242,17 +242,16 @@ class CausalLM(nn.Module):
             for layer in self.model.layers
         ]
 
-    def _sliding_metadata(self, attn: AttentionMetadata) -> AttentionMetadata:
-        """The step's metadata for the sliding layers; `attn` itself when the model has none."""
-        window = self.config.attention_window
-        if window is None:
-            return attn
-        if attn.sliding is None or attn.sliding.window != window:
+    def _group_metadata(self, attn: AttentionMetadata) -> tuple[AttentionMetadata, ...]:
+        """The step's metadata for each KV group, checked against the model's groups."""
+        groups = (attn, *attn.other_groups)
+        if tuple(a.window for a in groups) != self.kv_groups.windows:
             raise AttentionMetadataError(
-                f"this model has sliding-window layers (window {window}): build the step's metadata with "
-                "build_attention_metadata(..., window=model.config.attention_window)"
+                f"this model's KV groups have the windows {self.kv_groups.windows}, the step's metadata "
+                f"{tuple(a.window for a in groups)}: build it with "
+                "build_attention_metadata(..., kv_groups=model.kv_groups)"
             )
-        return attn.sliding
+        return groups
 
     def _decoder_for(self, hidden: torch.Tensor, attn: AttentionMetadata) -> NativeDecoder | None:
         """The native layer loop when it can run this step (kvd.model.native_decode), else None."""

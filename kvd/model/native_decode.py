@@ -92,8 +92,11 @@ class NativeDecoder:
                 window=layer.self_attn.window or 0,
                 sinks=0 if layer.self_attn.sinks is None else layer.self_attn.sinks.data_ptr(),
                 gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
+                kv_group=group,
             )
-            for layer, rotary in zip(layers, model.layer_rotaries(), strict=True)
+            for layer, rotary, group in zip(
+                layers, model.layer_rotaries(), model.kv_groups.layer_group, strict=True
+            )
         )
         self.key = self._key(model)
         # Float32 linears leave large steps to torch's matmul, unless batch invariance keeps them native.
@@ -166,8 +169,13 @@ class NativeDecoder:
         attn: AttentionMetadata,
     ) -> None:
         """Run every layer in place on hidden and residual [S, hidden_size] (contiguous, the model's dtype)."""
-        plan: NativeDecodePlan = attn.decode
+        groups = [(a.slot_mapping, a.decode.block_tables) for a in (attn, *attn.other_groups)]
         cpu_native.decode_layers(
-            self.shape, self.layers, hidden, residual, positions.contiguous(), attn.slot_mapping,
-            plan.block_tables, plan.context_lens,
-        )  # fmt: skip
+            self.shape,
+            self.layers,
+            hidden,
+            residual,
+            positions.contiguous(),
+            groups,
+            attn.decode.context_lens,
+        )

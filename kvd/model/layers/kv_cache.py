@@ -1,13 +1,78 @@
 """The paged KV pool: per layer one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, row]: row = head_dim
-values of the model's dtype, or in an int8 pool head_dim codes and their scale (kvd.kernels.cpu_native)."""
+values of the model's dtype, or in an int8 pool head_dim codes and their scale (kvd.kernels.cpu_native).
+
+A model whose sliding-window layers sit beside full-attention ones keeps its layers' K/V in groups (KVGroups),
+each with its own block table: a sliding group holds only the blocks its window still needs. Every group has
+the same number of layers, so that one block of the pool serves any group: the layers at the same place in
+their groups share one tensor, and a block id given to one group is that block in each of its layers."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.config import ModelConfig
+from kvd.model.config import SLIDING, ModelConfig
 from kvd.model.huge_pages import pool_zeros
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """Which layers share a block table. Group 0 holds full-attention layers (or every layer, when they are all
+    of one kind) and keeps every block of a sequence; a group of sliding-window layers frees the blocks behind
+    its window (kvd.engine.block_manager)."""
+
+    layer_group: tuple[int, ...]  # per layer: its group
+    layer_slot: tuple[int, ...]  # per layer: its place in the group, i.e. the pool tensor it shares
+    windows: tuple[int | None, ...]  # per group: its layers' attention window, None for full attention
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    @property
+    def layers_per_group(self) -> int:
+        return max(self.layer_slot) + 1
+
+    @property
+    def release_windows(self) -> tuple[int | None, ...]:
+        """Per group, the window behind which it frees blocks: None for group 0, which keeps them all (the
+        prefix cache names content by group 0's blocks; every layer of a model that only slides is in it)."""
+        return (None, *self.windows[1:])
+
+    def describe(self) -> list[dict]:
+        """Per group, its layers and the window behind which it frees blocks (for info)."""
+        return [
+            {"layers": self.layer_group.count(g), "window": window}
+            for g, window in enumerate(self.release_windows)
+        ]
+
+    def max_tokens(self, num_blocks: int, block_size: int) -> int:
+        """The longest sequence a pool of `num_blocks` holds alone: a windowed group keeps the blocks its window
+        spans, every other group a block per block_size tokens (the scheduler shrinks a prompt's chunks to fit)."""
+        windows = [w for w in self.release_windows if w is not None]
+        reserved = sum(-(-w // block_size) + 1 for w in windows)
+        return max(0, (num_blocks - reserved) // (self.num_groups - len(windows))) * block_size
+
+
+def kv_groups(config: ModelConfig) -> KVGroups:
+    """One group of every layer, unless full and sliding layers mix: then groups of gcd(#full, #sliding) layers
+    in layer order, the full groups first."""
+    n = config.num_hidden_layers
+    window = config.attention_window
+    sliding = [i for i in range(n) if window is not None and config.layer_types[i] == SLIDING]
+    full = [i for i in range(n) if i not in set(sliding)]
+    if not sliding or not full:
+        return KVGroups((0,) * n, tuple(range(n)), (window,))
+    size = math.gcd(len(full), len(sliding))
+    layer_group, layer_slot = [0] * n, [0] * n
+    for g, start in enumerate(range(0, n, size)):
+        for slot, layer in enumerate((full + sliding)[start : start + size]):
+            layer_group[layer], layer_slot[layer] = g, slot
+    windows = (None,) * (len(full) // size) + (window,) * (len(sliding) // size)
+    return KVGroups(tuple(layer_group), tuple(layer_slot), windows)
 
 
 def pool_row(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -16,16 +81,25 @@ def pool_row(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block of the pool takes, K and V: the layers of one KV group (all of them when ungrouped)."""
     per_layer = 2 * block_size * config.num_key_value_heads * pool_row(config, dtype)
-    return per_layer * config.num_hidden_layers * torch.empty((), dtype=dtype).element_size()
+    return per_layer * kv_groups(config).layers_per_group * torch.empty((), dtype=dtype).element_size()
 
 
 def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    groups: KVGroups | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (zeroed: attention weights of 0 times stale NaN would still give NaN)."""
+    """One zeroed tensor per layer (zeroed: attention weights of 0 times stale NaN would still give NaN). With
+    `groups` the layers at one place in their groups share theirs, so each group needs block tables of its own;
+    without, any block table serves every layer."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, pool_row(config, dtype))
-    return [pool_zeros(shape, dtype, torch.device(device)) for _ in range(config.num_hidden_layers)]
+    slots = groups.layer_slot if groups is not None else range(config.num_hidden_layers)
+    tensors = {s: pool_zeros(shape, dtype, torch.device(device)) for s in sorted(set(slots))}
+    return [tensors[s] for s in slots]

@@ -73,8 +73,8 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     window: int | None = None  # each token sees only its context's last `window` tokens (a sliding layer)
-    # The same step's metadata for the model's sliding-window layers (build_attention_metadata's `window`).
-    sliding: AttentionMetadata | None = None
+    # This is KV group 0's metadata; these the same step's for groups 1.. (build_attention_metadata).
+    other_groups: tuple[AttentionMetadata, ...] = ()
 
     @property
     def num_seqs(self) -> int:
