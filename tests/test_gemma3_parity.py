@@ -78,3 +78,26 @@ def test_chat_through_the_demo_path():
     assert "Connected: gemma-3-270m-it-Q4_K_M (gguf weights" in out
     assert len(replies) == 2 and all(r.strip() for r in replies)
     assert cached[0] == 0 and cached[1] > 0
+
+
+def test_tools_are_called_in_gemmas_pythonic_format():
+    """Gemma 3's template knows no tools: kvd's prompt asks for [name(key=value)] calls, as Google's guide has
+    them; forced calls (the grammar writes that format) parse into calls that validate."""
+    import json
+
+    import jsonschema
+    from tool_fixtures import SCHEMAS, TOOLS
+
+    from kvd import LLM, SamplingParams
+
+    llm = LLM(str(GGUF), kv_cache_memory=64 << 20)
+    assert llm.engine.info()["tools"] == {"format": "pythonic", "template": "kvd"}
+    ask = [{"role": "user", "content": "What is the weather in Oslo, in celsius?"}]
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in [("required", {"get_weather", "get_time"}), (named, {"get_time"})]:
+        (out,) = llm.chat(ask, greedy, use_tqdm=False, tools=TOOLS, tool_choice=choice)
+        assert out.finish_reason == "tool_calls" and out.text == "", out.text
+        for call in out.tool_calls:
+            assert call.name in names
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

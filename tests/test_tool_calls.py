@@ -11,11 +11,18 @@ import llguidance
 import llguidance.hf
 import pytest
 
+from kvd.model.families.gemma3 import Gemma3ForCausalLM
 from kvd.model.gguf_loader import GGUFFile, load_gguf_tokenizer
 from kvd.model.hub import default_model_path
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
-from kvd.request.tool_render import ToolFormat, ToolTemplate, detect_tool_template, render_messages
+from kvd.request.tool_render import (
+    ToolFormat,
+    ToolTemplate,
+    detect_tool_template,
+    pythonic_call,
+    render_messages,
+)
 from kvd.request.tool_validate import (
     MAX_TOOLS,
     Tool,
@@ -53,6 +60,7 @@ ADD = {
 TOOLS = parse_tools([WEATHER, ADD])
 HERMES = ToolTemplate(ToolFormat.HERMES, native=True)
 LLAMA3 = ToolTemplate(ToolFormat.LLAMA3_JSON, native=True)
+PYTHONIC = ToolTemplate(ToolFormat.PYTHONIC, native=False)  # Gemma's, through kvd's prompt
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +279,9 @@ def test_detect_tool_template_on_real_templates(hf_tokenizer):
     assert detect_tool_template(chat_templates.QWEN2_5) == HERMES
     assert detect_tool_template(chat_templates.LLAMA3_1) == LLAMA3
     assert detect_tool_template(None) == ToolTemplate(ToolFormat.HERMES, native=False)
+    assert (
+        detect_tool_template(Gemma3ForCausalLM.CHAT_TEMPLATE) == PYTHONIC
+    )  # Gemma 3's template knows no tools
     # A template that renders tools some other way is given the Hermes format.
     other = "{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
     assert detect_tool_template(other) == HERMES
@@ -343,6 +354,13 @@ def test_fallback_renders_the_whole_conversation_through_a_template_without_tool
         "<|im_start|>user\n<tool_response>\n22 C, sunny\n</tool_response>\n<tool_response>\n5\n</tool_response>"
         "<|im_end|>\n<|im_start|>assistant\nIt is 22 C"
     ) in text
+
+
+def test_gemma_fallback_renders_calls_as_a_list_of_python_calls(hf_tokenizer):
+    text = _render(hf_tokenizer, Gemma3ForCausalLM.CHAT_TEMPLATE, _history(), TOOLS)
+    assert "answer with only a list of calls, nothing else" in text
+    assert '<start_of_turn>model\n[get_weather(city="Paris"), add(a=2, b=3)]<end_of_turn>' in text
+    assert "<start_of_turn>user\n<tool_response>\n22 C, sunny\n</tool_response>" in text
 
 
 def test_fallback_adds_a_system_turn_and_keeps_content_with_calls(hf_tokenizer):
@@ -450,7 +468,28 @@ LLAMA3_CASES = [
     ),
     ('{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
 ]
-PARSER_CASES = [(HERMES, *case) for case in HERMES_CASES] + [(LLAMA3, *case) for case in LLAMA3_CASES]
+PYTHONIC_CASES = [
+    ('[get_weather(city="Paris")]', "", [("get_weather", {"city": "Paris"})]),
+    (
+        " [add(a=1, b=-2), get_weather(city=\"Zürich\", unit='c')]\n",
+        "",
+        [("add", {"a": 1, "b": -2}), ("get_weather", {"city": "Zürich", "unit": "c"})],
+    ),
+    # Python's literals and JSON's alike; tuples as lists.
+    ("[add(a={'x': (1, None)}, b=true)]", "", [("add", {"a": {"x": [1, None]}, "b": True})]),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[sub(a=1)]", "[sub(a=1)]", []),  # not a tool
+    ("[add(1, 2)]", "[add(1, 2)]", []),  # positional arguments
+    ("[add(a=__import__('os'))]", "[add(a=__import__('os'))]", []),  # never evaluated
+    ("[add(a=1)] and more", "[add(a=1)] and more", []),
+    ("The list: [add(a=1)]", "The list: [add(a=1)]", []),
+    ("[]", "[]", []),
+]
+PARSER_CASES = (
+    [(HERMES, *case) for case in HERMES_CASES]
+    + [(LLAMA3, *case) for case in LLAMA3_CASES]
+    + [(PYTHONIC, *case) for case in PYTHONIC_CASES]
+)
 
 
 def _calls(calls) -> list[tuple[str, dict]]:
@@ -495,12 +534,18 @@ CUT_CASES = [
     (LLAMA3, f'{CITY}; {{"name": "add", "parameters": {{"a": 1', "", [("get_weather", {"city": "Paris"})]),
     # Not one whole call: JSON content or a call, no telling, so the text stays content.
     (LLAMA3, '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
+    (PYTHONIC, '[get_weather(city="Paris"), add(a=1, b', "", [("get_weather", {"city": "Paris"})]),
+    (PYTHONIC, "[add(a=1", "[add(a=1", []),  # no whole call: a list or a call, no telling
 ]
 
 
 def test_a_forced_output_cut_short_is_never_content():
     # A grammar made it calls alone: a Llama 3 call cut short is one too, though it is no whole JSON call.
-    for template, text in [(LLAMA3, '{"name": "add", "parameters": {"a": 1'), (HERMES, '<tool_call>\n{"na')]:
+    for template, text in [
+        (LLAMA3, '{"name": "add", "parameters": {"a": 1'),
+        (HERMES, '<tool_call>\n{"na'),
+        (PYTHONIC, "[add(a=1"),
+    ]:
         parser = ToolCallParser(template, TOOLS, forced=True)
         assert (parser.feed(text), parser.finish("length")) == ("", ("", [], "length"))
 
@@ -553,6 +598,8 @@ def _accepts(ll_tokenizer, hf_tokenizer, grammar: str, text: str) -> bool:
 
 def _call_text(template: ToolTemplate, name: str, arguments: object) -> str:
     # As a model writes it: non-ASCII as itself (the grammar refuses a \u escape of a printable character).
+    if template.format is ToolFormat.PYTHONIC:
+        return "[" + pythonic_call(name, arguments) + "]"
     if template.format is ToolFormat.LLAMA3_JSON:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
     return (
@@ -563,10 +610,12 @@ def _call_text(template: ToolTemplate, name: str, arguments: object) -> str:
 
 
 def _join(template: ToolTemplate, texts: list[str]) -> str:
+    if template.format is ToolFormat.PYTHONIC:
+        return "[" + ", ".join(t[1:-1] for t in texts) + "]"
     return ("; " if template.format is ToolFormat.LLAMA3_JSON else "\n").join(texts)
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 def test_required_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
     grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel)
@@ -583,15 +632,17 @@ def test_required_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
         _call_text(template, "add", {"a": 2}),  # a required argument missing
         _call_text(template, "add", {"a": 2, "b": 3, "c": 4}),  # additionalProperties false
         _call_text(template, "get_weather", {"city": "Paris", "unit": "k"}),  # not in the enum
-        # Not json.dumps' spacing: too little, or too much.
-        _call_text(template, "get_weather", {"city": "Paris"}).replace('", "', '","'),
-        _call_text(template, "get_weather", {"city": "Paris"}).replace('{"', '{ "'),
     ]
+    weather = _call_text(template, "get_weather", {"city": "Paris", "unit": "c"})
+    if template.format is ToolFormat.PYTHONIC:  # one space after ",", none around "="
+        refused += [weather.replace(", ", ","), weather.replace("=", " = ")]
+    else:  # not json.dumps' spacing: too little, or too much
+        refused += [weather.replace('", "', '","'), weather.replace('{"', '{ "')]
     for text in refused:
         assert not _accepts(ll_tokenizer, hf_tokenizer, grammar, text), text
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 def test_named_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
     grammar = tool_call_grammar(TOOLS, ToolChoice("named", "add"), template, parallel)
@@ -609,7 +660,8 @@ def test_no_grammar_unless_a_call_is_forced(mode):
     assert tool_call_grammar(TOOLS, ToolChoice(mode), HERMES, parallel=True) is None
 
 
-def test_grammar_keeps_the_refs_of_a_schema(ll_tokenizer, hf_tokenizer):
+@pytest.mark.parametrize("template", [HERMES, PYTHONIC], ids=["hermes", "pythonic"])
+def test_grammar_keeps_the_refs_of_a_schema(ll_tokenizer, hf_tokenizer, template):
     tools = parse_tools(
         _function(
             "convert",
@@ -621,13 +673,13 @@ def test_grammar_keeps_the_refs_of_a_schema(ll_tokenizer, hf_tokenizer):
             },
         )
     )
-    grammar = tool_call_grammar(tools, ToolChoice("required"), HERMES, parallel=False)
+    grammar = tool_call_grammar(tools, ToolChoice("required"), template, parallel=False)
     assert _accepts(
-        ll_tokenizer, hf_tokenizer, grammar, _call_text(HERMES, "convert", {"to": "f", "also": "c"})
+        ll_tokenizer, hf_tokenizer, grammar, _call_text(template, "convert", {"to": "f", "also": "c"})
     )
-    assert not _accepts(ll_tokenizer, hf_tokenizer, grammar, _call_text(HERMES, "convert", {"to": "k"}))
+    assert not _accepts(ll_tokenizer, hf_tokenizer, grammar, _call_text(template, "convert", {"to": "k"}))
     assert not _accepts(
-        ll_tokenizer, hf_tokenizer, grammar, _call_text(HERMES, "convert", {"to": "c", "also": "k"})
+        ll_tokenizer, hf_tokenizer, grammar, _call_text(template, "convert", {"to": "c", "also": "k"})
     )
 
 
@@ -644,7 +696,7 @@ def test_forced_arguments_take_only_the_listed_properties_unless_the_schema_open
         assert _accepts(ll_tokenizer, hf_tokenizer, grammar, extra) == extra_allowed
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
 def test_text_the_grammar_accepts_parses_into_the_calls(ll_tokenizer, hf_tokenizer, template):
     grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel=True)
     text = _join(

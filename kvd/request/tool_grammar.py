@@ -27,6 +27,8 @@ def tool_call_grammar(
         return None
     if not chosen:
         raise ToolError("tool_choice", "no tool to call")
+    if template.format is ToolFormat.PYTHONIC:
+        return _pythonic_grammar(chosen, many)
     key = "parameters" if template.format is ToolFormat.LLAMA3_JSON else "arguments"
     schema = _calls_schema(chosen, key)
     if template.format is ToolFormat.LLAMA3_JSON:
@@ -35,6 +37,37 @@ def tool_call_grammar(
         separator, call = r'"\n"', rf'"{HERMES_OPEN}\n" body "\n{HERMES_CLOSE}"'
     start = f"call ({separator} call)*" if many else "call"
     return f"%llguidance {{}}\nstart: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+
+
+def _pythonic_grammar(tools: list[Tool], many: bool) -> str:
+    """[name(key=value, ...), ...]: each tool's listed arguments in their schema's order, the required ones
+    first, every value JSON of its property's schema (which the parser reads)."""
+    rules = ["start: " + ('"[" call (", " call)* "]"' if many else '"[" call "]"')]
+    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
+    for i, tool in enumerate(tools):
+        parameters = closed_schema(tool.parameters)
+        properties = parameters.get("properties") or {}
+        required = [k for k in properties if k in set(parameters.get("required") or ())]
+        optional = [k for k in properties if k not in required]
+        # The whole parameters under $defs, so that any "#..." ref of a property resolves there.
+        defs = {"tool": _reroot_refs(parameters, "#/$defs/tool")} if _has_local_ref(parameters) else None
+        item = {key: _pythonic_argument(key, schema, defs) for key, schema in properties.items()}
+        # opt_i_k: any non-empty, in-order choice of optional arguments k.. (one rule each: linear in their number).
+        for k, key in enumerate(optional):
+            rest = f' (", " opt_{i}_{k + 1})? | opt_{i}_{k + 1}' if k + 1 < len(optional) else ""
+            rules.append(f"opt_{i}_{k}: {item[key]}{rest}")
+        parts = ' ", " '.join(item[key] for key in required)
+        if optional:
+            parts = f'{parts} (", " opt_{i}_0)?' if required else f"opt_{i}_0?"
+        rules.append(f'call_{i}: "{tool.name}(" {parts} ")"')
+    return "%llguidance {}\n" + "\n".join(rules) + "\n"
+
+
+def _pythonic_argument(key: str, schema: dict, defs: dict | None) -> str:
+    """key=<JSON of the schema>, in the grammar's terms."""
+    schema = {**_reroot_refs(schema, "#/$defs/tool"), "$defs": defs} if defs else dict(schema)
+    schema["x-guidance"] = _JSON_STYLE
+    return f'"{key}=" %json {json.dumps(schema)}'
 
 
 def _calls_schema(tools: list[Tool], key: str) -> dict:

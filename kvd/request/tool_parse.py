@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 
@@ -117,13 +119,22 @@ def _as_call(value: object, names: set[str]) -> ToolCall | None:
 
 
 @dataclass
-class _Llama3:
-    """A whole output that is JSON call object(s) separated by ";", or else content."""
+class _WholeOutput:
+    """An output that is call(s) alone, or else content: held back until its first characters tell which."""
 
     names: set[str]
     calls: list[ToolCall] = field(default_factory=list)
     buffer: str = ""
     mode: str = "undecided"  # "undecided" | "content" | "call"
+
+    def _starts_call(self, head: str) -> bool | None:
+        """Whether output beginning with `head` (leading whitespace gone) is to be read as calls; None: too early
+        to tell."""
+        raise NotImplementedError
+
+    def _parse(self, text: str, cut: bool) -> list[ToolCall] | None:
+        """The calls `text` holds, or None if it is not calls alone (see ToolCallParser.finish for `cut`)."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> str:
         if self.mode == "content":
@@ -131,14 +142,10 @@ class _Llama3:
         self.buffer += text
         if self.mode == "call":
             return ""
-        head = self.buffer.lstrip()
-        if head.startswith(PYTHON_TAG):
-            head = head[len(PYTHON_TAG) :].lstrip()
-        elif PYTHON_TAG.startswith(head):
-            return ""  # empty, whitespace or the start of <|python_tag|>: too early to tell
-        if not head:
+        verdict = self._starts_call(self.buffer.lstrip())
+        if verdict is None:
             return ""
-        if head.startswith("{"):
+        if verdict:
             self.mode = "call"
             return ""
         self.mode = "content"
@@ -149,11 +156,25 @@ class _Llama3:
         text, self.buffer = self.buffer, ""
         if self.mode != "call":
             return text
-        calls = _llama3_calls(text, self.names, cut)
+        calls = self._parse(text, cut)
         if calls is None:
             return text
         self.calls.extend(calls)
         return ""
+
+
+class _Llama3(_WholeOutput):
+    """JSON call object(s) separated by ";", after an optional <|python_tag|>."""
+
+    def _starts_call(self, head: str) -> bool | None:
+        if head.startswith(PYTHON_TAG):
+            head = head[len(PYTHON_TAG) :].lstrip()
+        elif PYTHON_TAG.startswith(head):
+            return None  # empty, whitespace or the start of <|python_tag|>: too early to tell
+        return head.startswith("{") if head else None
+
+    def _parse(self, text: str, cut: bool) -> list[ToolCall] | None:
+        return _llama3_calls(text, self.names, cut)
 
 
 def _llama3_calls(text: str, names: set[str], cut: bool) -> list[ToolCall] | None:
@@ -183,13 +204,87 @@ def _llama3_calls(text: str, names: set[str], cut: bool) -> list[ToolCall] | Non
             return calls
 
 
+class _Pythonic(_WholeOutput):
+    """A list of calls, [name(key=value, ...), ...]."""
+
+    def _starts_call(self, head: str) -> bool | None:
+        return head.startswith("[") if head else None
+
+    def _parse(self, text: str, cut: bool) -> list[ToolCall] | None:
+        calls = _pythonic_calls(text.strip(), self.names)
+        if calls is not None or not cut:
+            return calls
+        # Cut short: the whole calls before the cut (each ends in ")"), if those are calls alone.
+        for end in reversed([i for i, c in enumerate(text) if c == ")"]):
+            calls = _pythonic_calls(text[: end + 1].strip() + "]", self.names)
+            if calls is not None:
+                return calls
+        return None
+
+
+def _pythonic_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls a [name(key=value, ...), ...] list holds, its values Python or JSON literals; None if the text
+    is anything else. Parsed, never evaluated."""
+    # A tool name need not be a Python name ("get-weather"): where a call starts (after "[" or ","), such a
+    # name is read as a stand-in.
+    aliases = {f"_kvd_tool_{i}": name for i, name in enumerate(sorted(names)) if not name.isidentifier()}
+    for alias, name in aliases.items():
+        text = re.sub(rf"([\[,]\s*){re.escape(name)}\(", rf"\g<1>{alias}(", text)
+    names = names | set(aliases)
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names):
+            return None
+        if node.args or any(k.arg is None for k in node.keywords):
+            return None  # positional arguments or **kwargs: not a call with named arguments
+        try:
+            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        except ValueError:
+            return None
+        calls.append(_new_call(aliases.get(node.func.id, node.func.id), arguments))
+    return calls
+
+
+_NAMED_LITERALS = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
+
+
+def _literal(node: ast.expr) -> object:
+    """A JSON value from a literal's syntax tree: Python's, or JSON's true / false / null."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str | int | float | bool | type(None)):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMED_LITERALS:
+        return _NAMED_LITERALS[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+        value = _literal(node.operand)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+        keys = [_literal(k) for k in node.keys]
+        if all(isinstance(k, str) for k in keys):
+            return dict(zip(keys, (_literal(v) for v in node.values), strict=True))
+    raise ValueError("not a literal")
+
+
 class ToolCallParser:
     """Splits a streamed completion into content text and tool calls, holding back text that may start a call.
     `forced`: a grammar makes the output calls alone (tool_choice "required" or a named function)."""
 
     def __init__(self, template: ToolTemplate, tools: list[Tool], forced: bool = False) -> None:
         names = {tool.name for tool in tools}
-        self._impl = _Llama3(names) if template.format is ToolFormat.LLAMA3_JSON else _Hermes(names)
+        parsers = {
+            ToolFormat.LLAMA3_JSON: _Llama3,
+            ToolFormat.PYTHONIC: _Pythonic,
+            ToolFormat.HERMES: _Hermes,
+        }
+        self._impl = parsers[template.format](names)
         self.forced = forced
 
     def feed(self, text: str) -> str:

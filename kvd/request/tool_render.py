@@ -17,11 +17,13 @@ from kvd.request.tool_validate import Tool, arguments_object
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+GEMMA_TURN = "<start_of_turn>"  # Gemma's chat templates: their models call tools in the pythonic format
 
 
 class ToolFormat(Enum):
     HERMES = "hermes"  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
     LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}}
+    PYTHONIC = "pythonic"  # [name(key=value, ...), ...]: the list of calls Google documents for Gemma
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,10 @@ def detect_tool_template(chat_template: str | None) -> ToolTemplate:
         return ToolTemplate(ToolFormat.LLAMA3_JSON, native=True)  # Llama 3.1 / 3.2 / 3.3
     if "tools" in text:
         return ToolTemplate(ToolFormat.HERMES, native=True)
+    if (
+        GEMMA_TURN in text
+    ):  # Gemma 3: no tools in its template, calls as Google's function-calling guide has them
+        return ToolTemplate(ToolFormat.PYTHONIC, native=False)
     return ToolTemplate(ToolFormat.HERMES, native=False)
 
 
@@ -82,15 +88,26 @@ def _tool_spec(tool: Tool) -> dict:
     return {"type": "function", "function": function}
 
 
+def pythonic_call(name: str, arguments: dict) -> str:
+    """name(key=value, ...), each value as JSON (as the forced-call grammar writes it; the parser reads Python's
+    literals too)."""
+    pairs = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False)}" for key, value in arguments.items())
+    return f"{name}({pairs})"
+
+
 def _call_text(fmt: ToolFormat, name: str, arguments: dict) -> str:
     """One call as the model is to write it."""
     if fmt is ToolFormat.LLAMA3_JSON:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    if fmt is ToolFormat.PYTHONIC:
+        return pythonic_call(name, arguments)
     body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
     return f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
 
 
 def _calls_text(fmt: ToolFormat, calls: list[tuple[str, dict]]) -> str:
+    if fmt is ToolFormat.PYTHONIC:
+        return "[" + ", ".join(_call_text(fmt, name, arguments) for name, arguments in calls) + "]"
     separator = "; " if fmt is ToolFormat.LLAMA3_JSON else "\n"
     return separator.join(_call_text(fmt, name, arguments) for name, arguments in calls)
 
@@ -101,6 +118,11 @@ def _fallback_prompt(tools: list[Tool], fmt: ToolFormat) -> str:
         how = (
             'To call a tool, answer with only {"name": <tool name>, "parameters": <arguments as a JSON object>}; '
             'separate several calls with "; ".'
+        )
+    elif fmt is ToolFormat.PYTHONIC:
+        how = (
+            "To call tools, answer with only a list of calls, nothing else: "
+            '[tool_name(argument_name="a string", other_argument=2), other_tool_name()]'
         )
     else:
         how = (
