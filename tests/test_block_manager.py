@@ -672,3 +672,29 @@ def test_windows_are_validated_and_group_0_keeps_every_block():
         BlockManager(8, BS, group_windows=(6, None))
     with pytest.raises(ValueError, match="window"):
         BlockManager(8, BS, group_windows=(None, 0))
+
+
+def test_a_block_registered_ahead_of_its_last_token_is_forgotten_if_that_step_never_ran():
+    """cache_filled_block registers the block a decode's token fills before the step writes that token's K/V;
+    a sequence preempted after it was scheduled (a later prefill chunk needing its blocks) never writes it."""
+    bm = BlockManager(16, BS)
+    seq = prefill(bm, seq_of(PREFIX[:7]))
+    seq.append_token(99)  # token 7 fills block 1
+    bm.may_append(seq)
+    bm.cache_filled_block(seq)
+    bm.deallocate(seq)  # preempted: token 7's K/V was never written
+    bm.check_invariants()
+    again = seq_of([*PREFIX[:7], 99, 5])
+    bm.allocate(again)
+    assert again.num_cached_tokens == BS  # block 0 only; block 1 would hand out a slot nobody wrote
+
+
+def test_the_first_chunk_shrinks_to_the_blocks_a_windowed_group_can_have():
+    bm = BlockManager(9, BS, group_windows=(None, 6))
+    seq = seq_of(list(range(500, 528)))  # 28 tokens: group 0 takes 7 blocks whatever the chunk
+    assert bm.first_chunk(seq, 64) == 2 * BS  # two blocks left for group 1: a chunk of 8 tokens
+    assert not bm.can_allocate(seq, 9) and bm.can_allocate(seq, 8)
+    assert BlockManager(7, BS, group_windows=(None, 6)).first_chunk(seq, 64) == 0  # none left for group 1
+    assert BlockManager(9, BS).first_chunk(seq, 64) == 64  # without a window the chunk takes no blocks
+    bm.allocate(seq, 8)
+    assert [len(t) for t in seq.block_tables] == [7, 2] and bm.num_free_blocks == 0

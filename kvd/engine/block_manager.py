@@ -177,6 +177,23 @@ class BlockManager:
         hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
         return free >= self._blocks_needed(seq, hits, max_new_tokens)
 
+    def first_chunk(self, seq: Sequence, most: int) -> int:
+        """The most tokens, up to `most`, of seq's first chunk that `allocate(seq, n)` has blocks for now; 0 when
+        it cannot be admitted. Only a windowed group takes fewer blocks for a shorter chunk."""
+        self._check_block_size(seq)
+        if self.num_free_blocks >= seq.num_blocks * self.num_groups:  # never needs more
+            return most
+        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
+        spare = self.num_free_blocks - self._blocks_needed(seq, hits, 0)  # what a chunk of none leaves
+        windowed = sum(w is not None for w in self.group_windows)
+        if spare < 0 or (windowed and spare < windowed):
+            return 0
+        if not windowed:
+            return most
+        # A chunk of m tokens after the hit's h takes ceil((h + m) / bs) - num_hit blocks in each windowed group.
+        num_hit = len(hits[0]) if hits else 0
+        return min(most, len(seq) - num_hit * self.block_size, spare // windowed * self.block_size)
+
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> None:
         """Give `seq` block tables, reusing cached prefix blocks; sets `num_cached_tokens`. Groups without a
         window get blocks for every token; windowed ones for the first `max_new_tokens` tokens to compute (None:
@@ -248,6 +265,9 @@ class BlockManager:
         """Whether `may_append(seq, num_new_tokens)` would succeed."""
         if not seq.block_table:
             raise SequenceNotAllocatedError("can_append: the sequence holds no blocks; allocate it first")
+        if not self.windowed:  # one table, or several that grow alike: a decode step's arithmetic only
+            missing = -(-self._append_end(seq, num_new_tokens) // self.block_size) - len(seq.block_table)
+            return missing <= 0 or self.num_free_blocks >= missing * self.num_groups
         end, freed, missing = self._append_end(seq, num_new_tokens), 0, 0
         for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
             missing += max(0, -(-end // self.block_size) - len(table))
@@ -298,8 +318,19 @@ class BlockManager:
                 "deallocate: the sequence holds no blocks here (freed twice, or never allocated); "
                 "call deallocate exactly once per allocate"
             )
-        # Tail first: of one sequence's blocks the LRU then evicts the tail before the prefix others share.
+        # A block registered a step ahead of its last token's K/V (cache_filled_block) whose step never ran,
+        # because the sequence was preempted after it was scheduled, must not stay findable.
+        computed = seq.num_computed_tokens
         for table in seq.block_tables:
+            for block_id in table[
+                computed // self.block_size :
+            ]:  # never RELEASED: a window passes computed ones
+                block = self.blocks[block_id]
+                if block.ref_count == 1 and self._cached[block.group].get(block.hash) is block:
+                    del self._cached[block.group][block.hash]
+        # Tail first, group 0 last: the LRU then evicts a sequence's tail before the prefix others share, and
+        # another group's blocks before the group 0 blocks that every hit on them needs.
+        for table in reversed(seq.block_tables):
             for block_id in reversed(table):
                 if block_id != RELEASED:
                     self._free_block(block_id)

@@ -9,7 +9,6 @@ import torch
 from kvd.distributed.step import Command, StepChannel, StepInputs
 from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
-from kvd.engine.sequence import RELEASED
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
 from kvd.model.decoder import CausalLM
@@ -92,7 +91,10 @@ class ModelRunner:
             block_tables=[c.seq.block_table for c in chunks],
             # A sliding group's released blocks (behind its window: no kernel reads them) name the null block.
             group_tables=[
-                [[null if b == RELEASED else b for b in c.seq.block_tables[g]] for c in chunks]
+                [
+                    [null] * c.seq.num_released[g] + c.seq.block_tables[g][c.seq.num_released[g] :]
+                    for c in chunks
+                ]
                 for g in range(1, self.model.kv_groups.num_groups)
             ],
         )

@@ -123,7 +123,8 @@ class Scheduler:
         # Strict FCFS: when the head does not fit, nothing behind it jumps ahead, so no request starves.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            first_chunk = self._fit(lambda m, s=seq: self.block_manager.can_allocate(s, m), budget)
+            # Not one preempted in this step: its blocks were freed for others, not for it to take back.
+            first_chunk = 0 if seq in out.preempted else self.block_manager.first_chunk(seq, budget)
             if not first_chunk:
                 break
             self.waiting.popleft()
