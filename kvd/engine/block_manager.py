@@ -147,7 +147,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn: HashFn = hash_fn or xxh3_64_intdigest
         self.group_windows = tuple(group_windows)
-        self.windowed = any(w is not None for w in group_windows)  # some group frees blocks behind a window
+        # The groups that free blocks behind a window.
+        self.num_windowed = sum(w is not None for w in group_windows)
+        self.windowed = self.num_windowed > 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives block 0 first
         self._cached_free: OrderedDict[int, Block] = OrderedDict()  # least recently used first, all groups
@@ -185,7 +187,7 @@ class BlockManager:
             return most
         hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
         spare = self.num_free_blocks - self._blocks_needed(seq, hits, 0)  # what a chunk of none leaves
-        windowed = sum(w is not None for w in self.group_windows)
+        windowed = self.num_windowed
         if spare < 0 or (windowed and spare < windowed):
             return 0
         if not windowed:
@@ -496,9 +498,8 @@ class BlockManager:
         self, seq: Sequence, hits: list[list[Block]] | None, max_new_tokens: int | None
     ) -> int:
         """Free blocks `allocate` takes: one per miss up to each group's end, plus one per revived cached hit."""
-        needed = 0
+        needed, num_hit = 0, len(hits[0]) if hits else 0
         for window, found in zip(self.group_windows, hits or [[] for _ in self.group_windows], strict=True):
-            num_hit = len(hits[0]) if hits else 0
             end = self._first_chunk_end(seq, window, num_hit, max_new_tokens)
             needed += -(-end // self.block_size) - num_hit + sum(1 for b in found if b.ref_count == 0)
         return needed
