@@ -263,14 +263,15 @@ class BlockManager:
         if self.windowed:
             self._release_behind_windows(seq)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int | None = None) -> bool:
-        """Whether `may_append(seq, num_new_tokens)` would succeed."""
+    def can_append(self, seq: Sequence, num_new_tokens: int | None = None, num_lookahead: int = 0) -> bool:
+        """Whether `may_append(seq, num_new_tokens, num_lookahead)` would succeed."""
         if not seq.block_table:
             raise SequenceNotAllocatedError("can_append: the sequence holds no blocks; allocate it first")
+        end = self._append_end(seq, num_new_tokens) + num_lookahead
         if not self.windowed:  # one table, or several that grow alike: a decode step's arithmetic only
-            missing = -(-self._append_end(seq, num_new_tokens) // self.block_size) - len(seq.block_table)
+            missing = -(-end // self.block_size) - len(seq.block_table)
             return missing <= 0 or self.num_free_blocks >= missing * self.num_groups
-        end, freed, missing = self._append_end(seq, num_new_tokens), 0, 0
+        freed, missing = 0, 0
         for g, (window, table) in enumerate(zip(self.group_windows, seq.block_tables, strict=True)):
             missing += max(0, -(-end // self.block_size) - len(table))
             below = min(len(table), self._released_below(window, seq.num_computed_tokens))
@@ -278,15 +279,18 @@ class BlockManager:
                 freed += self.blocks[table[i]].ref_count == 1
         return missing <= 0 or self.num_free_blocks + freed >= missing
 
-    def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> None:
+    def may_append(self, seq: Sequence, num_new_tokens: int | None = None, num_lookahead: int = 0) -> None:
         """Give the next `num_new_tokens` tokens to compute their slots in every group (None: the tokens
         appended since the last call, for a decode step: a new block for a token that starts one), after
-        freeing the blocks the windows have passed. Hashes nothing; see `cache_filled_block`."""
+        freeing the blocks the windows have passed. Hashes nothing; see `cache_filled_block`.
+
+        `num_lookahead`: slots for that many tokens past the sequence's end too, which a step computes before
+        they are its tokens (speculative drafts); `trim_lookahead` frees what they left unused."""
         if not seq.block_table:
             raise SequenceNotAllocatedError("may_append: the sequence holds no blocks; allocate it first")
         if self.windowed:
             self._release_behind_windows(seq)
-        num_blocks = -(-self._append_end(seq, num_new_tokens) // self.block_size)
+        num_blocks = -(-(self._append_end(seq, num_new_tokens) + num_lookahead) // self.block_size)
         missing = sum(max(0, num_blocks - len(t)) for t in seq.block_tables)
         if not missing:
             return
@@ -298,6 +302,13 @@ class BlockManager:
         for g, table in enumerate(seq.block_tables):
             if num_blocks > len(table):
                 table += self._take_free_blocks(num_blocks - len(table), g)
+
+    def trim_lookahead(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's tokens (`may_append`'s lookahead, its drafts rejected). Never
+        registered: only blocks of computed tokens are."""
+        for table in seq.block_tables:
+            while len(table) > seq.num_blocks:
+                self._free_block(table.pop())
 
     def cache_filled_block(self, seq: Sequence) -> None:
         """After `may_append`: hash and register the block the last token filled (len(seq) % block_size == 0),

@@ -18,6 +18,7 @@ KV_CACHE_DTYPES = ("auto", "int8")
 # command.
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton", "flash-attn")
 POOLINGS = ("auto", "mean", "last")  # kvd.engine.pooling's, spelt out for the same reason
+SPECULATIVE_METHODS = ("none", "ngram")  # kvd.engine.speculative's
 
 
 class EngineArgsError(ValueError):
@@ -104,6 +105,28 @@ class EngineArgs:
         name="--no-batch-invariance",
     )
 
+    # Speculative decoding (kvd.engine.speculative): drafts verified in the decode step; never a different token.
+    speculative: str = setting(
+        "none",
+        "ngram: draft tokens from the request's own text (prompt lookup) and verify them in one step; the "
+        "output stays the same bits (%(default)s)",
+        choices=SPECULATIVE_METHODS,
+    )
+    speculative_tokens: int = setting(
+        8, "with --speculative: the most draft tokens per request and step (%(default)s)", type=positive_int
+    )
+    ngram_max: int = setting(
+        4, "with --speculative ngram: the longest suffix matched (%(default)s)", type=positive_int
+    )
+    ngram_min: int = setting(
+        2, "with --speculative ngram: the shortest suffix matched (%(default)s)", type=positive_int
+    )
+    speculative_max_seqs: int = setting(
+        4,
+        "with --speculative: no drafts in a step that decodes more sequences than this (%(default)s)",
+        type=positive_int,
+    )
+
     pooling: str = setting(
         "auto",
         "how embed requests pool the final hidden states: auto (the checkpoint's choice), mean or last "
@@ -168,6 +191,7 @@ class EngineArgs:
             raise EngineArgsError(f"kv_cache_dtype must be auto or int8, got {self.kv_cache_dtype!r}")
         if self.pooling not in POOLINGS:
             raise EngineArgsError(f"pooling must be auto, mean or last, got {self.pooling!r}")
+        self._check_speculative()
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -217,3 +241,18 @@ class EngineArgs:
                     f"--cpu-binding {self.cpu_binding} places tensor-parallel ranks; it needs "
                     "--tensor-parallel-size 2 or more (bind one process with taskset or systemd's CPUAffinity)"
                 )
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise EngineArgsError(f"speculative must be none or ngram, got {self.speculative!r}")
+        for name in ("speculative_tokens", "ngram_min", "ngram_max", "speculative_max_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineArgsError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.ngram_min > self.ngram_max:
+            raise EngineArgsError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        if self.speculative != "none" and not self.batch_invariant:
+            raise EngineArgsError(
+                "speculative decoding keeps every output the same bits only with batch invariance (a draft's "
+                "rows share the step): drop --no-batch-invariance, or --speculative none"
+            )

@@ -9,6 +9,7 @@ import llguidance
 import torch
 
 from kvd.engine.detokenizer import IncrementalDetokenizer
+from kvd.engine.ngram import NgramIndex
 from kvd.engine.pooling import EmbeddingState
 from kvd.engine.prompt_logprobs import PromptLogprobs
 from kvd.engine.sampler import SampledToken
@@ -31,3 +32,7 @@ class EngineRequest:
     embedding: EmbeddingState | None = None  # set for embed requests
     # Sampled tokens waiting for their text to go out (with stop strings; see IncrementalDetokenizer.take_tokens).
     pending: list[SampledToken] = field(default_factory=list)
+    ngrams: NgramIndex | None = None  # speculating: where its drafts come from (kvd.engine.speculative)
+    draft_limit: int = 0  # the most tokens of its next draft (kvd.engine.speculative.Speculator.record)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -3,6 +3,7 @@ step's tokens into increments, pool_sizing.py sizes the KV pool."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Hashable
@@ -25,13 +26,14 @@ from kvd.engine.grammar import LIBRARY, GrammarCompiler, GrammarError
 from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
 from kvd.engine.output_processor import OutputProcessor
-from kvd.engine.outputs import EngineStepOutput
+from kvd.engine.outputs import EngineStepOutput, RequestOutput
 from kvd.engine.pool_sizing import kv_pool_blocks
 from kvd.engine.pooling import EmbeddingState, choose_pooling
 from kvd.engine.prompt_logprobs import PromptLogprobs
 from kvd.engine.sampler import SamplingRow, sample
-from kvd.engine.scheduler import ScheduledChunk, Scheduler
+from kvd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvd.engine.sequence import Sequence
+from kvd.engine.speculative import Speculator
 from kvd.kernels.native_build import native_isa
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend
@@ -107,7 +109,14 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, args.block_size, args.enable_prefix_caching, group_windows=groups.release_windows
         )
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.speculator = Speculator(args, self.max_model_len) if args.speculative != "none" else None
+        self.scheduler = Scheduler(
+            self.block_manager,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            drafter=self._draft if self.speculator else None,
+            max_drafting_seqs=args.speculative_max_seqs,
+        )
         self.weight_bytes = weight_bytes(loaded.model)
         self.file_types = loaded.file_types
         if self.tp:
@@ -193,6 +202,8 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         request = EngineRequest(request_id, seq, params, detok, generator, matcher=matcher)
+        if self.speculator and params.speculative:
+            self.speculator.start(request)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = PromptLogprobs(params.prompt_logprobs, token_ids)
         self._queue(request)
@@ -281,11 +292,11 @@ class LLMEngine:
         prefill_tokens = sum(c.num_new_tokens for c in out.chunks if c.seq.is_prefilling)
         processor = self.output_processor
         outputs = [processor.finish(self._by_seq_id[s.seq_id], "length") for s in out.out_of_memory]
-        forward_s, tokens = 0.0, []
+        forward_s, num_sampled = 0.0, 0
         if out.chunks:
             forward_started = time.perf_counter()
             hidden, starts = self.runner.run(out.chunks)
-            requests, rows, embedded = [], [], []
+            requests, rows, drafts, embedded = [], [], [], []
             for chunk, start in zip(out.chunks, starts, strict=True):
                 request = self._by_seq_id[chunk.seq.seq_id]
                 self._take_prompt_outputs(request, chunk, hidden, start)
@@ -293,25 +304,75 @@ class LLMEngine:
                     embedded.append(request)
                 elif chunk.samples:
                     requests.append(request)
-                    rows.append(start + chunk.num_new_tokens - 1)
+                    first = start + chunk.num_new_tokens - 1
+                    rows.extend(range(first, first + 1 + len(chunk.draft)))
+                    drafts.append(chunk.draft)
             logits = self.runner.logits(hidden, rows)
             forward_s = time.perf_counter() - forward_started
-            tokens = sample(logits, [self._sampling_row(r) for r in requests]) if requests else []
-            self.scheduler.postprocess(
-                out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)}
-            )
-            outputs.extend(processor.on_token(r, t) for r, t in zip(requests, tokens, strict=True))
+            sampled, num_sampled = self._sample(out, requests, drafts, logits)
+            outputs.extend(sampled)
             outputs.extend(processor.on_embedded(r) for r in embedded)
         for output in outputs:
             if output.finished:  # its sequence is released already: only the engine's records of it remain
                 self._forget(output.request_id)
         self.metrics.record_step(
             num_prefill_tokens=prefill_tokens,
-            num_generated=len(tokens),  # sampled this step (stop strings may hold some back from outputs)
+            num_generated=num_sampled,  # sampled this step (stop strings may hold some back from outputs)
             step_s=time.perf_counter() - started,
             forward_s=forward_s,
         )
         return EngineStepOutput(outputs, preempted)
+
+    def _sample(
+        self,
+        out: SchedulerOutput,
+        requests: list[EngineRequest],
+        drafts: list[list[int]],
+        logits: torch.Tensor,
+    ) -> tuple[list[RequestOutput], int]:
+        """Each request's tokens of this step, one increment per request, and the number sampled.
+
+        The rows are sampled position by position, as plain decoding samples them step by step (see
+        kvd.engine.speculative): first every request's next token, then, for each whose draft's next token it
+        was, the token after it from the row that token fed, and so on."""
+        if not requests:
+            self.scheduler.postprocess(out, {})
+            return [], 0
+        processor = self.output_processor
+        accepted = [0] * len(requests)
+        firsts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))[:-1]
+        tokens = sample(
+            logits if len(firsts) == logits.shape[0] else logits[firsts],
+            [self._sampling_row(r) for r in requests],
+        )
+        self.scheduler.postprocess(
+            out, {r.seq.seq_id: t.token_id for r, t in zip(requests, tokens, strict=True)}
+        )
+        outputs = [processor.on_token(r, t) for r, t in zip(requests, tokens, strict=True)]
+        num_sampled, depth = len(tokens), 1
+        live = [i for i, t in enumerate(tokens) if _continues(outputs[i], drafts[i], 0, t.token_id)]
+        while live:
+            rows = [firsts[i] + depth for i in live]
+            tokens = sample(logits[rows], [self._sampling_row(requests[i]) for i in live])
+            num_sampled += len(tokens)
+            for i, token in zip(live, tokens, strict=True):
+                self.scheduler.accept_draft_token(requests[i].seq, token.token_id)
+                accepted[i] += 1
+                outputs[i] = outputs[i].then(processor.on_token(requests[i], token))
+            live = [
+                i
+                for i, t in zip(live, tokens, strict=True)
+                if _continues(outputs[i], drafts[i], depth, t.token_id)
+            ]
+            depth += 1
+        for request, draft, output, n in zip(requests, drafts, outputs, accepted, strict=True):
+            if draft:
+                self.speculator.record(request, len(draft), n)
+                output.num_draft_tokens = request.num_draft_tokens
+                output.num_accepted_tokens = request.num_accepted_tokens
+                if not output.finished:
+                    self.scheduler.settle_draft(request.seq)
+        return outputs, num_sampled
 
     @property
     def num_running(self) -> int:
@@ -335,6 +396,22 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def _speculative_info(self) -> dict | None:
+        args = self.args
+        if self.speculator is None:
+            return None
+        return {
+            "method": args.speculative,
+            "tokens": args.speculative_tokens,
+            "ngram_min": args.ngram_min,
+            "ngram_max": args.ngram_max,
+            "max_seqs": args.speculative_max_seqs,
+        }
+
+    def _draft(self, seq: Sequence, most: int) -> list[int]:
+        """The scheduler's drafter: the speculator's draft for the request of `seq`."""
+        return self.speculator.draft(self._by_seq_id[seq.seq_id], most)
 
     def _sampling_row(self, request: EngineRequest) -> SamplingRow:
         seq = request.seq
@@ -374,6 +451,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache": asdict(usage) | {"total_blocks": self.num_blocks},
             "prefix_cache": vars(cache),
+            "speculative": self.speculator.counts.summary() if self.speculator else None,
             **self.metrics.summary(),
         }
 
@@ -394,6 +472,7 @@ class LLMEngine:
             "kv_groups": self.runner.model.kv_groups.describe(),
             "max_num_seqs": self.args.max_num_seqs,
             "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "speculative": self._speculative_info(),
             "vocab_size": self.config.vocab_size,
             "hidden_size": self.config.hidden_size,
             "pooling": self.pooling,
@@ -408,6 +487,11 @@ class LLMEngine:
             "file_types": {name: {"tensors": n, "bytes": b} for name, (n, b) in self.file_types.items()},
             "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }
+
+
+def _continues(output: RequestOutput, draft: list[int], depth: int, token: int) -> bool:
+    """The row after `depth` stands: the request goes on and the token sampled at `depth` is the draft's."""
+    return not output.finished and depth < len(draft) and draft[depth] == token
 
 
 def _kv_dtype(setting: str, model: CausalLM, dtype: torch.dtype) -> torch.dtype:

@@ -76,31 +76,33 @@ class ModelRunner:
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Compute the chunks' K/V; the final hidden states and each chunk's first row in them.
 
-        A decode step replayed from a CUDA graph gives one row per chunk; an eager step one row per token."""
-        input_ids: list[int] = []
+        A chunk's draft tokens follow its tokens as decode rows of their own over the same block tables, each
+        attending to the context up to itself (every layer writes the step's K/V before it attends): their
+        rows are computed exactly as decode steps would compute them, with batch invariance bit for bit. A
+        step of decode rows replayed from a CUDA graph gives one row per token, as an eager step does."""
+        null = self.null_block
+        inputs = StepInputs([], [], [], [], [[] for _ in range(1, self.model.kv_groups.num_groups)])
         starts: list[int] = []
         for chunk in chunks:
-            start = chunk.seq.num_computed_tokens
-            starts.append(len(input_ids))
-            input_ids.extend(chunk.seq.token_ids[start : start + chunk.num_new_tokens])
-        null = self.null_block
-        inputs = StepInputs(
-            input_ids,
-            query_lens=[c.num_new_tokens for c in chunks],
-            context_lens=[c.seq.num_computed_tokens + c.num_new_tokens for c in chunks],
-            block_tables=[c.seq.block_table for c in chunks],
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            starts.append(len(inputs.input_ids))
             # A sliding group's released blocks (behind its window: no kernel reads them) name the null block.
-            group_tables=[
-                [
-                    [null] * c.seq.num_released[g] + c.seq.block_tables[g][c.seq.num_released[g] :]
-                    for c in chunks
-                ]
+            tables = [
+                [null] * seq.num_released[g] + seq.block_tables[g][seq.num_released[g] :]
                 for g in range(1, self.model.kv_groups.num_groups)
-            ],
-        )
-        if self._replays(chunks):
+            ]
+            rows = [(seq.token_ids[start : start + chunk.num_new_tokens], start + chunk.num_new_tokens)]
+            rows += [([token], start + chunk.num_new_tokens + 1 + i) for i, token in enumerate(chunk.draft)]
+            for ids, context_len in rows:
+                inputs.input_ids.extend(ids)
+                inputs.query_lens.append(len(ids))
+                inputs.context_lens.append(context_len)
+                inputs.block_tables.append(seq.block_table)
+                for group_tables, table in zip(inputs.group_tables, tables, strict=True):
+                    group_tables.append(table)
+        if self._replays(inputs):
             self.num_graph_steps += 1
-            return self.graphs.run(input_ids, inputs.block_tables, inputs.context_lens), starts
+            return self.graphs.run(inputs.input_ids, inputs.block_tables, inputs.context_lens), starts
         self.num_eager_steps += 1
         with self._command(Command.STEP, lambda: inputs.encode(self.block_size)):
             return self.execute(inputs), starts
@@ -138,10 +140,10 @@ class ModelRunner:
             return contextlib.nullcontext()
         return self.channel.command(command, payload())
 
-    def _replays(self, chunks: list[ScheduledChunk]) -> bool:
-        """A CUDA graph runs the step: every chunk is one token and a captured size holds the batch."""
+    def _replays(self, inputs: StepInputs) -> bool:
+        """A CUDA graph runs the step: every row is one token and a captured size holds the batch."""
         return (
             self.graphs is not None
-            and all(c.num_new_tokens == 1 for c in chunks)
-            and self.graphs.can_run(len(chunks))
+            and all(q == 1 for q in inputs.query_lens)
+            and self.graphs.can_run(len(inputs.query_lens))
         )

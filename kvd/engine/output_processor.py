@@ -88,6 +88,8 @@ class OutputProcessor:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     @staticmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvd.engine.sampler import SampledToken
 from kvd.request.tool_parse import ToolCall
@@ -25,6 +25,23 @@ class RequestOutput:
     # With the first token of a request that asked for them: one entry per prompt token, None for the first.
     prompt_logprobs: list[SampledToken | None] | None = None
     embedding: list[float] | None = None  # an embed request's vector, in its only output
+    # Speculative decoding: the request's draft tokens so far, and those its own tokens confirmed.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This increment followed by a later one of the same request, as one (a step's verified tokens go out
+        together)."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Continuous batching: decodes first, then chunked prefills, within a token budget; preemption by recompute."""
+"""Continuous batching: decodes first (with their drafts, when speculating), then chunked prefills, within a token
+budget; preemption by recompute."""
 
 from __future__ import annotations
 
@@ -12,10 +13,17 @@ from kvd.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """`num_new_tokens` tokens of `seq` computed this step, starting at `seq.num_computed_tokens`."""
+    """`num_new_tokens` tokens of `seq` computed this step, starting at `seq.num_computed_tokens`; a decode's
+    `draft` tokens after them (kvd.engine.speculative), each computed as a decode of its own would be."""
 
     seq: Sequence
     num_new_tokens: int
+    draft: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """The rows the chunk puts in the step: its tokens and its draft."""
+        return self.num_new_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
@@ -31,11 +39,25 @@ class SchedulerOutput:
     out_of_memory: list[Sequence] = field(default_factory=list)
 
 
+Drafter = Callable[[Sequence, int], list[int]]
+"""Up to n draft tokens to verify after a decoding sequence's next token (kvd.engine.speculative)."""
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drafter: Drafter | None = None,
+        max_drafting_seqs: int = 0,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.drafter = drafter
+        # Above this many decodes in a step, drafts stop paying: the batch already fills the hardware.
+        self.max_drafting_seqs = max_drafting_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is the first to be preempted
         self.num_preemptions = 0
@@ -56,6 +78,7 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         used = 0
+        draft_rows = self._draft_rows()
         for seq in list(self.running):
             if used == budget:
                 break
@@ -63,15 +86,33 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or still in prefill
             if not self._make_room_to_append(seq, out):
                 continue
-            self.block_manager.may_append(seq)
+            draft = self._draft(seq, min(draft_rows, budget - used - 1))
+            self.block_manager.may_append(seq, num_lookahead=len(draft))
             # The seed's one-step lag (the block manager kvd grew from did the same): the block the last
             # sampled token filled is registered now, a step before that token's K/V is written, so that a
             # request admitted below can already hit it. Safe: that request runs in the same forward pass, and
             # every layer writes the step's K/V before it attends.
             self.block_manager.cache_filled_block(seq)
-            out.chunks.append(ScheduledChunk(seq, 1))
-            used += 1
+            out.chunks.append(ScheduledChunk(seq, 1, draft))
+            used += 1 + len(draft)
+            draft_rows -= len(draft)
         return used
+
+    def _draft_rows(self) -> int:
+        """Rows this step may give drafts: none past max_drafting_seqs decodes; never more rows in all than
+        max_num_seqs (what the step's logits and the memory profile are sized for)."""
+        if self.drafter is None:
+            return 0
+        decoding = sum(s.status == SequenceStatus.RUNNING and not s.is_prefilling for s in self.running)
+        return self.max_num_seqs - decoding if decoding <= self.max_drafting_seqs else 0
+
+    def _draft(self, seq: Sequence, most: int) -> list[int]:
+        """The drafter's tokens for `seq`, cut to the blocks there are: a draft never preempts anything."""
+        if most < 1:
+            return []
+        draft = self.drafter(seq, most)
+        n = self._fit(lambda m: self.block_manager.can_append(seq, num_lookahead=m), len(draft), True)
+        return draft[:n]
 
     def _make_room_to_append(
         self, seq: Sequence, out: SchedulerOutput, num_new_tokens: int | None = None
@@ -137,12 +178,13 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
 
-    def _fit(self, fits: Callable[[int], bool], most: int) -> int:
-        """The largest n <= most with fits(n) (fits is monotonic), 0 if not even 1 fits. Only a group with a
-        window takes fewer blocks for fewer tokens: without one, the first try answers."""
+    def _fit(self, fits: Callable[[int], bool], most: int, search: bool = False) -> int:
+        """The largest n <= most with fits(n) (fits is monotonic), 0 if not even 1 fits. A prefill chunk takes
+        fewer blocks for fewer tokens only in a group with a window: without one, the first try answers, unless
+        `search`."""
         if fits(most):
             return most
-        if not self.block_manager.windowed:
+        if not (search or self.block_manager.windowed):
             return 0
         low, high = 0, most  # fits(low) or low == 0; not fits(high)
         while high - low > 1:
@@ -151,7 +193,8 @@ class Scheduler:
         return low
 
     def postprocess(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Advance computed counts; append the token sampled for each sequence whose chunk finished it."""
+        """Advance computed counts; append the token sampled for each sequence whose chunk finished it (a
+        draft's tokens follow through `accept_draft_token`)."""
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_new_tokens
@@ -159,6 +202,17 @@ class Scheduler:
             token = sampled.get(seq.seq_id)
             if token is not None:
                 seq.append_token(token)
+
+    def accept_draft_token(self, seq: Sequence, token: int) -> None:
+        """The last token appended was the draft's next, so its K/V (computed this step) stand; `token` is what
+        the model gave after it."""
+        seq.num_computed_tokens += 1
+        seq.append_token(token)
+
+    def settle_draft(self, seq: Sequence) -> None:
+        """After a running sequence's draft was verified: register what it computed, free what it rejected."""
+        self.block_manager.cache_computed_blocks(seq)
+        self.block_manager.trim_lookahead(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished or aborted) from its queue and free its blocks at once."""

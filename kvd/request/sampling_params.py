@@ -48,6 +48,8 @@ class SamplingParams:
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
+    # False: no speculative drafts for this request (they never change its tokens, only how many a step gives).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,8 +77,9 @@ class SamplingParams:
                 raise SamplingParamsError("stop", "each stop sequence must be a non-empty string")
         for t in self.stop_token_ids:
             _integer("stop_token_ids", t, 0, 2**31 - 1)
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, "must be a boolean")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
