@@ -367,6 +367,12 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"KV groups     {held}")
     print(f"prefix cache  {100 * prefix['hit_rate']:.1f} % hit rate ({prefix['hit_tokens']} tokens reused)")
     print(f"requests      {stats['num_running']} running, {stats['num_waiting']} waiting")
+    if (spec := stats["speculative"]) is not None:
+        drafted, accepted = spec["num_draft_tokens"], spec["num_accepted_tokens"]
+        print(
+            f"speculative   {accepted}/{drafted} draft tokens accepted "
+            f"({spec['mean_accepted_length']:.2f} a verification)"
+        )
     print(f"throughput    {stats['generation_tokens_per_s_1m']:.1f} tokens/s (last minute)")
     print(f"clients       {daemon['num_clients']} active; {daemon['requests_total']} requests since start")
     return 0

@@ -12,6 +12,7 @@ from daemon_fixtures import start_daemon
 from logits_recorder import LogitsRecorder
 
 from kvd import LLM
+from kvd.engine.ngram import NgramIndex
 from kvd.kernels import cpu_native, native_build
 from kvd.request.sampling_params import SamplingParams
 
@@ -48,6 +49,9 @@ MODES = [
     ("float32", "int8", "qwen2_window", "int8"),
     ("float32", "int4", "olmo2", "auto"),  # no input norms, q/k norms over all heads (the Python loop)
 ]
+
+
+SPECULATIVE = {"speculative": "ngram", "speculative_tokens": 4, "speculative_max_seqs": 8, "max_num_seqs": 32}
 
 
 def _params(i: int) -> SamplingParams:
@@ -95,17 +99,46 @@ def test_every_scheduling_path_gives_the_same_logits(
         "chunked (8 tokens a step)": {"max_num_seqs": 4, "max_num_batched_tokens": 8},
         "prefix hits": {"enable_prefix_caching": True, "warm": True},
         "preempted": {"kv_cache_memory": None, "num_blocks": 14},
+        # Drafts verified as extra decode rows, the rows sampled the bits plain decoding gives; batched, and
+        # preempted again. The drafts are the requests' own continuations with their third token wrong
+        # (random tiny models seldom repeat an n-gram), so that each run accepts and rejects.
+        "speculative": SPECULATIVE,
+        "speculative, preempted": SPECULATIVE | {"kv_cache_memory": None, "num_blocks": 14},
     }
     for path, engine in paths.items():
         if "num_blocks" in engine:
             pool_dtype = "int8" if kv_cache_dtype == "int8" else dtype
-            engine = {"kv_cache_memory": _pool_bytes(folder, pool_dtype, engine["num_blocks"])}
-        got = _run(folder, dtype, quantization, recorder, **engine, **kv)
+            blocks = {"kv_cache_memory": _pool_bytes(folder, pool_dtype, engine["num_blocks"])}
+            engine = {k: v for k, v in engine.items() if k != "num_blocks"} | blocks
+        with monkeypatch.context() as patch:
+            if path.startswith("speculative"):
+                patch.setattr(NgramIndex, "propose", _drafts_from(alone["tokens"]))
+            got = _run(folder, dtype, quantization, recorder, **engine, **kv)
         _assert_same(got, alone, path)
         if path == "prefix hits":
             assert got["stats"]["prefix_cache"]["hit_tokens"] > 0
-        if path == "preempted":
+        if path.endswith("preempted"):
             assert got["stats"]["num_preemptions"] > 0
+        if path.startswith("speculative"):
+            spec = got["stats"]["speculative"]
+            assert spec["num_accepted_tokens"] > 0 and spec["num_rejected_tokens"] > 0, path
+
+
+def _drafts_from(outputs: list[list[int]]):
+    """NgramIndex.propose drafting each request's known continuation, its third token changed."""
+    texts = [p + o for p, o in zip(PROMPTS, outputs, strict=True)]
+
+    def propose(self, token_ids: list[int], most: int) -> list[int]:
+        n = len(token_ids)
+        for text in texts:
+            if text[:n] == token_ids:
+                draft = text[n : n + most]
+                if len(draft) > 2:
+                    draft[2] ^= 1
+                return draft
+        return []
+
+    return propose
 
 
 def _pool_bytes(folder, dtype: str, num_blocks: int) -> int:

@@ -78,15 +78,17 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         used = 0
-        draft_rows = self._draft_rows()
+        decoding = sum(s.status == SequenceStatus.RUNNING and not s.is_prefilling for s in self.running)
+        draft_rows = self._draft_rows(decoding)
         for seq in list(self.running):
             if used == budget:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:
                 continue  # preempted earlier in this loop, or still in prefill
+            decoding -= 1  # those after this one: a draft never takes their tokens of the budget
             if not self._make_room_to_append(seq, out):
                 continue
-            draft = self._draft(seq, min(draft_rows, budget - used - 1))
+            draft = self._draft(seq, min(draft_rows, budget - used - 1 - decoding))
             self.block_manager.may_append(seq, num_lookahead=len(draft))
             # The seed's one-step lag (the block manager kvd grew from did the same): the block the last
             # sampled token filled is registered now, a step before that token's K/V is written, so that a
@@ -98,13 +100,12 @@ class Scheduler:
             draft_rows -= len(draft)
         return used
 
-    def _draft_rows(self) -> int:
+    def _draft_rows(self, decoding: int) -> int:
         """Rows this step may give drafts: none past max_drafting_seqs decodes; never more rows in all than
         max_num_seqs (what the step's logits and the memory profile are sized for)."""
-        if self.drafter is None:
+        if self.drafter is None or decoding > self.max_drafting_seqs:
             return 0
-        decoding = sum(s.status == SequenceStatus.RUNNING and not s.is_prefilling for s in self.running)
-        return self.max_num_seqs - decoding if decoding <= self.max_drafting_seqs else 0
+        return self.max_num_seqs - decoding
 
     def _draft(self, seq: Sequence, most: int) -> list[int]:
         """The drafter's tokens for `seq`, cut to the blocks there are: a draft never preempts anything."""

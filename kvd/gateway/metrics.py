@@ -69,6 +69,24 @@ class DaemonCollector:
         yield _counter(
             "kvd_generation_tokens", "tokens the engine generated, all clients", s["num_generated_tokens"]
         )
+        spec = s["speculative"]
+        if spec is not None:
+            yield _counter(
+                "kvd_speculative_draft_tokens", "speculative draft tokens verified", spec["num_draft_tokens"]
+            )
+            yield _counter(
+                "kvd_speculative_accepted_tokens",
+                "draft tokens the model's own tokens confirmed",
+                spec["num_accepted_tokens"],
+            )
+            yield _counter(
+                "kvd_speculative_rejected_tokens", "draft tokens rejected", spec["num_rejected_tokens"]
+            )
+            yield _gauge(
+                "kvd_speculative_mean_accepted_length",
+                "draft tokens accepted per verification, since start",
+                spec["mean_accepted_length"],
+            )
 
 
 class GatewayMetrics:

@@ -32,12 +32,20 @@ def usage_body(usages: Sequence[Usage], n: int = 1) -> dict:
     prompt = sum(u.prompt_tokens for i, u in enumerate(usages) if i % n == 0)
     cached = sum(u.cached_tokens for i, u in enumerate(usages) if i % n == 0)
     completion = sum(u.completion_tokens for u in usages)
-    return {
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    drafted = sum(u.draft_tokens for u in usages)
+    if drafted:  # OpenAI's names for predicted outputs, which n-gram drafts are
+        accepted = sum(u.accepted_draft_tokens for u in usages)
+        body["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return body
 
 
 def tool_call_body(call: ToolCall) -> dict:

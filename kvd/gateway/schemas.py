@@ -28,6 +28,7 @@ _PASSED_THROUGH = {
     "cache_salt",
     "regex",
     "grammar",
+    "speculative",
 }
 
 
@@ -138,6 +139,9 @@ class _Request(Strict):
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     regex: str | None = None
     grammar: str | None = None
+    speculative: bool | None = (
+        None  # false: no speculative drafts for this request (never changes its tokens)
+    )
     response_format: ResponseFormat | None = None
 
     @property

@@ -77,6 +77,7 @@ SAMPLING_FIELDS = (
     "logit_bias",
     "prompt_logprobs",
     *STRUCTURED_FIELDS,
+    "speculative",
 )
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 _COMMON_FIELDS = ("v", "id", "op")
@@ -552,12 +553,23 @@ def heartbeat_reply() -> dict:
     return {"id": None, "type": "heartbeat"}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    draft_tokens: int = 0,
+    accepted_tokens: int = 0,
+) -> dict[str, int]:
+    """A final reply's usage; a request that speculative decoding drafted for adds its drafted tokens and those
+    its own tokens confirmed (accepted)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
     }
+    if draft_tokens:
+        out |= {"draft_tokens": draft_tokens, "accepted_draft_tokens": accepted_tokens}
+    return out
 
 
 def logprobs_payload(tokens: list[Any]) -> list[dict | None]:

@@ -36,6 +36,8 @@ class Replies:
             return
         generation.num_output_tokens = out.num_output_tokens
         generation.num_cached_tokens = out.num_cached_tokens
+        generation.num_draft_tokens = out.num_draft_tokens
+        generation.num_accepted_tokens = out.num_accepted_tokens
         if out.prompt_logprobs is not None:
             generation.prompt_logprobs = protocol.logprobs_payload(out.prompt_logprobs)
         logprobs = protocol.logprobs_payload(out.logprobs or []) if generation.want_logprobs else None
@@ -118,7 +120,11 @@ class Replies:
         elif logprobs is None:
             logprobs = []
         usage = protocol.usage(
-            generation.num_prompt_tokens, generation.num_output_tokens, generation.num_cached_tokens
+            generation.num_prompt_tokens,
+            generation.num_output_tokens,
+            generation.num_cached_tokens,
+            generation.num_draft_tokens,
+            generation.num_accepted_tokens,
         )
         extra = {}
         if generation.tool_parser is not None:

@@ -42,6 +42,8 @@ class Generation:
     params: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafted for this request, and confirmed
+    num_accepted_tokens: int = 0
     num_preemptions: int = 0
     # Set once the prompt is tokenized; emptied at admission, where the engine takes its own copy.
     prompt_token_ids: list[int] = field(default_factory=list)

@@ -22,6 +22,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache
+    # Speculative decoding: tokens drafted for the request, and those its own tokens confirmed (0 without).
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass
