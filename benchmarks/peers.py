@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,14 +121,16 @@ class LlamaServerSide:
 
     name = "llama.cpp"
 
-    def __init__(self, args: argparse.Namespace, binary: Path, slots: int, max_len: int) -> None:
+    def __init__(
+        self, args: argparse.Namespace, binary: Path, slots: int, max_len: int, extra: Sequence[str] = ()
+    ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
         command = [str(binary), "-m", args.peer_model, "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots)]
-        command += ["-c", str(slots * max_len), "-b", "2048", "-ub", "512", "--no-webui"]
+        command += ["-c", str(slots * max_len), "-b", "2048", "-ub", "512", "--no-webui", *extra]
         self.proc = subprocess.Popen(
             command,
             stdout=self.log,
@@ -149,13 +152,12 @@ class LlamaServerSide:
             return False
 
     def complete(self, prompt: list[int], n: int) -> dict:
-        body = {
-            "prompt": prompt,
-            "n_predict": n,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "cache_prompt": True,
-        }
+        return self.request(
+            {"prompt": prompt, "n_predict": n, "temperature": 0.0, "ignore_eos": True, "cache_prompt": True}
+        )
+
+    def request(self, body: dict) -> dict:
+        """One /completion request's reply."""
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/completion",
             json.dumps(body).encode(),
