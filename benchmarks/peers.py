@@ -28,8 +28,8 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
