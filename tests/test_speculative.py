@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd import LLM, SamplingParams
+from kvd.engine.draft_odds import DraftOdds
 from kvd.engine.engine_args import EngineArgs, EngineArgsError
 from kvd.engine.ngram import NgramIndex
 from kvd_client import DaemonError
@@ -67,6 +68,23 @@ def test_the_longest_suffix_wins_and_its_latest_occurrence():
     assert NgramIndex(2, 3).propose([1, 2, 3, 4], 3) == []  # no earlier occurrence of a 2-gram
     with pytest.raises(ValueError, match="n_min"):
         NgramIndex(3, 2)
+
+
+def test_draft_lengths_follow_the_odds():
+    odds = DraftOdds()
+    assert 0 < odds.length(32) < 32  # the prior: a short draft pays, a long one not yet
+    for _ in range(6):
+        odds.record(16, 16)  # copying: every draft accepted whole
+    assert odds.length(32) == 32 and odds.length(5) == 5
+    odds = DraftOdds()
+    for _ in range(4):
+        odds.record(4, 0)  # diverging: every draft rejected at once
+    assert odds.length(32) == 0
+    lengths = []
+    while not lengths or lengths[-1] == 0:  # drafting nothing, the odds drift back to the prior
+        odds.rest()
+        lengths.append(odds.length(32))
+    assert 1 < len(lengths) < 20 and lengths[-1] <= DraftOdds().length(32)
 
 
 # ---- the engine: the same tokens, fewer steps ----------------------------------------------------------------------
@@ -123,16 +141,16 @@ def test_the_same_tokens_and_logprobs_with_drafts_as_without(llms, case):
 
 
 def test_a_batch_of_requests_with_and_without_drafts(llms):
-    """Eight chats at once (above speculative_max_seqs the step drafts nothing, then as they finish it
+    """Ten chats at once (above speculative_max_seqs, 8, the step drafts nothing, then as they finish it
     does), a request that opted out among them: every output as alone without drafts."""
     spec, plain = llms
     rng = random.Random(3)
     words = PARAGRAPH.split()
     chats = [
         [{"role": "user", "content": f"Repeat: {' '.join(words[: rng.randrange(10, len(words))])}"}]
-        for _ in range(8)
+        for _ in range(10)
     ]
-    params = [SamplingParams(temperature=0.0, max_tokens=20 + 5 * i, speculative=i != 2) for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 5 * i, speculative=i != 2) for i in range(10)]
     got = spec.chat(chats, params, use_tqdm=False)
     want = [plain.chat([c], [p], use_tqdm=False)[0] for c, p in zip(chats, params, strict=True)]
     for a, b in zip(got, want, strict=True):

@@ -113,16 +113,19 @@ class EngineArgs:
         choices=SPECULATIVE_METHODS,
     )
     speculative_tokens: int = setting(
-        8, "with --speculative: the most draft tokens per request and step (%(default)s)", type=positive_int
+        32,
+        "with --speculative: the most draft tokens per request and step; each draft's length follows how often "
+        "the request's drafts are accepted (%(default)s)",
+        type=positive_int,
     )
     ngram_max: int = setting(
-        4, "with --speculative ngram: the longest suffix matched (%(default)s)", type=positive_int
+        5, "with --speculative ngram: the longest suffix matched (%(default)s)", type=positive_int
     )
     ngram_min: int = setting(
-        2, "with --speculative ngram: the shortest suffix matched (%(default)s)", type=positive_int
+        3, "with --speculative ngram: the shortest suffix matched (%(default)s)", type=positive_int
     )
     speculative_max_seqs: int = setting(
-        4,
+        8,
         "with --speculative: no drafts in a step that decodes more sequences than this (%(default)s)",
         type=positive_int,
     )

@@ -9,6 +9,7 @@ import llguidance
 import torch
 
 from kvd.engine.detokenizer import IncrementalDetokenizer
+from kvd.engine.draft_odds import DraftOdds
 from kvd.engine.ngram import NgramIndex
 from kvd.engine.pooling import EmbeddingState
 from kvd.engine.prompt_logprobs import PromptLogprobs
@@ -33,6 +34,6 @@ class EngineRequest:
     # Sampled tokens waiting for their text to go out (with stop strings; see IncrementalDetokenizer.take_tokens).
     pending: list[SampledToken] = field(default_factory=list)
     ngrams: NgramIndex | None = None  # speculating: where its drafts come from (kvd.engine.speculative)
-    draft_limit: int = 0  # the most tokens of its next draft (kvd.engine.speculative.Speculator.record)
+    draft_odds: DraftOdds | None = None  # how long its next draft should be
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

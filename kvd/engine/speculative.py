@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvd.engine.draft_odds import DraftOdds
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.engine_request import EngineRequest
 from kvd.engine.ngram import NgramIndex
@@ -53,19 +54,16 @@ class Speculator:
         self.counts = SpeculativeCounts()
 
     def start(self, request: EngineRequest) -> None:
-        """Speculate for a new request: its n-gram index, and drafts of the most tokens to begin with."""
+        """Speculate for a new request: its n-gram index and its draft odds."""
         request.ngrams = NgramIndex(self.ngram_min, self.ngram_max)
-        request.draft_limit = self.num_tokens
+        request.draft_odds = DraftOdds()
 
     def record(self, request: EngineRequest, drafted: int, accepted: int) -> None:
-        """A draft's fate, counted; and the request's next draft length: doubled (up to the most) after a draft
-        accepted whole, else one past what was accepted. A row costs compute whether it is accepted or not, so
-        a request whose drafts keep failing verifies short ones, and one copying its input long ones."""
+        """A draft's fate: counted, and in the request's odds (its next draft's length)."""
         self.counts.record(drafted, accepted)
         request.num_draft_tokens += drafted
         request.num_accepted_tokens += accepted
-        grown = min(self.num_tokens, 2 * drafted)
-        request.draft_limit = grown if accepted == drafted else accepted + 1
+        request.draft_odds.record(drafted, accepted)
 
     def draft(self, request: EngineRequest, most: int) -> list[int]:
         """Up to `most` tokens to verify after the request's next token: none where it opted out, none past
@@ -76,11 +74,13 @@ class Speculator:
         # A run yields its draft's accepted tokens and one more; the last row sits at position len(seq) + n - 1.
         most = min(
             most,
-            request.draft_limit,
+            self.num_tokens,
             params.max_tokens - seq.num_output_tokens - 1,
             self.max_model_len - len(seq),
         )
-        draft = request.ngrams.propose(seq.token_ids, most)
+        draft = request.ngrams.propose(seq.token_ids, request.draft_odds.length(most))
         if draft and request.matcher is not None:
             draft = draft[: request.matcher.validate_tokens(draft)]
+        if not draft:
+            request.draft_odds.rest()
         return draft
