@@ -132,8 +132,9 @@ static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
 // and, for 4- and 5-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
 // activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
 // steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
-// (batch invariance). Small batches run weight rows eight at a time, one float lane each; from VNNI_MIN_ROWS on a
-// CPU with AVX-512 VNNI, VNNI outer products; 8-bit weights from AMX_MIN_ROWS rows on a CPU with AMX, tiles of 16
+// (batch invariance). Small batches run weight rows eight at a time, one float lane each (with AVX-512 VNNI, up to
+// ROW_TILE activation rows a pass over a group's blocks, each unpacked once); from VNNI_MIN_ROWS on a CPU with
+// AVX-512 VNNI, VNNI outer products; 8-bit weights from AMX_MIN_ROWS rows on a CPU with AMX, tiles of 16
 // weight rows x 16 activation rows.
 
 typedef struct {
@@ -253,6 +254,9 @@ static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 
     return bits != 8 ? _mm256_fmadd_ps(load_f16x8(mn + b * KVD_GROUP_ROWS), _mm256_set1_ps(x->sx[i]), acc) : acc;
 }
 
+// Activation rows a group's pass takes at once (AVX-512 VNNI: each weight block is unpacked once for all of them).
+#define ROW_TILE 4
+
 #if KVD_VNNI512 && defined(__AVX512BW__) && defined(__AVX512VL__)
 // AVX-512 VNNI: a pair of blocks of every row of a group in 512-bit steps (two rows of 4- or 5-bit blocks a step,
 // one row of 8-bit ones), their lane sums reduced together: about half the instructions of the 256-bit steps, the
@@ -282,23 +286,31 @@ static inline void sums_of_rows(const __m512i* v, __m256i* first, __m256i* secon
     *first = _mm512_castsi512_si256(out), *second = _mm512_extracti64x4_epi64(out, 1);
 }
 
-// p: the group's blocks b and b + 1 (8 rows); a0, a1: the activation blocks; qh: the group's fifth-bit words
-// [nb][8] (5-bit).
-static inline __attribute__((always_inline)) void pair_sums512(int bits, const uint8_t* p, const uint32_t* qh, int64_t b,
-                                                              __m256i a0, __m256i a1, __m256i* first, __m256i* second) {
-    __m512i v[KVD_GROUP_ROWS];
+// p: the group's blocks b and b + 1 (8 rows); a0[i], a1[i]: activation row i's blocks, for R rows (R <= ROW_TILE);
+// qh: the group's fifth-bit words [nb][8] (5-bit). The weight codes are unpacked once for all R rows.
+static inline __attribute__((always_inline)) void pair_sums512(int bits, int R, const uint8_t* p, const uint32_t* qh,
+                                                              int64_t b, const __m256i* a0, const __m256i* a1,
+                                                              __m256i* first, __m256i* second) {
+    __m512i v[ROW_TILE][KVD_GROUP_ROWS];
     if (bits == 8) {  // |w| x a with w's signs moved to a, as block_lanes
-        const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(a0), a1, 1), zero = _mm512_setzero_si512();
+        const __m512i zero = _mm512_setzero_si512();
         for (int j = 0; j < KVD_GROUP_ROWS; j++) {
-            const __m512i w = _mm512_loadu_si512(p + 64 * j);
-            v[j] = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(w), zero, a));
+            const __m512i w = _mm512_loadu_si512(p + 64 * j), wabs = _mm512_abs_epi8(w);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
+            for (int i = 0; i < R; i++) {
+                const __m512i a = _mm512_inserti64x4(_mm512_castsi256_si512(a0[i]), a1[i], 1);
+                v[i][j] = _mm512_dpbusd_epi32(zero, wabs, _mm512_mask_sub_epi8(a, neg, zero, a));
+            }
         }
-        sums_of_rows(v, first, second);
+        for (int i = 0; i < R; i++) sums_of_rows(v[i], first + i, second + i);
         return;
     }
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i a_lo = _mm512_broadcast_i64x4(_mm256_permute2x128_si256(a0, a1, 0x20));
-    const __m512i a_hi = _mm512_broadcast_i64x4(_mm256_permute2x128_si256(a0, a1, 0x31));
+    __m512i a_lo[ROW_TILE], a_hi[ROW_TILE];
+    for (int i = 0; i < R; i++) {
+        a_lo[i] = _mm512_broadcast_i64x4(_mm256_permute2x128_si256(a0[i], a1[i], 0x20));
+        a_hi[i] = _mm512_broadcast_i64x4(_mm256_permute2x128_si256(a0[i], a1[i], 0x31));
+    }
     for (int r = 0; r < KVD_GROUP_ROWS / 2; r++) {  // rows 2 r and 2 r + 1, 32 bytes each
         const __m512i w = _mm512_loadu_si512(p + 64 * r);
         __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
@@ -311,9 +323,10 @@ static inline __attribute__((always_inline)) void pair_sums512(int bits, const u
             lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8((w0 & half) | (w1 & half) << 16, sixteen));
             hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8((w0 >> 16 & half) | (w1 & ~half), sixteen));
         }
-        v[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a_lo), hi, a_hi);
+        for (int i = 0; i < R; i++)
+            v[i][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, a_lo[i]), hi, a_hi[i]);
     }
-    sums_of_row_pairs(v, first, second);
+    for (int i = 0; i < R; i++) sums_of_row_pairs(v[i], first + i, second + i);
 }
 #else
 #define PAIRS512 0
@@ -324,49 +337,71 @@ static inline __attribute__((always_inline)) void pair_sums512(int bits, const u
 // 8-bit pass gained nothing from it (int8 logits, 2.8-2.9 ms either way).
 #define WEIGHT_AHEAD 4096
 
-// Outputs n0 .. n0 + rows - 1 (one group) for every activation row: the group's blocks read in one stream, a
-// pair of 4-bit blocks per load.
-static inline __attribute__((always_inline)) void group_rows(int bits, const kvd_weight* w, int64_t n0, int64_t rows,
-                                                            const quantized_rows* x, void* y, int y_bf16) {
+// Outputs n0 .. n0 + rows - 1 (one group) for activation rows m0 .. m0 + R - 1: the group's blocks read in one
+// stream, a pair of 4-bit blocks per load, each row's float steps in block order (the same bits for any R).
+static inline __attribute__((always_inline)) void group_tile(int bits, int R, const kvd_weight* w, int64_t n0,
+                                                            int64_t rows, const quantized_rows* x, int64_t m0,
+                                                            void* y, int y_bf16) {
     const int64_t K = w->k, nb = K / KVD_QBLOCK, pairs = bits != 8 || PAIRS512 ? nb / 2 : 0;
     const uint16_t* d = w->d + scale_at(w, n0, 0);
     const uint16_t* mn = bits != 8 ? w->mn + scale_at(w, n0, 0) : NULL;
     const uint32_t* qh = bits == 5 ? w->qh + scale_at(w, n0, 0) : NULL;  // [nb][8], as d
-    for (int64_t m = 0; m < x->M; m++) {
-        const int8_t* a = x->q + m * K;
-        __m256 acc = _mm256_setzero_ps();
-        __m256i lanes[KVD_GROUP_ROWS], first, second;
-        for (int64_t b = 0; b < 2 * pairs; b += 2) {
-            const __m256i a0 = _mm256_loadu_si256((const __m256i*)(a + b * KVD_QBLOCK));
-            const __m256i a1 = _mm256_loadu_si256((const __m256i*)(a + b * KVD_QBLOCK + KVD_QBLOCK));
-            const __m256i a_lo = _mm256_permute2x128_si256(a0, a1, 0x20), a_hi = _mm256_permute2x128_si256(a0, a1, 0x31);
-            const uint8_t* p = block_at(w, n0, b);
-            for (int i = 0; i < (bits == 8 ? 8 : 4); i++) _mm_prefetch((const char*)p + WEIGHT_AHEAD + 64 * i, _MM_HINT_T0);
+    __m256 acc[ROW_TILE];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    __m256i lanes[KVD_GROUP_ROWS], first[ROW_TILE], second[ROW_TILE], a0[ROW_TILE], a1[ROW_TILE];
+    for (int64_t b = 0; b < 2 * pairs; b += 2) {
+        for (int i = 0; i < R; i++) {
+            a0[i] = _mm256_loadu_si256((const __m256i*)(x->q + (m0 + i) * K + b * KVD_QBLOCK));
+            a1[i] = _mm256_loadu_si256((const __m256i*)(x->q + (m0 + i) * K + b * KVD_QBLOCK + KVD_QBLOCK));
+        }
+        const uint8_t* p = block_at(w, n0, b);
+        for (int j = 0; j < (bits == 8 ? 8 : 4); j++) _mm_prefetch((const char*)p + WEIGHT_AHEAD + 64 * j, _MM_HINT_T0);
 #if PAIRS512
-            (void)a_lo, (void)a_hi;
-            pair_sums512(bits, p, qh, b, a0, a1, &first, &second);
+        pair_sums512(bits, R, p, qh, b, a0, a1, first, second);
 #else
+        for (int i = 0; i < R; i++) {
+            const __m256i a_lo = _mm256_permute2x128_si256(a0[i], a1[i], 0x20);
+            const __m256i a_hi = _mm256_permute2x128_si256(a0[i], a1[i], 0x31);
             for (int j = 0; j < KVD_GROUP_ROWS; j++)
                 lanes[j] = pair_lanes(bits, p + j * KVD_QBLOCK, qh ? qh[b * KVD_GROUP_ROWS + j] : 0,
                                       qh ? qh[(b + 1) * KVD_GROUP_ROWS + j] : 0, a_lo, a_hi);
-            hsum8x8_halves(lanes, &first, &second);
-#endif
-            acc = block_step(bits, acc, first, d, mn, b, x, m * nb + b);
-            acc = block_step(bits, acc, second, d, mn, b + 1, x, m * nb + b + 1);
+            hsum8x8_halves(lanes, first + i, second + i);
         }
-        for (int64_t b = 2 * pairs; b < nb; b++) {  // 8-bit blocks, and an odd last 4-bit one
-            const __m256i av = _mm256_loadu_si256((const __m256i*)(a + b * KVD_QBLOCK));
-            const uint8_t* p = block_at(w, n0, b);
-            const int64_t stride = row_stride(w, b);
+#endif
+        for (int i = 0; i < R; i++) {
+            acc[i] = block_step(bits, acc[i], first[i], d, mn, b, x, (m0 + i) * nb + b);
+            acc[i] = block_step(bits, acc[i], second[i], d, mn, b + 1, x, (m0 + i) * nb + b + 1);
+        }
+    }
+    for (int64_t b = 2 * pairs; b < nb; b++) {  // 8-bit blocks, and an odd last 4-bit one
+        const uint8_t* p = block_at(w, n0, b);
+        const int64_t stride = row_stride(w, b);
+        for (int i = 0; i < R; i++) {
+            const __m256i av = _mm256_loadu_si256((const __m256i*)(x->q + (m0 + i) * K + b * KVD_QBLOCK));
             for (int j = 0; j < KVD_GROUP_ROWS; j++)
                 lanes[j] = block_lanes(bits, p + j * stride, qh ? qh[b * KVD_GROUP_ROWS + j] : 0, av);
-            hsum8x8_halves(lanes, &first, &second);
-            acc = block_step(bits, acc, _mm256_add_epi32(first, second), d, mn, b, x, m * nb + b);
+            hsum8x8_halves(lanes, first + i, second + i);
+            acc[i] = block_step(bits, acc[i], _mm256_add_epi32(first[i], second[i]), d, mn, b, x, (m0 + i) * nb + b);
         }
-        float out[KVD_GROUP_ROWS];
-        _mm256_storeu_ps(out, acc);
-        for (int j = 0; j < rows; j++) store_output(w, n0 + j, m, out[j], y, y_bf16);
     }
+    for (int i = 0; i < R; i++) {
+        float out[KVD_GROUP_ROWS];
+        _mm256_storeu_ps(out, acc[i]);
+        for (int j = 0; j < rows; j++) store_output(w, n0 + j, m0 + i, out[j], y, y_bf16);
+    }
+}
+
+// Outputs n0 .. n0 + rows - 1 (one group) for every activation row, ROW_TILE rows a pass where the weights'
+// unpacking is shared (AVX-512 VNNI), one otherwise.
+static inline __attribute__((always_inline)) void group_rows(int bits, const kvd_weight* w, int64_t n0, int64_t rows,
+                                                            const quantized_rows* x, void* y, int y_bf16) {
+    int64_t m = 0;
+#if PAIRS512
+    for (; m + ROW_TILE <= x->M; m += ROW_TILE) group_tile(bits, ROW_TILE, w, n0, rows, x, m, y, y_bf16);
+    if (x->M - m == 3) group_tile(bits, 3, w, n0, rows, x, m, y, y_bf16), m += 3;
+    if (x->M - m == 2) group_tile(bits, 2, w, n0, rows, x, m, y, y_bf16), m += 2;
+#endif
+    for (; m < x->M; m++) group_tile(bits, 1, w, n0, rows, x, m, y, y_bf16);
 }
 #endif
 
@@ -532,7 +567,7 @@ static inline __attribute__((always_inline)) void unpack_pair(const kvd_weight* 
 
 #if KVD_VNNI512
 
-#define VNNI_MIN_ROWS 3  // from here, unpacking once per item beats eight weight rows at a time (2 cores)
+#define VNNI_MIN_ROWS 7  // from here, unpacking once per item beats a group pass of four rows at a time (2 cores)
 #define VNNI_ROWS 4      // activation rows a pass: 8 int32 sums and 8 float32 ones in registers
 #define VNNI_CHUNK 64    // activation rows a work item: its unpacked weights serve all of them
 
