@@ -2,8 +2,8 @@
 how often the request's draft tokens have been accepted lately.
 
 A draft of k tokens puts k more rows in the step. On a CPU those rows are not free: on SmolLM2 Q4_1 and a 2-core
-Xeon a one-row decode step takes 3.3 ms, a second row adds half of that, each row after it about a fifth
-(8.4 ms for five rows, 15.8 ms for seventeen). A draft that is seldom accepted therefore slows a request down,
+Xeon a one-row decode step takes 2.2 ms, a second row adds half of that, each row after it a fifth to two fifths
+(6.1 ms for five rows, 12.2 ms for seventeen). A draft that is seldom accepted therefore slows a request down,
 and one accepted whole pays more the longer it is. With an acceptance rate a per draft token (the chance the
 model's token equals the draft's next, given the ones before did), k tokens yield 1 + a + ... + a^k tokens a
 step, at a cost 1 + FIRST_ROW + ROW x (k - 1) steps; the length chosen maximises the ratio, and is 0 (no draft)
