@@ -238,6 +238,31 @@ def test_drafts_stop_above_the_decodes_it_pays_for(tiny_checkpoint):
     assert drafts(running(2, blocks=5)) == [7, 3]
 
 
+def test_tensor_parallel_ranks_verify_drafts_as_one(llms):
+    """TP=2 (the bundled model, its weights sliced per rank): the verify rows cross to the other rank in the
+    step's inputs; the tokens and logprobs with drafts are those without (TP=1's differ in the last bits of the
+    all-reduce, test_tensor_parallel.py)."""
+    from kvd.engine.llm_engine import LLMEngine
+
+    prompt = llms[1].engine.apply_chat_template(REWRITE)
+    params = {"temperature": 0.0, "max_tokens": 40, "logprobs": 1}
+    engine = LLMEngine(
+        speculative="ngram", tensor_parallel_size=2, num_threads=1, kv_cache_memory="16M", max_num_seqs=4
+    )
+    try:
+        runs = {}
+        for speculative in (True, False):
+            engine.add_request(speculative, prompt, SamplingParams(**params, speculative=speculative))
+            outputs = []
+            while engine.has_unfinished():
+                outputs += engine.step().outputs
+            runs[speculative] = [(t.token_id, t.logprob) for o in outputs for t in o.logprobs]
+        accepted = engine.stats()["speculative"]["num_accepted_tokens"]
+    finally:
+        engine.close()
+    assert runs[True] == runs[False] and len(runs[True]) == 40 and accepted > 0
+
+
 def test_settings_are_checked():
     with pytest.raises(EngineArgsError, match="batch invariance"):
         EngineArgs(speculative="ngram", batch_invariant=False)
