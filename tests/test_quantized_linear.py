@@ -70,7 +70,7 @@ def _quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cls", [NativeInt4Linear, NativeInt8Linear])
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 6, 7, 70, 300])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 5, 6, 7, 70, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "cols"), [(88, 320), (83, 352)])
 def test_native_linear_is_exact_on_its_quantized_activations(cls, batch, dtype, rows, cols):

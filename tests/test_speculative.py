@@ -205,7 +205,7 @@ def test_accepted_tokens_go_out_together_and_are_counted_per_request(llms):
     assert sum(len(o.new_token_ids) for o in outputs) == last.num_output_tokens == 60
 
 
-def test_drafts_stop_above_the_decodes_it_pays_for(tiny_checkpoint):
+def test_drafts_stop_above_the_decodes_it_pays_for():
     """speculative_max_seqs: a step with more decodes drafts nothing; a step's rows never exceed max_num_seqs;
     a draft fits the token budget and the free blocks and never preempts."""
     from kvd.engine.block_manager import BlockManager
@@ -215,13 +215,17 @@ def test_drafts_stop_above_the_decodes_it_pays_for(tiny_checkpoint):
     def drafter(seq, most):
         return [1] * most
 
-    def running(n: int, blocks: int = 64, budget: int = 64, max_seqs: int = 16) -> Scheduler:
+    def running(
+        n: int, blocks: int = 64, budget: int = 64, max_seqs: int = 16, grow: bool = False
+    ) -> Scheduler:
         manager = BlockManager(blocks, 4, True)
         scheduler = Scheduler(manager, max_seqs, budget, drafter=drafter, max_drafting_seqs=2)
-        for i in range(n):
-            seq = Sequence([i + 1, 2, 3, 4, 5], 4)
+        for i in range(n):  # 4 tokens computed, a fifth sampled: the next step decodes it
+            seq = Sequence([i + 1, 2, 3, 4] + [5] * (not grow), 4)
             manager.allocate(seq)
             seq.status, seq.num_computed_tokens, seq.num_admitted_tokens = SequenceStatus.RUNNING, 4, 4
+            if grow:  # its block table ends at the fourth token: the decode needs a new block
+                seq.append_token(5)
             scheduler.running.append(seq)
         return scheduler
 
@@ -231,6 +235,9 @@ def test_drafts_stop_above_the_decodes_it_pays_for(tiny_checkpoint):
         return [len(c.draft) for c in out.chunks]
 
     assert drafts(running(3)) == [0, 0, 0]  # above max_drafting_seqs
+    # Each decode needs a new block and 2 of 4 are free: the drafts come last, from what the decodes left, so
+    # the first one's draft takes no block the second's decode needs.
+    assert drafts(running(2, blocks=4, grow=True)) == [3, 3]
     assert drafts(running(2)) == [14, 0]  # max_num_seqs 16 rows: 2 decodes and 14 draft rows
     assert drafts(running(2, budget=6)) == [4, 0]  # the token budget: 1 + 4 + 1
     # 2 blocks each (5 tokens in 8 slots), 1 free: the first draft fills its slots and the free block (3 + 4),
@@ -263,7 +270,14 @@ def test_tensor_parallel_ranks_verify_drafts_as_one(llms):
     assert runs[True] == runs[False] and len(runs[True]) == 40 and accepted > 0
 
 
-def test_settings_are_checked():
+def test_settings_are_checked(tiny_checkpoint):
+    with pytest.raises(EngineArgsError, match="torch attention"):
+        LLM(
+            str(tiny_checkpoint("llama")),
+            attention_backend="torch",
+            speculative="ngram",
+            kv_cache_memory=2**24,
+        )
     with pytest.raises(EngineArgsError, match="batch invariance"):
         EngineArgs(speculative="ngram", batch_invariant=False)
     with pytest.raises(EngineArgsError, match="ngram_min"):

@@ -77,6 +77,7 @@ class LLMEngine:
             shard=self.tp.shard if self.tp else WHOLE,
         )
         self.attention_backend = loaded.model.attention_backend.name
+        _check_speculative(args, loaded.model)
         # Unset, the block size is the backend's default (flash-attn reads 256-token pages).
         self.args = args = replace(
             args, block_size=resolve_block_size(self.attention_backend, args.block_size)
@@ -492,6 +493,19 @@ class LLMEngine:
 def _continues(output: RequestOutput, draft: list[int], depth: int, token: int) -> bool:
     """The row after `depth` stands: the request goes on and the token sampled at `depth` is the draft's."""
     return not output.finished and depth < len(draft) and draft[depth] == token
+
+
+def _check_speculative(args: EngineArgs, model: CausalLM) -> None:
+    """Drafts leave every output the same bits only where a row's logits do not depend on the rows beside it."""
+    backend = model.attention_backend
+    if args.speculative != "none" and not (
+        isinstance(backend, NativeAttentionBackend) and backend.batch_invariant
+    ):
+        raise EngineArgsError(
+            "speculative decoding keeps every output the same bits only where batch invariance holds, with the "
+            f"native CPU attention (this engine runs {backend.name} attention): use --speculative none, or "
+            "attention_backend native on a CPU with a C compiler"
+        )
 
 
 def _kv_dtype(setting: str, model: CausalLM, dtype: torch.dtype) -> torch.dtype:

@@ -73,47 +73,51 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         budget -= self._schedule_decodes(out, budget)
         budget -= self._schedule_running_prefills(out, budget)
-        self._admit_waiting(out, budget)
+        budget -= self._admit_waiting(out, budget)
+        self._schedule_drafts(out, budget)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:
         used = 0
-        decoding = sum(s.status == SequenceStatus.RUNNING and not s.is_prefilling for s in self.running)
-        draft_rows = self._draft_rows(decoding)
         for seq in list(self.running):
             if used == budget:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.is_prefilling:
                 continue  # preempted earlier in this loop, or still in prefill
-            decoding -= 1  # those after this one: a draft never takes their tokens of the budget
             if not self._make_room_to_append(seq, out):
                 continue
-            draft = self._draft(seq, min(draft_rows, budget - used - 1 - decoding))
-            self.block_manager.may_append(seq, num_lookahead=len(draft))
+            self.block_manager.may_append(seq)
             # The seed's one-step lag (the block manager kvd grew from did the same): the block the last
             # sampled token filled is registered now, a step before that token's K/V is written, so that a
             # request admitted below can already hit it. Safe: that request runs in the same forward pass, and
             # every layer writes the step's K/V before it attends.
             self.block_manager.cache_filled_block(seq)
-            out.chunks.append(ScheduledChunk(seq, 1, draft))
-            used += 1 + len(draft)
-            draft_rows -= len(draft)
+            out.chunks.append(ScheduledChunk(seq, 1))
+            used += 1
         return used
 
-    def _draft_rows(self, decoding: int) -> int:
-        """Rows this step may give drafts: none past max_drafting_seqs decodes; never more rows in all than
-        max_num_seqs (what the step's logits and the memory profile are sized for)."""
-        if self.drafter is None or decoding > self.max_drafting_seqs:
-            return 0
-        return self.max_num_seqs - decoding
-
-    def _draft(self, seq: Sequence, most: int) -> list[int]:
-        """The drafter's tokens for `seq`, cut to the blocks there are: a draft never preempts anything."""
-        if most < 1:
-            return []
-        draft = self.drafter(seq, most)
-        n = self._fit(lambda m: self.block_manager.can_append(seq, num_lookahead=m), len(draft), True)
-        return draft[:n]
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Drafts for the step's decodes, last: from the token budget, blocks and rows that every decode,
+        prefill chunk and admission left, so a draft never takes what another sequence needs. None past
+        max_drafting_seqs decodes; never more sampled rows in all than max_num_seqs (one a running sequence at
+        most, then the drafts: what the step's logits and the memory profile are sized for)."""
+        decodes = [c for c in out.chunks if not c.seq.is_prefilling]
+        if self.drafter is None or len(decodes) > self.max_drafting_seqs:
+            return
+        rows = self.max_num_seqs - len(self.running)
+        for chunk in decodes:
+            seq, most = chunk.seq, min(rows, budget)
+            if most < 1:
+                return
+            draft = self.drafter(seq, most)
+            n = self._fit(
+                lambda m, s=seq: self.block_manager.can_append(s, num_lookahead=m), len(draft), True
+            )
+            if n:
+                self.block_manager.may_append(seq, num_lookahead=n)
+                chunk.draft = draft[:n]
+                budget -= n
+                rows -= n
 
     def _make_room_to_append(
         self, seq: Sequence, out: SchedulerOutput, num_new_tokens: int | None = None
@@ -161,8 +165,9 @@ class Scheduler:
                 used += n
         return used
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         # Strict FCFS: when the head does not fit, nothing behind it jumps ahead, so no request starves.
+        used = 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Not one preempted in this step: its blocks were freed for others, not for it to take back.
@@ -178,6 +183,8 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, first_chunk)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+            used += n
+        return used
 
     def _fit(self, fits: Callable[[int], bool], most: int, search: bool = False) -> int:
         """The largest n <= most with fits(n) (fits is monotonic), 0 if not even 1 fits. A prefill chunk takes
@@ -205,14 +212,15 @@ class Scheduler:
                 seq.append_token(token)
 
     def accept_draft_token(self, seq: Sequence, token: int) -> None:
-        """The last token appended was the draft's next, so its K/V (computed this step) stand; `token` is what
-        the model gave after it."""
+        """The last token appended was the draft's next, so its K/V (computed this step) stand and their full
+        blocks are registered (before a stop may release the sequence); `token` is what the model gave after
+        it."""
         seq.num_computed_tokens += 1
+        self.block_manager.cache_computed_blocks(seq)
         seq.append_token(token)
 
     def settle_draft(self, seq: Sequence) -> None:
-        """After a running sequence's draft was verified: register what it computed, free what it rejected."""
-        self.block_manager.cache_computed_blocks(seq)
+        """After a running sequence's draft was verified: free the blocks of what it rejected."""
         self.block_manager.trim_lookahead(seq)
 
     def finish(self, seq: Sequence) -> None:

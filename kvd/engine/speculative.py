@@ -71,12 +71,13 @@ class Speculator:
         if request.ngrams is None:
             return []
         seq, params = request.seq, request.params
-        # A run yields its draft's accepted tokens and one more; the last row sits at position len(seq) + n - 1.
+        # A run yields its draft's accepted tokens and one more, and stops at the context's end: the draft's
+        # last token is worth a row only if both limits leave room for the token after it.
         most = min(
             most,
             self.num_tokens,
             params.max_tokens - seq.num_output_tokens - 1,
-            self.max_model_len - len(seq),
+            self.max_model_len - len(seq) - 1,
         )
         draft = request.ngrams.propose(seq.token_ids, request.draft_odds.length(most))
         if draft and request.matcher is not None:
