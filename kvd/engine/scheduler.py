@@ -1,5 +1,5 @@
-"""Continuous batching: decodes first (with their drafts, when speculating), then chunked prefills, within a token
-budget; preemption by recompute."""
+"""Continuous batching: decodes first, then chunked prefills and admissions, then (when speculating) the decodes'
+drafts from what is left, within a token budget; preemption by recompute."""
 
 from __future__ import annotations
 
@@ -19,11 +19,6 @@ class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int
     draft: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """The rows the chunk puts in the step: its tokens and its draft."""
-        return self.num_new_tokens + len(self.draft)
 
     @property
     def samples(self) -> bool:
