@@ -62,6 +62,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
     "linear_rope": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    # YaRN with its defaults (betas 32 and 1, the correction range rounded); gpt_oss below has it unrounded.
+    "yarn_rope": (
+        "LlamaConfig",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
     # head_dim 32 != hidden_size / heads (16), as in Mistral-Nemo and Qwen3: q/o projections are not square.
     "mistral": ("MistralConfig", {"sliding_window": None, "head_dim": 32}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),  # q/k/v bias, tied embeddings
@@ -100,6 +105,41 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
+    # Mixtures of experts: 8 experts, 2 a token (the router's weights drawn wide, see save_tiny_checkpoint).
+    # Qwen3-MoE: layer 0 dense (mlp_only_layers), the top 2 not renormalized, experts narrower than the dense MLP.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64}),
+    # gpt-oss: a sliding layer (window 8) before a full one, sinks, YaRN RoPE, the router's bias, the experts'
+    # biases and clamped SwiGLU (a limit low enough to clamp).
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "swiglu_limit": 1.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+        },
+    ),
 }
 
 
@@ -109,7 +149,7 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     from tiny_models import byte_level_tokenizer
 
     class_name, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, class_name)(**_TINY, **extra)
+    config = getattr(transformers, class_name)(**(_TINY | extra))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -117,7 +157,9 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")):
+                param.normal_(0.0, 1.0)  # routers: distinct experts for distinct tokens, not a near tie
+            elif name.endswith("bias") or name == "sinks" or name.endswith(".sinks"):
                 param.normal_(0.0, 0.2)
     model.save_pretrained(folder)
     byte_level_tokenizer().save_pretrained(folder)  # load_model wants one; these tests feed token ids

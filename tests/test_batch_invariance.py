@@ -48,6 +48,10 @@ MODES = [
     ("bfloat16", "int4", "gemma3", "auto"),
     ("float32", "int8", "qwen2_window", "int8"),
     ("float32", "int4", "olmo2", "auto"),  # no input norms, q/k norms over all heads (the Python loop)
+    # Mixtures of experts: tokens that share experts with others and that have one alone, in every format.
+    ("float32", "int4", "qwen3_moe", "auto"),
+    ("bfloat16", "int8", "gpt_oss", "auto"),
+    ("bfloat16", "none", "mixtral", "int8"),
 ]
 
 

@@ -92,6 +92,9 @@ def _close_rows(got: dict, want: dict) -> None:
         ("qwen2", "int8", "auto"),
         ("qwen3", "none", "int8"),  # every rank's pool in 8 bits: the plan carries the pool's dtype
         ("gguf", "gguf", "auto"),  # a GGUF file of mixed types, each rank's slice in its file types
+        # Mixtures of experts: each rank a slice of every expert; float, then quantized with gpt-oss's biases.
+        ("qwen3_moe", "none", "auto"),
+        ("gpt_oss", "int8", "auto"),
     ],
 )
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(
@@ -112,11 +115,11 @@ def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_inva
     else:
         folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)
-    # Gemma 3's sliding layer frees the blocks behind its window: a smaller pool still preempts.
+    # Gemma 3's and gpt-oss's sliding layer frees the blocks behind its window: a smaller pool still preempts.
     kw = {
         "quantization": quantization,
         "kv_cache_dtype": kv_cache_dtype,
-        "blocks": 7 if family == "gemma3" else 12,
+        "blocks": 7 if family in ("gemma3", "gpt_oss") else 12,
     }
     single = _engine(folder, 1, **kw)
     want = _generate(single, PROMPTS)

@@ -90,12 +90,21 @@ class ShardPlan(Generic[C]):
                 "tensor-parallel size that divides it"
             )
         _, kv_heads = kv_head_range(config.num_key_value_heads, self.shard)
+        moe = getattr(config, "moe", None)  # each rank holds a slice of every expert, as of a dense MLP
+        if moe is not None:
+            if moe.intermediate_size % n:
+                raise ShardingError(
+                    f"the experts' width is {moe.intermediate_size}, which {n} ranks cannot split evenly; use a "
+                    "tensor-parallel size that divides it"
+                )
+            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // n)
         return dataclasses.replace(
             config,
             num_attention_heads=kv_heads * self._group(),
             num_key_value_heads=kv_heads,
             intermediate_size=config.intermediate_size // n,
             vocab_size=self.shard.vocab_rows(config.vocab_size),
+            **({} if moe is None else {"moe": moe}),
         )
 
     def split(self, name: str, shape: Sequence[int]) -> tuple[int, int, int] | None:

@@ -39,6 +39,7 @@ from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend
 from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+from kvd.model.layers.moe import describe_experts
 from kvd.parallel.group import fingerprint, weight_bytes
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
@@ -485,6 +486,7 @@ class LLMEngine:
             },
             "threads": torch.get_num_threads(),
             "weight_bytes": self.weight_bytes,
+            "experts": describe_experts(self.runner.model, self.weight_bytes),
             "file_types": {name: {"tensors": n, "bytes": b} for name, (n, b) in self.file_types.items()},
             "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }

@@ -10,7 +10,7 @@ from kvd.model.registry import SUPPORTED_ARCHITECTURES, family_class
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP's gate activation (config.json's hidden_act, or Gemma's hidden_activation) -> kvd.model.layers.activation.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' values
@@ -19,6 +19,58 @@ _DEFAULT_ROPE_THETA = 10000.0
 
 class UnsupportedModelError(ValueError):
     """The config names an architecture or a feature this implementation does not cover."""
+
+
+# How a router turns its logits into the top-k experts' weights (MoE.scoring).
+SOFTMAX_THEN_TOPK = (
+    "softmax_then_topk"  # probabilities over all experts, the k largest kept (Qwen3-MoE, Mixtral)
+)
+TOPK_THEN_SOFTMAX = "topk_then_softmax"  # the k largest logits, a softmax over them only (gpt-oss)
+# The experts' gated activation: an MLP activation of SUPPORTED_ACTIVATIONS, or gpt-oss's clamped SwiGLU.
+CLAMPED_SWIGLU = "clamped_swiglu"
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP (kvd.model.layers.moe): a router picks top_k of num_experts gated MLPs per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    scoring: str = SOFTMAX_THEN_TOPK
+    normalize_top_k: bool = False  # the kept probabilities rescaled to sum to 1 (softmax_then_topk)
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = (
+        1.702  # CLAMPED_SWIGLU: gate * sigmoid(alpha * gate) * (up + 1), both clamped to limit
+    )
+    swiglu_limit: float = 7.0
+    # Layers whose MLP stays dense (of the model's intermediate_size); every other layer is sparse.
+    dense_layers: tuple[int, ...] = ()
+
+
+# Router settings of other MoE families (DeepSeek's) that none of kvd's implements otherwise: refused by name.
+_ROUTER_DEFAULTS = {"scoring_func": "softmax", "topk_method": "greedy"}
+
+
+def read_moe(hf_config: dict[str, Any], intermediate_key: str, **variant: Any) -> MoE:
+    """The MoE of a config.json: its expert count (num_experts or num_local_experts), top k, the experts' width
+    (`intermediate_key`), and the family's router and expert `variant` (MoE's other fields)."""
+    for key, value in _ROUTER_DEFAULTS.items():
+        if hf_config.get(key, value) != value:
+            raise UnsupportedModelError(f"{key} {hf_config[key]!r} is not supported; only {value!r} is")
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts or not hf_config.get("num_experts_per_tok"):
+        raise UnsupportedModelError(
+            "config.json lacks num_experts (or num_local_experts) or num_experts_per_tok"
+        )
+    top_k = int(hf_config["num_experts_per_tok"])
+    if not 0 < top_k <= int(experts):
+        raise UnsupportedModelError(
+            f"num_experts_per_tok {top_k} is not between 1 and num_experts ({experts})"
+        )
+    return MoE(int(experts), top_k, int(hf_config[intermediate_key]), **variant)
 
 
 @dataclass(frozen=True)
@@ -47,6 +99,7 @@ class Layout:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    moe: MoE | None = None  # None: every MLP is dense
 
 
 @dataclass(frozen=True)
@@ -88,6 +141,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    moe: MoE | None = None  # see Layout
 
     @property
     def attention_scale(self) -> float:
@@ -197,6 +251,7 @@ class ModelConfig:
             residual_multiplier=layout.residual_multiplier,
             attention_multiplier=layout.attention_multiplier,
             logits_scaling=layout.logits_scaling,
+            moe=layout.moe,
         )
 
 
@@ -247,10 +302,10 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
         raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; it must be in (0, 1]")
     if rope_type == "default":
         return theta, None, partial
-    if rope_type in ("llama3", "longrope"):
+    if rope_type in ("llama3", "longrope", "yarn"):
         # transformers falls back to the config's own keys when the parameters do not give them.
         original = d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 2048)
         params.setdefault("original_max_position_embeddings", original)
-    if rope_type == "longrope":
+    if rope_type in ("longrope", "yarn"):
         params["max_position_embeddings"] = d.get("max_position_embeddings", 2048)
     return theta, {"rope_type": rope_type, **params}, partial

@@ -1,5 +1,6 @@
-"""The decoder every family builds on (kvd.model.families): attention, MLP, the layer stack and CausalLM, whose
-optional pieces (biases, q/k norm) the ModelConfig switches on, and Hugging Face weight loading."""
+"""The decoder every family builds on (kvd.model.families): attention, MLP (dense, or a mixture of experts), the
+layer stack and CausalLM, whose optional pieces (biases, q/k norm) the ModelConfig switches on, and Hugging Face
+weight loading."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, Atte
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 from kvd.model.layers.kv_cache import kv_groups, pool_row
 from kvd.model.layers.linear import Embedding, Linear
+from kvd.model.layers.mlp import GatedMLP
+from kvd.model.layers.moe import SparseMoE
 from kvd.model.layers.norm import RMSNorm
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
 from kvd.model.native_decode import NativeDecoder
@@ -66,10 +69,7 @@ class SelfAttention(nn.Module):
         )
         self.q_norm = RMSNorm(q_width, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(k_width, config.rms_norm_eps) if config.qk_norm else None
-        # float32 whatever the model's dtype: every backend adds them to float32 scores.
-        sinks = (
-            torch.empty(config.num_attention_heads, dtype=torch.float32) if config.attention_sinks else None
-        )
+        sinks = torch.empty(config.num_attention_heads) if config.attention_sinks else None
         self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
         self.kv_cache: torch.Tensor | None = None
 
@@ -84,21 +84,24 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, self.sinks)
+        # float32 whatever the model's dtype (the weights' values, as transformers holds them): every backend adds
+        # them to float32 scores.
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, sinks)
         return all_reduce(self.o_proj(out.reshape(tokens, -1)), self.shard)
 
 
-class MLP(nn.Module):
+class MLP(GatedMLP):
+    """The dense MLP; row-parallel down, so its partial sums are all-reduced."""
+
     def __init__(self, config: ModelConfig, shard: Shard) -> None:
-        super().__init__()
+        super().__init__(
+            config.hidden_size, config.intermediate_size, config.mlp_bias, gated_activation(config.hidden_act)
+        )
         self.shard = shard
-        self.activation = gated_activation(config.hidden_act)
-        size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, [size, size], bias=config.mlp_bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.down_proj(self.activation(*self.gate_up_proj.forward_shards(x))), self.shard)
+        return all_reduce(super().forward(x), self.shard)
 
 
 class DecoderLayer(nn.Module):
@@ -112,7 +115,8 @@ class DecoderLayer(nn.Module):
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.input_norms else None
         self.input_layernorm, self.post_attention_layernorm = norm, copy.deepcopy(norm)
         self.self_attn = SelfAttention(config, backend, shard, window)
-        self.mlp = MLP(config, shard)
+        sparse = config.moe is not None and index not in config.moe.dense_layers
+        self.mlp = SparseMoE(config, shard) if sparse else MLP(config, shard)
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
         self.attn_output_norm, self.mlp_output_norm = norm, copy.deepcopy(norm)
         self.residual_multiplier = config.residual_multiplier

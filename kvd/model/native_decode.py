@@ -117,6 +117,8 @@ class NativeDecoder:
         layers = model.model.layers
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
             return False
+        if model.config.moe is not None:  # the loop has no router or experts: the Python loop runs them
+            return False
         cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
         if (
             cache is None

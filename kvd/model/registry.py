@@ -24,6 +24,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "GptOssForCausalLM": "gpt_oss",
 }
 # A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {

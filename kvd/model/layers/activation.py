@@ -1,4 +1,5 @@
-"""The gated activations of the MLP: act(gate) * up, SiLU (most families) or tanh-approximated GELU (Gemma)."""
+"""The gated activations of the MLP: act(gate) * up, SiLU (most families) or tanh-approximated GELU (Gemma), and
+gpt-oss's clamped SwiGLU for its experts."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if _native(gate, up):
         return cpu_native.gelu_tanh_mul(gate, up)
     return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """gpt-oss's: g * sigmoid(alpha g) * (u + 1), with g = min(gate, limit) and u = up clipped to +-limit."""
+
+    def activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp_(max=limit)
+        return gate.mul_(torch.sigmoid(gate * alpha)).mul_(up.clamp(-limit, limit).add_(1))
+
+    return activation
 
 
 def _native(gate: torch.Tensor, up: torch.Tensor) -> bool:

@@ -73,6 +73,7 @@ class Linear(KernelOrder, nn.Module):
     """
 
     batch_invariant = True  # set per model by kvd.model.batch_invariance
+    quantizable = True  # whether quantization (kvd.model.layers.quantized_linear) may replace it
 
     def __init__(self, in_features: int, out_sizes: int | Sequence[int], bias: bool) -> None:
         super().__init__()

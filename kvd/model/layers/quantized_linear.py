@@ -262,7 +262,7 @@ _OUTPUT_MODE = "int8"
 def quantize_linears(layers: nn.Module, mode: str) -> int:
     """Replace every Linear under `layers` (the decoder layers) by its `mode` counterpart; returns the count.
 
-    A Linear whose K the packing cannot take stays as it is.
+    A Linear whose K the packing cannot take, or that must stay float (a router's), stays as it is.
     """
     if mode not in QUANTIZATIONS:
         raise QuantizationError(f"quantization {mode!r} is not one of {', '.join(QUANTIZATIONS)}")
@@ -273,7 +273,7 @@ def quantize_linears(layers: nn.Module, mode: str) -> int:
         (parent, name, child)
         for parent in layers.modules()
         for name, child in parent.named_children()
-        if isinstance(child, Linear) and cls.supports(child.weight.shape[1])
+        if isinstance(child, Linear) and child.quantizable and cls.supports(child.weight.shape[1])
     ]
     for parent, name, child in targets:
         if child.weight.device.type != "cpu":

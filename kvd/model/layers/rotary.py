@@ -1,4 +1,4 @@
-"""Rotary position embedding (neox layout) with default, linear, llama3 and longrope frequency scaling."""
+"""Rotary position embedding (neox layout) with default, linear, llama3, longrope and YaRN frequency scaling."""
 
 from __future__ import annotations
 
@@ -36,11 +36,45 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         long = scaling["max_position_embeddings"] > scaling["original_max_position_embeddings"]
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling)
     raise ValueError(f"unknown rope_type {rope_type!r}")
 
 
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    return (
+        scaling.get("factor")
+        or scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    )
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency between its original (extrapolated) and divided by factor (interpolated), by a linear
+    ramp over the dimensions whose wavelengths fit between beta_fast and beta_slow turns of the trained length."""
+    factor = _yarn_factor(scaling)
+    trained = scaling["original_max_position_embeddings"]
+
+    def dim_for(turns: float) -> float:  # the dimension whose frequency turns `turns` times over `trained`
+        return head_dim * math.log(trained / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_for(scaling.get("beta_fast") or 32), dim_for(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers avoids the division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    # transformers' terms, in its order, so that the float32 frequencies are the same bits.
+    inverse = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (factor * inverse) * (1 - extrapolated) + 1.0 / inverse * extrapolated
+
+
 def attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What cos and sin are multiplied by: 1, or longrope's sqrt(1 + ln(factor) / ln(trained length))."""
+    """What cos and sin are multiplied by: 1, longrope's sqrt(1 + ln(factor) / ln(trained length)), or YaRN's
+    0.1 ln(factor) + 1 (or the ratio its mscale and mscale_all_dim give)."""
+    if scaling and scaling["rope_type"] == "yarn":
+        return _yarn_attention_factor(scaling)
     if not scaling or scaling["rope_type"] != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -48,6 +82,18 @@ def attention_factor(scaling: dict[str, Any] | None) -> float:
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 @dataclass

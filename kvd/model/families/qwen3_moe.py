@@ -1,0 +1,29 @@
+"""Qwen3-MoE: Qwen3's attention, and a mixture of experts in place of the MLP (softmax over every expert, the top
+k kept, rescaled to sum to 1 where norm_topk_prob says so), but on the layers mlp_only_layers names or that
+decoder_sparse_step skips, which keep a dense MLP."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvd.model.config import Layout, read_moe
+from kvd.model.families.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    @staticmethod
+    def read_layout(hf_config: dict[str, Any]) -> Layout:
+        step = int(hf_config.get("decoder_sparse_step") or 1)
+        only_mlp = set(hf_config.get("mlp_only_layers") or ())
+        dense = tuple(
+            i for i in range(int(hf_config["num_hidden_layers"])) if i in only_mlp or (i + 1) % step
+        )
+        moe = read_moe(
+            hf_config,
+            "moe_intermediate_size",
+            normalize_top_k=bool(hf_config.get("norm_topk_prob", False)),
+            activation=hf_config.get("hidden_act") or "silu",
+            dense_layers=dense,
+        )
+        return dataclasses.replace(Qwen3ForCausalLM.read_layout(hf_config), moe=moe)

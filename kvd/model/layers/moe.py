@@ -1,0 +1,115 @@
+"""A mixture-of-experts MLP: a router scores every expert for each token, the top k run, their outputs are summed
+with the router's weights (Qwen3-MoE, Mixtral, gpt-oss; kvd.model.config.MoE holds each one's variant).
+
+The tokens of a step are grouped by expert, so each chosen expert's weights are read once for all of its tokens
+(llama.cpp's MUL_MAT_ID does the same). Batch invariance holds as for dense layers: every expert's linears compute
+each row alone (kvd's kernels), and a token's k outputs are summed in one order, by expert id, whatever the other
+tokens of the step chose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvd.distributed.comm import all_reduce
+from kvd.distributed.shard import Shard
+from kvd.model.config import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, ModelConfig, MoE
+from kvd.model.layers.activation import clamped_swiglu, gated_activation
+from kvd.model.layers.linear import Linear
+from kvd.model.layers.mlp import GatedMLP
+
+
+class RouterLinear(Linear):
+    """The router's projection, kept in the model's float dtype when the experts are quantized: a small error
+    in a logit can flip which experts a token gets (GGUF files keep it in float32 too)."""
+
+    quantizable = False
+
+
+def expert_activation(moe: MoE) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    if moe.activation == CLAMPED_SWIGLU:
+        return clamped_swiglu(moe.swiglu_alpha, moe.swiglu_limit)
+    return gated_activation(moe.activation)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, shard: Shard) -> None:
+        super().__init__()
+        moe = config.moe
+        self.moe = moe
+        self.shard = shard
+        self.gate = RouterLinear(config.hidden_size, moe.num_experts, bias=moe.router_bias)
+        activation = expert_activation(moe)
+        self.experts = nn.ModuleList(
+            GatedMLP(config.hidden_size, moe.intermediate_size, moe.expert_bias, activation)
+            for _ in range(moe.num_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights [T, k], expert ids [T, k]): each token's experts in ascending id order."""
+        logits = self.gate(x).float()
+        k = self.moe.top_k
+        if self.moe.scoring == SOFTMAX_THEN_TOPK:
+            weights, ids = logits.softmax(dim=-1).topk(k, dim=-1)
+            if self.moe.normalize_top_k:
+                weights = weights / _row_sums(weights)
+        else:
+            top, ids = logits.topk(k, dim=-1)
+            weights = top.softmax(dim=-1)
+        ids, order = ids.sort(dim=-1)
+        return weights.gather(-1, order), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        tokens, k = ids.shape
+        outputs = x.new_empty(tokens * k, x.shape[-1])  # one row per (token, slot)
+        slots = ids.flatten().argsort(stable=True)  # grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                mine = slots[start : start + count]
+                outputs[mine] = expert(x[mine // k])
+                start += count
+        outputs = outputs.view(tokens, k, -1)
+        # Slot by slot (ascending expert id), elementwise: a token's sum never depends on the others'.
+        total = outputs[:, 0].float() * weights[:, :1]
+        for slot in range(1, k):
+            total += outputs[:, slot].float() * weights[:, slot : slot + 1]
+        return all_reduce(total.to(x.dtype), self.shard)
+
+
+def _row_sums(weights: torch.Tensor) -> torch.Tensor:
+    """[T, 1]: each row's sum, column by column (a reduction kernel may order a row's adds by the batch's shape)."""
+    total = weights[:, :1].clone()
+    for column in range(1, weights.shape[1]):
+        total += weights[:, column : column + 1]
+    return total
+
+
+def describe_experts(model: nn.Module, weight_bytes: int) -> dict | None:
+    """info's "experts" for a model with mixture-of-experts layers (None without): the experts' parameters and
+    bytes in all, and the bytes a token reads (every weight but the experts it is not routed to)."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return None
+    moe, hidden = layers[0].moe, layers[0].gate.weight.shape[-1]
+    per_expert = 3 * hidden * moe.intermediate_size + (2 * moe.intermediate_size + hidden) * moe.expert_bias
+    expert_bytes = sum(t.numel() * t.element_size() for m in layers for t in _tensors(m.experts))
+    idle = (moe.num_experts - moe.top_k) / moe.num_experts
+    return {
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "sparse_layers": len(layers),
+        "expert_parameters": len(layers) * moe.num_experts * per_expert,
+        "active_expert_parameters": len(layers) * moe.top_k * per_expert,
+        "expert_bytes": expert_bytes,
+        "active_bytes_per_token": round(weight_bytes - idle * expert_bytes),
+    }
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]

@@ -1,0 +1,175 @@
+"""Mixture-of-experts layers (kvd.model.layers.moe): the experts against a float64 per-token reference in every
+weight format, a token's output independent of the tokens beside it (batch invariance), the router kept float,
+the config's router variants read or refused by name, and info's expert figures. Parity with transformers and
+every scheduling path: tests/test_model_parity.py and tests/test_batch_invariance.py (the tiny families
+qwen3_moe, mixtral, gpt_oss)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import _TINY, TINY_FAMILIES
+
+from kvd import LLM
+from kvd.kernels import cpu_native
+from kvd.model.config import ModelConfig, UnsupportedModelError
+from kvd.model.layers.moe import RouterLinear, SparseMoE
+from kvd.model.loader import load_model
+
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+FORMATS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int4")]
+# The reference multiplies float64 copies of the weights the kernels hold; what remains is the kernels' own
+# rounding: bf16 activations and outputs, int8-quantized activations of the quantized kernels.
+TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
+QUANTIZED_TOLERANCE = 3e-2
+
+
+def _moe_layer(folder, dtype: str, quantization: str) -> SparseMoE:
+    model = load_model(folder, dtype=dtype, quantization=quantization).model
+    return next(m for m in model.modules() if isinstance(m, SparseMoE))
+
+
+def _weight(linear: torch.nn.Module) -> torch.Tensor:
+    """The float64 [out, in] weight a linear multiplies by, whatever its format."""
+    if hasattr(linear, "dequantized_weight"):
+        return linear.dequantized_weight().double()
+    return linear.row_weight().double()
+
+
+def _reference(layer: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float64: each token's experts one by one, as the model defines them."""
+    from kvd.model.layers.moe import expert_activation
+
+    activation = expert_activation(layer.moe)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for slot in range(ids.shape[1]):
+            expert = layer.experts[int(ids[t, slot])]
+            bias = [
+                None if p.bias is None else p.bias.double() for p in (expert.gate_up_proj, expert.down_proj)
+            ]
+            gate_up = torch.nn.functional.linear(x[t : t + 1].double(), _weight(expert.gate_up_proj), bias[0])
+            hidden = activation(*gate_up.split(layer.moe.intermediate_size, dim=-1))
+            down = torch.nn.functional.linear(hidden, _weight(expert.down_proj), bias[1])
+            out[t] += weights[t, slot].double() * down[0]
+    return out
+
+
+def _skewed_tokens(layer: SparseMoE, count: int, seed: int) -> torch.Tensor:
+    """Tokens of which most go to one expert: random rows pushed along that expert's router row."""
+    dtype = layer.gate.weight.dtype
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(count, layer.gate.row_weight().shape[1], generator=g)
+    favourite = layer.gate.row_weight()[3].float()
+    x[: count * 3 // 4] += 0.5 * favourite / favourite.norm() * x.shape[1] ** 0.5
+    return x.to(dtype)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
+def test_experts_match_a_float64_reference_and_ignore_their_batch(
+    tiny_checkpoint, family, dtype, quantization
+):
+    layer = _moe_layer(tiny_checkpoint(family), dtype, quantization)
+    if quantization != "none":
+        assert type(layer.gate) is RouterLinear and layer.gate.weight.dtype == getattr(torch, dtype)
+        assert all(not hasattr(e.gate_up_proj, "weight") for e in layer.experts)  # the experts are quantized
+    x = _skewed_tokens(layer, 24, seed=1)
+    with torch.inference_mode():
+        weights, ids = layer.route(x)
+        out = layer(x)
+        alone = torch.cat([layer(x[t : t + 1]) for t in range(x.shape[0])])
+        reversed_batch = layer(x.flip(0)).flip(0)
+    counts = torch.bincount(ids.flatten(), minlength=layer.moe.num_experts)
+    assert counts.max() >= x.shape[0] * 3 // 4 and (counts > 0).sum() >= 4  # one expert busy, several used
+    assert torch.equal(ids, ids.sort(dim=-1).values)
+    if family != "qwen3_moe":  # its top 2 are not rescaled (norm_topk_prob false)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(x.shape[0]), rtol=0, atol=1e-6)
+    # A token's output: the same bits alone, in the batch and in another order.
+    assert torch.equal(out, alone) and torch.equal(out, reversed_batch)
+    ref = _reference(layer, x, ids, weights)
+    tolerance = TOLERANCE[dtype] if quantization == "none" else QUANTIZED_TOLERANCE
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < tolerance
+
+
+def test_routing_follows_each_familys_rule(tiny_checkpoint):
+    """Qwen3-MoE without norm_topk_prob: the top k of a softmax over all experts, not rescaled; Mixtral: rescaled
+    to 1; gpt-oss: a softmax over the top k logits (its router's bias included)."""
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    for family in MOE_FAMILIES:
+        layer = _moe_layer(tiny_checkpoint(family), "float32", "none")
+        logits = torch.nn.functional.linear(x.double(), layer.gate.row_weight().double())
+        if layer.gate.bias is not None:
+            logits += layer.gate.bias.double()
+        with torch.inference_mode():
+            weights, ids = layer.route(x)
+        if family == "gpt_oss":
+            top, want_ids = logits.topk(2)
+            want = top.softmax(-1)
+        else:
+            want, want_ids = logits.softmax(-1).topk(2)
+            if family == "mixtral":
+                want = want / want.sum(-1, keepdim=True)
+        order = want_ids.argsort(-1)
+        assert torch.equal(ids, want_ids.gather(-1, order))
+        torch.testing.assert_close(weights.double(), want.gather(-1, order), rtol=1e-5, atol=1e-6)
+
+
+def _config(family: str, **overrides) -> dict:
+    """A tiny config.json dict of the family, as transformers writes it."""
+    import transformers
+
+    class_name, extra = TINY_FAMILIES[family]
+    config = getattr(transformers, class_name)(**(_TINY | extra))
+    return json.loads(config.to_json_string()) | overrides
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"scoring_func": "sigmoid"}, "scoring_func 'sigmoid' is not supported; only 'softmax' is"),
+        ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported; only 'greedy' is"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok 9 is not between 1 and num_experts (8)"),
+        (
+            {"num_experts_per_tok": None},
+            "config.json lacks num_experts (or num_local_experts) or num_experts_per_tok",
+        ),
+    ],
+)
+def test_a_router_kvd_does_not_implement_is_refused_by_name(overrides, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(_config("qwen3_moe", **overrides))
+
+
+def test_each_familys_config_reads_its_experts():
+    qwen = ModelConfig.from_hf_dict(
+        _config("qwen3_moe", decoder_sparse_step=2, mlp_only_layers=[], num_hidden_layers=4)
+    )
+    assert (
+        qwen.moe.dense_layers == (0, 2) and qwen.moe.intermediate_size == 64 and not qwen.moe.normalize_top_k
+    )
+    mixtral = ModelConfig.from_hf_dict(_config("mixtral"))
+    assert mixtral.moe.normalize_top_k and mixtral.moe.num_experts == 8 and mixtral.moe.dense_layers == ()
+    oss = ModelConfig.from_hf_dict(_config("gpt_oss"))
+    assert oss.moe.router_bias and oss.moe.expert_bias and oss.moe.activation == "clamped_swiglu"
+    assert oss.attention_sinks and oss.layer_types == ("sliding_attention", "full_attention")
+    assert oss.rope_scaling["rope_type"] == "yarn"
+
+
+def test_info_reports_the_experts_and_the_bytes_a_token_reads(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint("mixtral")), dtype="float32", quantization="int8", kv_cache_memory="8M")
+    info = llm.engine.info()
+    experts = info["experts"]
+    per_expert = 3 * 64 * 64
+    assert experts["num_experts"] == 8 and experts["top_k"] == 2 and experts["sparse_layers"] == 2
+    assert experts["expert_parameters"] == 2 * 8 * per_expert
+    assert experts["active_expert_parameters"] == 2 * 2 * per_expert
+    # int8: a byte a weight and a 2-byte scale per 32
+    assert experts["expert_bytes"] == 2 * 8 * per_expert * (1 + 2 / 32)
+    assert experts["active_bytes_per_token"] == info["weight_bytes"] - 6 / 8 * experts["expert_bytes"]
+    dense = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory="8M")
+    assert dense.engine.info()["experts"] is None
