@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -308,6 +309,7 @@ def write_tiny_gguf(
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = config.model_type.removesuffix("_text")
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)  # llama.cpp's: Mixtral is a llama
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -321,6 +323,12 @@ def write_tiny_gguf(
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:  # as llama.cpp's converter writes a mixture of experts
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "granite":  # as llama.cpp's converter writes the multipliers
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -353,7 +361,7 @@ def write_tiny_gguf(
     writer.add_pad_token_id(config.eos_token_id)
     writer.add_unk_token_id(tokens.index("<|endoftext|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
-    for hf_name, tensor in model.state_dict().items():
+    for hf_name, tensor in _stack_experts(model.state_dict()).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
@@ -368,10 +376,34 @@ def write_tiny_gguf(
         if qtype is None:
             writer.add_tensor(name, np.ascontiguousarray(data))
         else:
-            writer.add_tensor(name, gguf_quants.quantize(data, qtype), raw_dtype=qtype)
+            rows = gguf_quants.quantize(data.reshape(-1, data.shape[-1]), qtype)  # stacked experts: 3-d
+            writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
     write_gguf(writer)
+
+
+def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with each layer's experts in one [experts, rows, k] tensor per projection, named as llama.cpp's
+    converter names them before mapping (model.layers.N.mlp.experts.gate_proj.weight): stacked from per-expert
+    matrices (a saved checkpoint's), or cut from transformers' fused gate_up_proj (a model in memory)."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out |= {
+                name.replace("gate_up_proj", "gate_proj.weight"): gate,
+                name.replace("gate_up_", "up_") + ".weight": up,
+            }
+        elif name.endswith(".experts.down_proj"):
+            out[name + ".weight"] = tensor
+        elif match is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(f"{match[1]}.{match[3]}.weight", []).append(tensor)  # in expert order
+    return out | {name: torch.stack(parts) for name, parts in stacks.items()}
 
 
 def test_gguf_auto_dtype_is_what_the_cpu_flags_say(tmp_path):

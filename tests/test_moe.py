@@ -173,3 +173,100 @@ def test_info_reports_the_experts_and_the_bytes_a_token_reads(tiny_checkpoint):
     assert experts["active_bytes_per_token"] == info["weight_bytes"] - 6 / 8 * experts["expert_bytes"]
     dense = LLM(str(tiny_checkpoint("llama")), dtype="float32", kv_cache_memory="8M")
     assert dense.engine.info()["experts"] is None
+
+
+# GGUF: llama.cpp stacks each layer's experts in one tensor per projection (ffn_gate_exps, ...), writes Mixtral as
+# a llama file with experts, and always rescales the top k (Qwen3-MoE's norm_topk_prob, set here to match).
+GGUF_SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+GGUF_MOE = {
+    "qwen3moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 64, "num_experts": 8, "moe_intermediate_size": 256, "norm_topk_prob": True},
+    ),
+    "mixtral": ("MixtralConfig", {"head_dim": 64, "num_local_experts": 8}),
+}
+# A Q4_K_M-like mix over the experts: Q4_K gate and up but Q6_K down in layer 0, other types in layer 1.
+EXPERT_TYPES = {
+    "blk.0.ffn_gate_exps.weight": "Q4_K",
+    "blk.0.ffn_up_exps.weight": "Q4_K",
+    "blk.0.ffn_down_exps.weight": "Q6_K",
+    "blk.1.ffn_gate_exps.weight": "Q8_0",
+    "blk.1.ffn_up_exps.weight": "Q5_K",
+    "blk.1.ffn_down_exps.weight": "Q4_0",
+    "blk.0.attn_q.weight": "Q4_K",
+    "blk.1.ffn_gate_inp.weight": "F32",
+}
+
+
+def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None):
+    """A tiny MoE model of llama.cpp's `arch` as transformers builds it, and its GGUF file."""
+    import transformers
+    from gguf import GGMLQuantizationType
+    from test_loader import tiny_vocab, write_tiny_gguf
+
+    class_name, extra = GGUF_MOE[arch]
+    tokens = tiny_vocab()[0]
+    config = getattr(transformers, class_name)(
+        **GGUF_SHAPE,
+        **extra,
+        num_hidden_layers=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        vocab_size=len(tokens),
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # unit-variance layers, a router that tells tokens apart
+        for name, param in model.named_parameters():
+            scale = 1.0 if name.endswith(".gate.weight") else param.shape[-1] ** -0.5
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else scale)
+    path = folder / f"tiny-{arch}.gguf"
+    qtypes = {n: GGMLQuantizationType[t] for n, t in (types or {}).items()}
+    write_tiny_gguf(model, path, tensor_types=qtypes)
+    return model, path
+
+
+@pytest.mark.parametrize("arch", list(GGUF_MOE))
+def test_a_gguf_mixture_of_experts_loads_as_transformers_runs_it(tmp_path, arch, paged_runner):
+    model, path = _moe_gguf(arch, tmp_path)
+    loaded = load_model(str(path), dtype="float32", quantization="none")
+    assert loaded.config.moe.num_experts == 8 and loaded.config.moe.normalize_top_k
+    ids = list(range(3, 40, 2))
+    logits = paged_runner(loaded.model).step([("a", ids)], all_logits=True)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0]
+    assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
+def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path):
+    from kvd.model.layers.gguf_linear import GGUFLinear
+
+    _, path = _moe_gguf("qwen3moe", tmp_path, EXPERT_TYPES)
+    native = load_model(str(path), dtype="float32", quantization="auto")
+    assert native.quantization == "gguf"
+    layers = [m for m in native.model.modules() if isinstance(m, SparseMoE)]
+    assert all(
+        isinstance(p, GGUFLinear) for m in layers for e in m.experts for p in (e.gate_up_proj, e.down_proj)
+    )
+    assert all(type(m.gate) is RouterLinear for m in layers)
+    float_layers = [
+        m for m in load_model(str(path), dtype="float32").model.modules() if isinstance(m, SparseMoE)
+    ]
+    for layer, reference_layer in zip(layers, float_layers, strict=True):
+        x = _skewed_tokens(layer, 20, seed=3)
+        with torch.inference_mode():
+            weights, ids = layer.route(x)
+            out = layer(x)
+            alone = torch.cat([layer(x[t : t + 1]) for t in range(x.shape[0])])
+        assert torch.equal(out, alone)
+        # The file's values (dequantized by gguf), in float64: the kernels' own rounding stays.
+        ref = _reference(reference_layer, x, ids, weights)
+        assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < QUANTIZED_TOLERANCE

@@ -70,7 +70,11 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' matrices, each layer's experts stacked in one tensor [experts, rows, k]: expert e's part is
+# Hugging Face's model.layers.N.mlp.experts.e.<projection>.
+EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Where an architecture's Hugging Face names differ from the Llama names above (Gemma 3 norms every sublayer's
 # input and output, and calls the MLP's input norm by its place).
 _ARCH_LAYER_TENSORS = {
@@ -282,6 +286,17 @@ def fused_file_tensor(arch: str, projection: str) -> str | None:
     return next((k for k, v in _ARCH_LAYER_TENSORS.get(arch, {}).items() if v == projection), None)
 
 
+def expert_tensor_names(gguf_name: str, num_experts: int) -> list[str] | None:
+    """The Hugging Face names of the experts' parts of a stacked expert tensor (EXPERT_TENSORS), or None."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_TENSORS or parts[3] != "weight":
+        return None
+    return [
+        f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[parts[2]]}.weight"
+        for e in range(num_experts)
+    ]
+
+
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor: blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight."""
     if gguf_name in _GLOBAL_TENSORS:
@@ -336,6 +351,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in file.tensors,
         "torch_dtype": _checkpoint_dtype(file),
     }
+    if key("expert_count"):
+        config |= _moe_config(file, config)
     if arch == "gemma3":
         config |= _gemma3_config(file, config)
     if arch == "phi3":
@@ -362,6 +379,25 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
     if stop:
         config["eos_token_id"] = stop[0] if len(stop) == 1 else stop
     return config
+
+
+def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts' keys: expert count, experts a token, the experts' width. llama.cpp writes Mixtral
+    as a llama file with experts, and rescales the top k's weights to sum to 1 for both (Qwen3-MoE's
+    norm_topk_prob, which its released models set)."""
+    md, arch = file.metadata, file.architecture
+    out = {
+        "num_experts": md[f"{arch}.expert_count"],
+        "num_experts_per_tok": md.get(f"{arch}.expert_used_count"),
+        "moe_intermediate_size": md.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"]),
+        "norm_topk_prob": True,
+    }
+    if arch == "llama":
+        out["architectures"] = ["MixtralForCausalLM"]
+        out["intermediate_size"] = out["moe_intermediate_size"]
+    elif arch != "qwen3moe":
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
+    return out
 
 
 def _gemma3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
@@ -493,6 +529,12 @@ def iter_gguf_weights(
     for name in file.tensors:
         if name in _CONFIG_TENSORS or name in skip:
             continue  # folded into hf_config["rope_scaling"], or installed in its own type
+        experts = expert_tensor_names(name, hf_config.get("num_experts") or 0)
+        if experts is not None:
+            tensor = file.dequantize(name)
+            file.drop_pages()
+            yield from zip(experts, tensor, strict=True)
+            continue
         hf_name = hf_tensor_name(name, file.architecture)
         if hf_name is None:
             raise GGUFError(

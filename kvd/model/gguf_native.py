@@ -20,6 +20,7 @@ from kvd.model.gguf_loader import (
     PERMUTED_QK,
     GGUFFile,
     dequantize,
+    expert_tensor_names,
     fused_file_tensor,
     native_quantization,
     unpermute_qk,
@@ -75,11 +76,11 @@ class _Reader:
         self.permuted = file.architecture in PERMUTED_QK  # llama.cpp reorders their q/k rows
 
     def part(
-        self, name: str, hf_name: str, kind: str | None = None, rows: slice | None = None
+        self, name: str, hf_name: str, kind: str | None = None, rows: slice | int | None = None
     ) -> tuple[str, np.ndarray, GGMLQuantizationType]:
         """(name, rows, type) of this rank's slice of one matrix (`hf_name`: the tensor whose shard plan it
-        follows; `rows`: its rows of a fused file tensor): its stored rows when its type runs natively (F32 too),
-        else float32 values."""
+        follows; `rows`: its rows of a fused file tensor, or its index in a stacked one): its stored rows when its
+        type runs natively (F32 too), else float32 values."""
         info = self.file.tensors[name]
         raw = self.file.raw(info) if rows is None else self.file.raw(info)[rows]
         qtype = info.qtype
@@ -126,7 +127,7 @@ class _Reader:
         hf_names: list[str],
         kinds: tuple[str | None, ...],
         biases: list[str],
-        rows: list[slice | None] | None = None,
+        rows: list[slice | int | None] | None = None,
     ) -> GGUFLinear:
         """The linear of these matrices; their pages leave this process's memory once it holds them."""
         rows = rows or [None] * len(names)
@@ -156,7 +157,12 @@ def install(
     reader, taken = _Reader(file, hf_config, dtype, plan), set()
     hidden = model.config.hidden_size
     for i, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            taken |= _install_experts(reader, experts, i)
         for path, kinds in _LINEARS.items():
+            if experts is not None and path.startswith("mlp."):
+                continue
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             linear = getattr(parent, attr)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
@@ -182,6 +188,25 @@ def install(
     model.lm_head = None  # the output runs from output_proj alone
     taken.update(("token_embd.weight", "output.weight"))
     return taken
+
+
+# An expert's fused linear -> the stacked expert tensors it takes its part of, in order.
+_EXPERT_LINEARS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+
+
+def _install_experts(reader: _Reader, experts: nn.ModuleList, layer: int) -> set[str]:
+    """Each expert's linears from its part of the layer's stacked expert tensors, in their file type."""
+    file = reader.file
+    for e, expert in enumerate(experts):
+        for attr, kinds in _EXPERT_LINEARS.items():
+            names = [f"blk.{layer}.{kind}.weight" for kind in kinds]
+            if any(n in file.tensors and file.tensors[n].shape[0] != len(experts) for n in names):
+                raise ValueError(f"{file.path}: {names} do not hold {len(experts)} experts")
+            hf_names = [expert_tensor_names(n, len(experts))[e] for n in names]
+            k = getattr(expert, attr).weight.shape[1]
+            linear = reader.linear(k, names, hf_names, (None,) * len(kinds), [], [e] * len(kinds))
+            setattr(expert, attr, linear)
+    return {f"blk.{layer}.{kind}.weight" for kinds in _EXPERT_LINEARS.values() for kind in kinds}
 
 
 def _part_rows(config: ModelConfig, path: str) -> list[int]:

@@ -28,7 +28,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
 }
-# A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama".
+# A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama", and
+# Mixtral as "llama" with experts (kvd.model.gguf_loader reads it so).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -37,6 +38,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
