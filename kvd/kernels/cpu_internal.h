@@ -279,6 +279,12 @@ KVD_HIDDEN void super_dequantize(const kvd_weight* w, int64_t first, int64_t cou
 
 // The longest of the S contexts, or -1 when a context length or a block table entry it covers is out of range
 // (cpu_attention.c; the layer loop checks its indices with it before any layer writes).
+// cpu_layers.c's, for the experts of cpu_moe.c: a projection of several stacked parts, and act(gate) x up.
+KVD_HIDDEN int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_t S, char* y, char* scratch,
+                            int nthreads);
+KVD_HIDDEN int64_t widest_part(const kvd_weight* parts);
+KVD_HIDDEN void gated_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+                          int gelu, int nthreads);
 KVD_HIDDEN int64_t checked_max_context(const int32_t* tables, int64_t table_width, const int32_t* lens, int64_t S,
                                       int64_t num_blocks, int64_t block_size);
 

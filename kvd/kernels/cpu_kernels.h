@@ -60,6 +60,31 @@ typedef struct {
 // the parts after the last have n = 0.
 enum kvd_parts { KVD_MAX_PARTS = 3 };
 
+// A mixture of experts (kvd_moe_forward, kvd_layer.moe) over hidden-wide activations: router, a float weight
+// [num_experts, hidden], scores each token's experts; scoring KVD_SOFTMAX_TOPK: a softmax over every expert, the top_k
+// kept (with normalize, rescaled to sum to 1), KVD_TOPK_SOFTMAX: a softmax over the top_k logits alone. Expert e's
+// weights are experts[e * KVD_EXPERT_WEIGHTS ...]: its gate/up projection's parts (KVD_MAX_PARTS, stacked as a fused
+// projection's, n = 0 after the last; gate's intermediate columns, then up's), then down [hidden, intermediate].
+// Its activation (act): KVD_ACT_SILU and KVD_ACT_GELU_TANH as kvd_silu_mul and kvd_gelu_tanh_mul,
+// KVD_ACT_CLAMPED_SWIGLU g sigmoid(alpha g) (u + 1) with g = min(gate, limit) and u = up clipped to +-limit.
+// A token's output: its experts' outputs (in the dtype) times their weights, summed in float32 in ascending expert
+// order, then rounded to the dtype; the tokens of each expert run together, every row as kvd_linear computes it
+// alone, so a token's output never depends on the others.
+enum kvd_moe_scoring { KVD_SOFTMAX_TOPK = 0, KVD_TOPK_SOFTMAX = 1 };
+enum kvd_moe_act { KVD_ACT_SILU = 0, KVD_ACT_GELU_TANH = 1, KVD_ACT_CLAMPED_SWIGLU = 2 };
+enum kvd_moe_weights { KVD_EXPERT_WEIGHTS = 4 };  // KVD_MAX_PARTS gate/up parts, then down
+typedef struct {
+    kvd_weight router;
+    const kvd_weight* experts;
+    int64_t num_experts, top_k, hidden, intermediate;
+    int32_t scoring, normalize, act;
+    float alpha, limit;
+} kvd_moe;
+
+// out [M, hidden] = the mixture of experts of x [M, hidden] (bf16: both bfloat16, else float32); KVD_BAD_INDEX for
+// top_k outside 1..num_experts.
+int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void* out, int nthreads);
+
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights,
 // rotary table and pool in the model's dtype (kvd_shape.bf16).
 typedef struct {
@@ -79,6 +104,7 @@ typedef struct {
     const float* sinks;  // NULL, or this layer's attention sinks (kvd_paged_attention)
     int32_t gelu;        // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
     int32_t kv_group;    // the KV group whose block tables this layer's pool is read through (kvd_kv_group)
+    const kvd_moe* moe;  // NULL, or the mixture of experts that replaces gate_up and down
 } kvd_layer;
 
 // A KV group's step tables (kvd_decode_layers): the slot of each new token's K/V [S] and the block tables

@@ -136,7 +136,7 @@ static inline __m512 gelu_tanh16(__m512 x) {
 #endif
 
 // out = act(gate) x up, act rounded to the dtype first (as torch's act then mul_ round): SiLU or, with gelu, GELU.
-static void gated_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
+void gated_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
                       int gelu, int nthreads) {
     const int elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I >= 65536)
@@ -233,7 +233,7 @@ int kvd_rotary(void* x, int64_t stride, int bf16, int64_t T, int64_t heads, int6
 
 // y [S, the parts' n summed] = x [S, k] @ the parts' rows stacked: one part writes y itself; more write their
 // columns through scratch [S, the widest part's n] (a copy of S rows, little beside the products).
-static int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_t S, char* y, char* scratch,
+int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_t S, char* y, char* scratch,
                         int nthreads) {
     const size_t elem = bf16 ? 2 : 4;
     if (parts[1].n == 0) return kvd_linear(parts, x, bf16, S, y, bf16, nthreads);
@@ -249,7 +249,7 @@ static int parts_linear(const kvd_weight* parts, const void* x, int bf16, int64_
 }
 
 // The widest part of a projection of several parts (the scratch rows parts_linear needs), 0 for one part.
-static int64_t widest_part(const kvd_weight* parts) {
+int64_t widest_part(const kvd_weight* parts) {
     int64_t n = 0;
     for (int p = 0; p < KVD_MAX_PARTS && parts[1].n; p++) n = parts[p].n > n ? parts[p].n : n;
     return n;
@@ -305,9 +305,13 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
         if (L->attn_output_norm)
             kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->attn_output_norm, m->eps, bf16);
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
-        failed |= parts_linear(L->gate_up, x, bf16, S, gate_up, scratch, nthreads) != KVD_OK;
-        gated_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, L->gelu, nthreads);
-        failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        if (L->moe) {
+            failed |= kvd_moe_forward(L->moe, x, bf16, S, hidden, nthreads) != KVD_OK;
+        } else {
+            failed |= parts_linear(L->gate_up, x, bf16, S, gate_up, scratch, nthreads) != KVD_OK;
+            gated_mul(gate_up, gate_up + I * elem, 2 * I, act, S, I, bf16, L->gelu, nthreads);
+            failed |= kvd_linear(&L->down, act, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        }
         if (L->mlp_output_norm)
             kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->mlp_output_norm, m->eps, bf16);
     }

@@ -27,6 +27,15 @@ SUPER_TYPES = {name.removeprefix("KVD_GGML_"): v for name, v in ffi.typeof("enum
 SUPER_BLOCK = ffi.typeof("enum kvd_super").relements["KVD_SUPER_BLOCK"]
 GGML_F16 = ffi.typeof("enum kvd_half").relements["KVD_GGML_F16"]
 MAX_PARTS = ffi.typeof("enum kvd_parts").relements["KVD_MAX_PARTS"]  # of a fused projection in the layer loop
+# A mixture of experts' router scoring and expert activation (enum kvd_moe_scoring, kvd_moe_act), and the weights of
+# one expert in kvd_moe.experts.
+MOE_SCORING = {
+    n.removeprefix("KVD_").lower(): v for n, v in ffi.typeof("enum kvd_moe_scoring").relements.items()
+}
+MOE_ACTIVATIONS = {
+    n.removeprefix("KVD_ACT_").lower(): v for n, v in ffi.typeof("enum kvd_moe_act").relements.items()
+}
+EXPERT_WEIGHTS = ffi.typeof("enum kvd_moe_weights").relements["KVD_EXPERT_WEIGHTS"]
 _DTYPES = (torch.float32, torch.bfloat16)
 _VOID_P = ffi.typeof("void *")
 
@@ -290,6 +299,54 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     )
     _check(status, "linear")
     return y
+
+
+class ExpertWeights:
+    """A mixture of experts as kvd_moe_forward takes it (cpu_kernels.h): the C struct and the array of its experts'
+    weights, which this object keeps alive; `address` is the struct's, for kvd_layer.moe."""
+
+    def __init__(
+        self,
+        router: LinearWeight,
+        experts: list[tuple[tuple[LinearWeight, ...], LinearWeight]],
+        top_k: int,
+        intermediate: int,
+        scoring: str,
+        normalize: bool,
+        activation: str,
+        alpha: float = 0.0,
+        limit: float = 0.0,
+    ) -> None:
+        self.array = ffi.new("kvd_weight[]", len(experts) * EXPERT_WEIGHTS)
+        for e, (parts, down) in enumerate(experts):
+            if len(parts) >= EXPERT_WEIGHTS:
+                raise NativeKernelError(
+                    f"an expert's gate/up: at most {EXPERT_WEIGHTS - 1} parts, got {len(parts)}"
+                )
+            for p, part in enumerate(parts):
+                _fill(self.array[e * EXPERT_WEIGHTS + p], part)
+            _fill(self.array[(e + 1) * EXPERT_WEIGHTS - 1], down)
+        self.struct = ffi.new("kvd_moe *")
+        _fill(self.struct.router, router)
+        self.struct.experts = self.array
+        self.struct.num_experts, self.struct.top_k = len(experts), top_k
+        self.struct.hidden, self.struct.intermediate = router.k, intermediate
+        self.struct.scoring, self.struct.normalize = MOE_SCORING[scoring], int(normalize)
+        self.struct.act, self.struct.alpha, self.struct.limit = MOE_ACTIVATIONS[activation], alpha, limit
+        self.address = int(ffi.cast("uintptr_t", self.struct))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The mixture's output for x [T, hidden] (float32 or bfloat16), in x's dtype."""
+        hidden = self.struct.hidden
+        if x.dim() != 2 or x.shape[1] != hidden:
+            raise NativeKernelError(f"moe: x must be [T, {hidden}], got {tuple(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        status = library().kvd_moe_forward(
+            self.struct, _ptr(x), _is_bf16(x), x.shape[0], _ptr(out), _threads()
+        )
+        _check(status, "mixture of experts")
+        return out
 
 
 def dequantize(weight: LinearWeight, first: int, out: torch.Tensor) -> torch.Tensor:

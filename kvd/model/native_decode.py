@@ -15,39 +15,25 @@ import torch
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionMetadata
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend, NativeDecodePlan
-from kvd.model.layers.gguf_linear import GGUFLinear
 from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
-from kvd.model.layers.quantized_linear import NativeQuantizedLinear
+from kvd.model.layers.moe import SparseMoE
+from kvd.model.layers.native_weights import native_linear, native_parts
 
 
 def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    """Every layer's attention and dense MLP linears (a mixture of experts answers for its own: SparseMoE.native)."""
     return [
         m
         for layer in layers
         for m in (
             layer.self_attn.qkv_proj,
             layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
+            *(() if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up_proj, layer.mlp.down_proj)),
         )
     ]
 
 
-def _native_linear(module: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """Whether the layer loop computes this linear as the Python loop does: quantized (the kernel adds a float32
-    bias), float32, or bfloat16 with batch invariance and no bias (torch adds a bf16 bias after rounding)."""
-    if isinstance(module, NativeQuantizedLinear):
-        return True
-    if isinstance(module, GGUFLinear):  # its float parts are in the model's dtype, run by the same kernels
-        return len(module.specs) <= cpu_native.MAX_PARTS
-    if not isinstance(module, Linear) or module.weight.dtype != dtype:
-        return False
-    return dtype == torch.float32 or (module.batch_invariant and module.bias is None)
-
-
-def _parts(module: torch.nn.Module) -> tuple[cpu_native.LinearWeight, ...]:
-    """A fused projection's weights as the layer loop takes them: one, or a GGUF file's parts in their types."""
-    return tuple(module.native_weights()) if isinstance(module, GGUFLinear) else (module.native_weight(),)
+_NO_WEIGHT = cpu_native.LinearWeight(qs=0, d=0, mn=0, qh=0, bias=0, n=0, k=0, bits=0, tiles=0, ggml=0)
 
 
 def _norm(module: torch.nn.Module | None) -> int:
@@ -75,6 +61,10 @@ class NativeDecoder:
             bf16=int(dtype == torch.bfloat16),
             kv8=int(cache.dtype == torch.int8),
         )
+        # The sinks as the loop reads them: float32 (a bf16 model holds them in bf16, as transformers does).
+        self._sinks = [
+            None if layer.self_attn.sinks is None else layer.self_attn.sinks.float() for layer in layers
+        ]
         self.layers = tuple(
             cpu_native.LayerWeights(
                 input_norm=_norm(layer.input_layernorm),
@@ -84,19 +74,21 @@ class NativeDecoder:
                 attn_output_norm=_norm(layer.attn_output_norm),
                 mlp_output_norm=_norm(layer.mlp_output_norm),
                 cos_sin=rotary.cos_sin_cache.data_ptr(),
-                qkv=_parts(layer.self_attn.qkv_proj),
+                qkv=native_parts(layer.self_attn.qkv_proj),
                 o=layer.self_attn.o_proj.native_weight(),
-                gate_up=_parts(layer.mlp.gate_up_proj),
-                down=layer.mlp.down_proj.native_weight(),
+                gate_up=(_NO_WEIGHT,) if moe else native_parts(layer.mlp.gate_up_proj),
+                down=_NO_WEIGHT if moe else layer.mlp.down_proj.native_weight(),
                 kv_cache=layer.self_attn.kv_cache.data_ptr(),
                 window=layer.self_attn.window or 0,
-                sinks=0 if layer.self_attn.sinks is None else layer.self_attn.sinks.data_ptr(),
+                sinks=cpu_native.address(sinks),
                 gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
                 kv_group=group,
+                moe=layer.mlp.native().address if moe else 0,
             )
-            for layer, rotary, group in zip(
-                layers, model.layer_rotaries(), model.kv_groups.layer_group, strict=True
+            for layer, rotary, group, sinks in zip(
+                layers, model.layer_rotaries(), model.kv_groups.layer_group, self._sinks, strict=True
             )
+            for moe in (isinstance(layer.mlp, SparseMoE),)
         )
         self.key = self._key(model)
         # Float32 linears leave large steps to torch's matmul, unless batch invariance keeps them native.
@@ -109,15 +101,13 @@ class NativeDecoder:
         or whose buffers moved is bound anew."""
         attn = model.model.layers[0].self_attn
         native = hasattr(attn.qkv_proj, "native_weight")
-        return id(attn.qkv_proj), _parts(attn.qkv_proj)[0].qs if native else 0, attn.kv_cache.data_ptr()
+        return id(attn.qkv_proj), native_parts(attn.qkv_proj)[0].qs if native else 0, attn.kv_cache.data_ptr()
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
         """Whether every piece of the model's decode step has a native kernel here, in one dtype."""
         layers = model.model.layers
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
-            return False
-        if model.config.moe is not None:  # the loop has no router or experts: the Python loop runs them
             return False
         cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
         if (
@@ -145,7 +135,8 @@ class NativeDecoder:
             and not model.config.qk_norm_all_heads  # ... and q and k per head
             and model.config.hidden_act in ("silu", "gelu_pytorch_tanh")
             and all(t.dtype == dtype and t.shape == tables[0].shape and t.is_contiguous() for t in tables)
-            and all(_native_linear(m, dtype) for m in _linears(layers))
+            and all(native_linear(m, dtype) for m in _linears(layers))
+            and all(layer.mlp.native() is not None for layer in layers if isinstance(layer.mlp, SparseMoE))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
         )

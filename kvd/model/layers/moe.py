@@ -16,10 +16,16 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce
 from kvd.distributed.shard import Shard
+from kvd.kernels import cpu_native
 from kvd.model.config import CLAMPED_SWIGLU, SOFTMAX_THEN_TOPK, ModelConfig, MoE
 from kvd.model.layers.activation import clamped_swiglu, gated_activation
 from kvd.model.layers.linear import Linear
 from kvd.model.layers.mlp import GatedMLP
+from kvd.model.layers.native_weights import native_linear, native_parts
+
+# The config's names -> the native kernel's (cpu_native.MOE_SCORING, MOE_ACTIVATIONS).
+_NATIVE_SCORING = {SOFTMAX_THEN_TOPK: "softmax_topk"}
+_NATIVE_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", CLAMPED_SWIGLU: "clamped_swiglu"}
 
 
 class RouterLinear(Linear):
@@ -48,6 +54,49 @@ class SparseMoE(nn.Module):
             for _ in range(moe.num_experts)
         )
 
+    def native(self) -> cpu_native.ExpertWeights | None:
+        """The whole mixture as kvd's native kernel runs it (one call a step: the router, the top k, each expert's
+        tokens together, the sums), or None where the kernels are not built or an expert's linear has no native
+        form that computes it as its Python forward does. Made on first use, again when a weight was replaced."""
+        dtype = self.gate.weight.dtype
+        # What replaces or moves the weights (quantization and GGUF installs replace the experts' linears; batch
+        # invariance lays float weights out anew, the router's with them; .to() moves them all) changes this.
+        key = (self.gate.weight.data_ptr(), id(self.experts[0].gate_up_proj), id(self.experts[-1].down_proj))
+        if getattr(self, "_native_key", None) == key:
+            return self._native
+        linears = [p for e in self.experts for p in (e.gate_up_proj, e.down_proj)]
+        usable = (
+            cpu_native.available()
+            and self.gate.weight.device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and isinstance(self.gate, RouterLinear)
+            and all(native_linear(m, dtype) for m in linears)
+        )
+        self._native_key, self._native = key, self._build_native() if usable else None
+        return self._native
+
+    def _build_native(self) -> cpu_native.ExpertWeights:
+        bias = None if self.gate.bias is None else self.gate.bias.float()
+        self._router_bias = bias  # the kernel reads it in place: kept alive here
+        router = cpu_native.linear_weight(
+            16 if self.gate.weight.dtype == torch.bfloat16 else 32,
+            self.gate.weight,
+            bias=bias,
+            tiles=self.gate.tiles,
+        )
+        experts = [(native_parts(e.gate_up_proj), native_parts(e.down_proj)[0]) for e in self.experts]
+        return cpu_native.ExpertWeights(
+            router,
+            experts,
+            self.moe.top_k,
+            self.moe.intermediate_size,
+            _NATIVE_SCORING.get(self.moe.scoring, "topk_softmax"),
+            self.moe.normalize_top_k,
+            _NATIVE_ACTIVATIONS[self.moe.activation],
+            self.moe.swiglu_alpha,
+            self.moe.swiglu_limit,
+        )
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float32 weights [T, k], expert ids [T, k]): each token's experts in ascending id order."""
         logits = self.gate(x).float()
@@ -63,6 +112,9 @@ class SparseMoE(nn.Module):
         return weights.gather(-1, order), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.native() if cpu_native.supports(x) and x.dtype == self.gate.weight.dtype else None
+        if native is not None:
+            return all_reduce(native.forward(x.reshape(-1, x.shape[-1])).view(x.shape), self.shard)
         weights, ids = self.route(x)
         tokens, k = ids.shape
         outputs = x.new_empty(tokens * k, x.shape[-1])  # one row per (token, slot)
