@@ -35,7 +35,7 @@ SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 64,
 }
-# A Q4_K_M-like mix, with the other native types and one without a kernel (MXFP4: dequantized) in layer 1.
+# A Q4_K_M-like mix, with the other native types and one without a kernel (TQ2_0: dequantized) in layer 1.
 TYPES = {
     "token_embd.weight": Q.Q6_K,
     "output.weight": Q.Q8_0,
@@ -48,7 +48,7 @@ TYPES = {
     "blk.0.ffn_down.weight": Q.Q4_K,
     "blk.1.attn_q.weight": Q.Q5_1,
     "blk.1.attn_k.weight": Q.Q8_0,
-    "blk.1.attn_v.weight": Q.MXFP4,
+    "blk.1.attn_v.weight": Q.TQ2_0,
     "blk.1.attn_output.weight": Q.Q5_0,
     "blk.1.ffn_gate.weight": Q.IQ4_XS,
     "blk.1.ffn_up.weight": Q.Q4_1,
@@ -69,7 +69,9 @@ def files(request, tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL], ids=lambda q: q.name)
+@pytest.mark.parametrize(
+    "qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4], ids=lambda q: q.name
+)
 def test_block_types_convert_to_kvd_blocks_exactly(qtype):
     import gguf_quants
 
@@ -142,7 +144,7 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
             >= count * 256 * 256 * gguf.GGML_QUANT_SIZES[qtype][1] // 256 // 2
         )
     # The one type without a kernel is dequantized, and said so by name.
-    assert any("blk.1.attn_v.weight" in r.getMessage() and "MXFP4" in r.getMessage() for r in caplog.records)
+    assert any("blk.1.attn_v.weight" in r.getMessage() and "TQ2_0" in r.getMessage() for r in caplog.records)
     matrices = [n for n, p in loaded.model.named_parameters() if p.dim() > 1]
     assert matrices == []  # no float embedding table, lm_head or linear weight left
     qkv = loaded.model.model.layers[0].self_attn.qkv_proj
@@ -160,8 +162,10 @@ def test_auto_runs_each_matrix_in_its_file_type_without_a_float_copy(files, capl
     file = GGUFFile(files)
     matrix_bytes = sum(i.nbytes for n, i in file.tensors.items() if n in TYPES)
     held = sum(b.numel() * b.element_size() for b in loaded.model.buffers() if b.dim() > 1)
-    # The file's bytes (MXFP4's [128, 256] dequantized, 8-bit blocks at one byte a code) and no more.
-    assert matrix_bytes < held < matrix_bytes + 128 * 256 * 4 + 3 * 256 * 256
+    # The file's bytes (TQ2_0's [128, 256] dequantized in place of its own, 8-bit blocks at one byte a code) and
+    # no more.
+    dequantized = 128 * 256 * 4 - file.tensors["blk.1.attn_v.weight"].nbytes
+    assert matrix_bytes < held < matrix_bytes + dequantized + 4 * 256 * 256
 
 
 def test_logits_follow_the_dequantized_model(files):
@@ -249,7 +253,7 @@ def _greedy(path, dtype: str, native_loop: bool, max_num_seqs: int) -> list:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_steps_run_natively_with_the_python_loops_bits_alone_and_batched(files, dtype):
     """The native layer loop takes projections of several parts in their own types (layer 0's Q4_K q, k beside
-    a Q6_K v; layer 1's Q5_1 q, Q8_0 k and dequantized MXFP4 v, an IQ4_XS gate beside a Q4_1 up): the Python
+    a Q6_K v; layer 1's Q5_1 q, Q8_0 k and dequantized TQ2_0 v, an IQ4_XS gate beside a Q4_1 up): the Python
     loop's bits, one sequence at a time or all together."""
     native = _greedy(files, dtype, True, 4)
     assert native == _greedy(files, dtype, False, 4)
@@ -319,3 +323,16 @@ def test_serving_a_corrupt_file_is_one_line_and_status_2(files, tmp_path, fault)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert re.search(rf"kvd serve: .*bad.gguf.*{expected}", result.stderr), result.stderr
+
+
+def test_mxfp4_blocks_whose_scale_fp16_cannot_hold_are_dequantized():
+    """MXFP4's scale is a power of two, 2^(e - 128) for its exponent byte e: held in an fp16 from 2^-24 to 2^15."""
+    from kvd.model.layers.gguf_linear import held_exactly
+
+    values = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(values, Q.MXFP4)
+    assert held_exactly(raw, Q.MXFP4)
+    for exponent, held in ((104, True), (103, False), (143, True), (144, False)):
+        edited = raw.copy()
+        edited[3, 17] = exponent  # row 3's second block's exponent byte
+        assert held_exactly(edited, Q.MXFP4) == held

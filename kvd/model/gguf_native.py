@@ -26,7 +26,7 @@ from kvd.model.gguf_loader import (
     unpermute_qk,
 )
 from kvd.model.huge_pages import Arenas, return_freed_heap
-from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, native_type
+from kvd.model.layers.gguf_linear import GGUFEmbedding, GGUFLinear, held_exactly, native_type
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ class _Reader:
         qtype = info.qtype
         if not native_type(qtype) and qtype != GGMLQuantizationType.F32:
             logger.warning("%s: GGUF type %s has no native kernel; dequantized", name, qtype.name)
+            raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
+        elif not held_exactly(raw, qtype):
+            logger.warning("%s: %s scales beyond fp16's range; dequantized", name, qtype.name)
             raw, qtype = dequantize(raw, qtype), GGMLQuantizationType.F32
         # Rows stay the file's read-only bytes here: GGUFLinear copies them as it stacks them.
         if self.permuted and kind in self.heads:

@@ -4,8 +4,9 @@ Each checkpoint matrix keeps its file type and runs in kvd's native kernels with
 - GGUF's super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) as the file stores them (kvd_weight.ggml);
 - the 32-value block types in kvd's own block layouts, converted exactly: Q4_0 and Q4_1 as 4-bit blocks (an fp16
   scale and minimum: Q4_0's minimum is -8 x its scale), Q5_0 and Q5_1 as 5-bit ones (the same, and each code's
-  fifth bit: Q5_0's minimum is -16 x its scale), Q8_0 and IQ4_NL as 8-bit ones (IQ4_NL's values are its table's
-  small integers times the block's fp16 scale);
+  fifth bit: Q5_0's minimum is -16 x its scale), Q8_0, IQ4_NL and MXFP4 as 8-bit ones (IQ4_NL's and MXFP4's values
+  are their tables' small integers times the block's scale as an fp16: MXFP4's power of two where fp16 holds it,
+  else its matrix is dequantized);
 - F16 and BF16 matrices as their values: bf16 as they are, fp16 as they are in a float32 model (widened as they
   are read) and in bf16 in a bf16 one (as a float16 checkpoint loads); F32 ones in the model's dtype; float parts
   lie in the float kernels' packed order where it has one (float32 panels, bf16 tiles);
@@ -33,8 +34,12 @@ Q = GGMLQuantizationType
 Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> an empty tensor
 # IQ4_NL's sixteen code values (GGUF's kvalues_iq4nl).
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# MXFP4's (gpt-oss's experts): the E2M1 values doubled, each block's power-of-two scale halved (GGUF's).
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+# The block exponents (E8M0, 2^(e - 127), halved) whose scale an fp16 holds exactly: 2^-24 .. 2^15.
+MXFP4_EXPONENTS = (104, 143)
 # The 32-value block types held exactly in kvd's 4-bit (Q4_1-like), 5-bit (Q5_1-like) or 8-bit (Q8_0-like) blocks.
-BLOCK_TYPES = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.IQ4_NL: 8}
+BLOCK_TYPES = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.IQ4_NL: 8, Q.MXFP4: 8}
 # The kernels' buffers of a part of each width: codes, scales, then minimums and fifth bits where it has them.
 _BUFFERS = {4: 3, 5: 4, 8: 2}
 # The 16-bit float types a part holds as they are (numpy's view of their stored elements).
@@ -44,6 +49,16 @@ HALF_TYPES = {Q.F16: np.float16, Q.BF16: np.uint16}
 def native_type(qtype: GGMLQuantizationType) -> bool:
     """Whether a matrix of this type runs in its own type (else it is dequantized)."""
     return qtype.name in cpu_native.SUPER_TYPES or qtype in BLOCK_TYPES or qtype in HALF_TYPES
+
+
+def held_exactly(raw: np.ndarray, qtype: GGMLQuantizationType) -> bool:
+    """Whether these rows of a native type convert without loss: all but MXFP4 blocks whose scale lies outside
+    fp16's range (kvd's 8-bit blocks scale by an fp16)."""
+    if qtype != Q.MXFP4:
+        return True
+    exponents = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[qtype][1])[:, :, 0]
+    low, high = MXFP4_EXPONENTS
+    return bool(((exponents >= low) & (exponents <= high)).all())
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -87,6 +102,11 @@ def to_kvd_blocks(
         return 8, blocks[:, :, 2:].reshape(n, -1).view(np.int8), d, None, None
     if qtype == Q.IQ4_NL:
         return 8, IQ4_NL_VALUES[_nibbles(blocks[:, :, 2:])].reshape(n, -1), d, None, None
+    if (
+        qtype == Q.MXFP4
+    ):  # one exponent byte, then Q4_0's nibbles; its scale 2^(e - 128) as an fp16 (held_exactly)
+        scale = np.ldexp(np.float32(1), blocks[:, :, 0].astype(np.int32) - 128).astype(np.float16)
+        return 8, MXFP4_VALUES[_nibbles(blocks[:, :, 1:])].reshape(n, -1), scale, None, None
     raise ValueError(f"{qtype.name} is not a 32-value block type kvd holds exactly")
 
 
