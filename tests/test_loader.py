@@ -309,8 +309,10 @@ def write_tiny_gguf(
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = config.model_type.removesuffix("_text")
-    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)  # llama.cpp's: Mixtral is a llama
-    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), config.num_hidden_layers)
+    # llama.cpp's architecture names (Mixtral is a llama with experts).
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(arch, arch)
+    model_arch = getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_"))
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -329,6 +331,14 @@ def write_tiny_gguf(
         writer.add_expert_used_count(config.num_experts_per_tok)
         if arch == "qwen3moe":
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gpt-oss":  # its window, experts' width and YaRN, as llama.cpp's converter writes them
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "granite":  # as llama.cpp's converter writes the multipliers
         writer.add_embedding_scale(config.embedding_multiplier)
         writer.add_residual_scale(config.residual_multiplier)
@@ -361,10 +371,12 @@ def write_tiny_gguf(
     writer.add_pad_token_id(config.eos_token_id)
     writer.add_unk_token_id(tokens.index("<|endoftext|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
-    for hf_name, tensor in _stack_experts(model.state_dict()).items():
+    for hf_name, tensor in _stack_experts(model.state_dict(), interleaved=arch == "gpt-oss").items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
+        if suffix == "sinks":  # a parameter of the attention module: llama.cpp's attn_sinks.weight
+            base, suffix = hf_name, "weight"
         data = tensor.numpy()
         if arch in PERMUTED_QK and base.endswith(("q_proj", "k_proj")):
             kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
@@ -383,22 +395,30 @@ def write_tiny_gguf(
     write_gguf(writer)
 
 
-def _stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict with each layer's experts in one [experts, rows, k] tensor per projection, named as llama.cpp's
-    converter names them before mapping (model.layers.N.mlp.experts.gate_proj.weight): stacked from per-expert
-    matrices (a saved checkpoint's), or cut from transformers' fused gate_up_proj (a model in memory)."""
+def _stack_experts(state: dict[str, torch.Tensor], interleaved: bool = False) -> dict[str, torch.Tensor]:
+    """The state dict with each layer's experts in one [experts, rows, k] tensor per projection (biases [experts,
+    rows]), named as llama.cpp's converter names them before mapping (model.layers.N.mlp.experts.gate_proj.weight):
+    stacked from per-expert matrices (a saved checkpoint's), or cut from transformers' fused gate_up_proj (a model in
+    memory: [experts, 2 x width, hidden] gate then up, or with `interleaved`, gpt-oss's [experts, hidden, 2 x width]
+    with gate and up alternating, and its down_proj [experts, width, hidden])."""
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, list[torch.Tensor]] = {}
     for name, tensor in state.items():
         match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
-        if name.endswith(".experts.gate_up_proj"):
-            gate, up = tensor.chunk(2, dim=1)
-            out |= {
-                name.replace("gate_up_proj", "gate_proj.weight"): gate,
-                name.replace("gate_up_", "up_") + ".weight": up,
-            }
+        prefix = name.rsplit(".", 1)[0]
+        if name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_bias"):
+            suffix = "bias" if name.endswith("_bias") else "weight"
+            if interleaved:
+                gate, up = tensor[..., 0::2], tensor[..., 1::2]
+                if suffix == "weight":
+                    gate, up = gate.transpose(1, 2), up.transpose(1, 2)
+            else:
+                gate, up = tensor.chunk(2, dim=1)
+            out[f"{prefix}.gate_proj.{suffix}"], out[f"{prefix}.up_proj.{suffix}"] = gate, up
         elif name.endswith(".experts.down_proj"):
-            out[name + ".weight"] = tensor
+            out[f"{name}.weight"] = tensor.transpose(1, 2) if interleaved else tensor
+        elif name.endswith(".experts.down_proj_bias"):
+            out[f"{prefix}.down_proj.bias"] = tensor
         elif match is None:
             out[name] = tensor
         else:

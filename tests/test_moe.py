@@ -193,6 +193,17 @@ GGUF_MOE = {
         {"head_dim": 64, "num_experts": 8, "moe_intermediate_size": 256, "norm_topk_prob": True},
     ),
     "mixtral": ("MixtralConfig", {"head_dim": 64, "num_local_experts": 8}),
+    # A sliding layer (window 8) before a full one, sinks, YaRN (its correction range rounded, as llama.cpp has
+    # it: a file has no key for it), the router's and the experts' biases.
+    "gpt-oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 64,
+            "num_local_experts": 8,
+            "sliding_window": 8,
+            "rope_parameters": TINY_FAMILIES["gpt_oss"][1]["rope_parameters"] | {"truncate": True},
+        },
+    ),
 }
 # A Q4_K_M-like mix over the experts: Q4_K gate and up but Q6_K down in layer 0, other types in layer 1.
 EXPERT_TYPES = {
@@ -229,8 +240,10 @@ def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None):
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # unit-variance layers, a router that tells tokens apart
         for name, param in model.named_parameters():
-            scale = 1.0 if name.endswith(".gate.weight") else param.shape[-1] ** -0.5
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else scale)
+            router = name.endswith((".gate.weight", ".router.weight"))
+            scale = 1.0 if router or param.dim() == 1 else param.shape[-1] ** -0.5
+            scale = 0.1 if "norm" in name or "bias" in name else scale
+            param.normal_(1.0 if "norm" in name else 0.0, scale)
     path = folder / f"tiny-{arch}.gguf"
     qtypes = {n: GGMLQuantizationType[t] for n, t in (types or {}).items()}
     write_tiny_gguf(model, path, tensor_types=qtypes)
@@ -241,7 +254,8 @@ def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None):
 def test_a_gguf_mixture_of_experts_loads_as_transformers_runs_it(tmp_path, arch, paged_runner):
     model, path = _moe_gguf(arch, tmp_path)
     loaded = load_model(str(path), dtype="float32", quantization="none")
-    assert loaded.config.moe.num_experts == 8 and loaded.config.moe.normalize_top_k
+    moe = loaded.config.moe
+    assert moe.num_experts == 8 and (moe.normalize_top_k or moe.scoring == "topk_then_softmax")
     ids = list(range(3, 40, 2))
     logits = paged_runner(loaded.model).step([("a", ids)], all_logits=True)
     with torch.no_grad():
@@ -249,18 +263,33 @@ def test_a_gguf_mixture_of_experts_loads_as_transformers_runs_it(tmp_path, arch,
     assert ((logits - expected).abs().max() / expected.abs().max()).item() < 1e-4
 
 
+# gpt-oss's files: MXFP4 experts (with their biases), the rest in 8 bits.
+OSS_EXPERT_TYPES = {
+    f"blk.{i}.ffn_{p}_exps.weight": "MXFP4" for i in (0, 1) for p in ("gate", "up", "down")
+} | {
+    "blk.0.attn_q.weight": "Q8_0",
+    "blk.1.ffn_down_exps.weight": "Q8_0",
+}
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
-def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path):
+@pytest.mark.parametrize(("arch", "types"), [("qwen3moe", EXPERT_TYPES), ("gpt-oss", OSS_EXPERT_TYPES)])
+def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path, caplog, arch, types):
     from kvd.model.layers.gguf_linear import GGUFLinear
 
-    _, path = _moe_gguf("qwen3moe", tmp_path, EXPERT_TYPES)
+    _, path = _moe_gguf(arch, tmp_path, types)
     native = load_model(str(path), dtype="float32", quantization="auto")
     assert native.quantization == "gguf"
     layers = [m for m in native.model.modules() if isinstance(m, SparseMoE)]
     assert all(
         isinstance(p, GGUFLinear) for m in layers for e in m.experts for p in (e.gate_up_proj, e.down_proj)
     )
-    assert all(type(m.gate) is RouterLinear for m in layers)
+    assert all(type(m.gate) is RouterLinear and m.native() is not None for m in layers)
+    if arch == "gpt-oss":  # MXFP4 held exactly in 8-bit blocks, and no warning that any was dequantized
+        assert [s.bits for s in layers[0].experts[0].gate_up_proj.specs] == [8]
+        assert "MXFP4" in native.file_types and not any(
+            "dequantized" in r.getMessage() for r in caplog.records
+        )
     float_layers = [
         m for m in load_model(str(path), dtype="float32").model.modules() if isinstance(m, SparseMoE)
     ]

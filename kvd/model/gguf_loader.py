@@ -88,7 +88,10 @@ _ARCH_LAYER_TENSORS = {
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as Phi-3's checkpoints
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
+# Layer tensors whose Hugging Face name has no .weight (a parameter of the module itself).
+_BARE_TENSORS = {"self_attn.sinks"}
 # llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight alone):
 # as kvd's model holds them, so they load as they are (norms_hold_offset).
 _NORM_SHIFTED = ("gemma3",)
@@ -287,14 +290,15 @@ def fused_file_tensor(arch: str, projection: str) -> str | None:
 
 
 def expert_tensor_names(gguf_name: str, num_experts: int) -> list[str] | None:
-    """The Hugging Face names of the experts' parts of a stacked expert tensor (EXPERT_TENSORS), or None."""
+    """The Hugging Face names of the experts' parts of a stacked expert tensor (EXPERT_TENSORS: the weights
+    [experts, rows, k] or biases [experts, rows]), or None."""
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_TENSORS or parts[3] != "weight":
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in EXPERT_TENSORS:
         return None
-    return [
-        f"model.layers.{parts[1]}.mlp.experts.{e}.{EXPERT_TENSORS[parts[2]]}.weight"
-        for e in range(num_experts)
-    ]
+    if parts[3] not in ("weight", "bias"):
+        return None
+    projection = EXPERT_TENSORS[parts[2]]
+    return [f"model.layers.{parts[1]}.mlp.experts.{e}.{projection}.{parts[3]}" for e in range(num_experts)]
 
 
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -304,7 +308,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     parts = gguf_name.split(".")
     names = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        name = f"model.layers.{parts[1]}.{names[parts[2]]}"
+        return name if names[parts[2]] in _BARE_TENSORS else f"{name}.{parts[3]}"
     return None
 
 
@@ -394,8 +399,13 @@ def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     }
     if arch == "llama":
         out["architectures"] = ["MixtralForCausalLM"]
+    if arch in ("llama", "gpt-oss"):  # their experts' width is the config's intermediate_size
         out["intermediate_size"] = out["moe_intermediate_size"]
-    elif arch != "qwen3moe":
+    if arch == "gpt-oss":  # every other layer slides, from layer 0 (llama.cpp's pattern 2)
+        window, layers = md[f"{arch}.attention.sliding_window"], config["num_hidden_layers"]
+        out["sliding_window"] = window
+        out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif arch not in ("llama", "qwen3moe"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
     return out
 

@@ -135,21 +135,24 @@ class _Reader:
         """The linear of these matrices; their pages leave this process's memory once it holds them."""
         rows = rows or [None] * len(names)
         parts = [self.part(*p) for p in zip(names, hf_names, kinds, rows, strict=True)]
-        bias = self.bias(biases, [n.replace(".weight", ".bias") for n in hf_names])
+        bias = self.bias(biases, [n.replace(".weight", ".bias") for n in hf_names], rows)
         linear = GGUFLinear(k, parts, bias, self.dtype, self.arenas.empty)
         self.file.drop_pages()
         return_freed_heap()  # the conversion's temporaries, before the next matrix's
         return linear
 
-    def bias(self, names: list[str], hf_names: list[str]) -> torch.Tensor | None:
+    def bias(
+        self, names: list[str], hf_names: list[str], rows: list[slice | int | None]
+    ) -> torch.Tensor | None:
+        """The parts' biases stacked (an expert's: its row of the stacked biases), this rank's slice of each."""
         present = [n for n in names if n in self.file.tensors]
         if not present:
             return None
         if len(present) != len(names):
             raise ValueError(f"{self.file.path}: biases for only some of {names}")
-        return torch.cat(
-            [self.plan.tensor(h, self.file.dequantize(n)) for n, h in zip(names, hf_names, strict=True)]
-        )
+        values = [self.file.dequantize(n) for n in names]
+        values = [v if r is None or isinstance(r, slice) else v[r] for v, r in zip(values, rows, strict=True)]
+        return torch.cat([self.plan.tensor(h, v) for v, h in zip(values, hf_names, strict=True)])
 
 
 def install(
@@ -206,10 +209,12 @@ def _install_experts(reader: _Reader, experts: nn.ModuleList, layer: int) -> set
             if any(n in file.tensors and file.tensors[n].shape[0] != len(experts) for n in names):
                 raise ValueError(f"{file.path}: {names} do not hold {len(experts)} experts")
             hf_names = [expert_tensor_names(n, len(experts))[e] for n in names]
+            biases = [n.replace(".weight", ".bias") for n in names]
             k = getattr(expert, attr).weight.shape[1]
-            linear = reader.linear(k, names, hf_names, (None,) * len(kinds), [], [e] * len(kinds))
+            linear = reader.linear(k, names, hf_names, (None,) * len(kinds), biases, [e] * len(kinds))
             setattr(expert, attr, linear)
-    return {f"blk.{layer}.{kind}.weight" for kinds in _EXPERT_LINEARS.values() for kind in kinds}
+    kinds = [kind for kinds in _EXPERT_LINEARS.values() for kind in kinds]
+    return {f"blk.{layer}.{kind}.{part}" for kind in kinds for part in ("weight", "bias")} & set(file.tensors)
 
 
 def _part_rows(config: ModelConfig, path: str) -> list[int]:

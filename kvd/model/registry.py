@@ -39,6 +39,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 
