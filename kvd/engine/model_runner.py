@@ -62,8 +62,14 @@ class ModelRunner:
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
         self.num_eager_steps = 0
         # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here; so do
-        # models with sliding-window layers (the graphs' decode metadata has no sliding part yet).
-        eager = enforce_eager or model.shard.sharded or model.config.attention_window is not None
+        # models with sliding-window layers (the graphs' decode metadata has no sliding part yet) and mixtures of
+        # experts (the grouping by expert reads each expert's token count on the host, which no graph captures).
+        eager = (
+            enforce_eager
+            or model.shard.sharded
+            or model.config.attention_window is not None
+            or model.config.moe is not None
+        )
         if device.type == "cuda" and not eager:
             compile_hot_paths(model)
             if isinstance(model.attention_backend, GraphDecodeBackend):
