@@ -144,10 +144,17 @@ def _row_sums(weights: torch.Tensor) -> torch.Tensor:
 
 def describe_experts(model: nn.Module, weight_bytes: int) -> dict | None:
     """info's "experts" for a model with mixture-of-experts layers (None without): the experts' parameters and
-    bytes in all, and the bytes a token reads (every weight but the experts it is not routed to)."""
+    bytes in all, and the bytes a token reads: every weight but the experts it is not routed to and, where another
+    matrix projects the logits, the embedding table (one row of it is looked up)."""
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if not layers:
         return None
+    embedding = model.model.embed_tokens
+    output = model.output_proj or model.lm_head  # what projects the logits (None: the tied table itself)
+    looked_up = output is not None and output is not getattr(
+        embedding, "table", None
+    )  # a GGUF file's tied table
+    table_bytes = sum(t.numel() * t.element_size() for t in _tensors(embedding)) if looked_up else 0
     moe, hidden = layers[0].moe, layers[0].gate.weight.shape[-1]
     per_expert = 3 * hidden * moe.intermediate_size + (2 * moe.intermediate_size + hidden) * moe.expert_bias
     expert_bytes = sum(t.numel() * t.element_size() for m in layers for t in _tensors(m.experts))
@@ -159,7 +166,7 @@ def describe_experts(model: nn.Module, weight_bytes: int) -> dict | None:
         "expert_parameters": len(layers) * moe.num_experts * per_expert,
         "active_expert_parameters": len(layers) * moe.top_k * per_expert,
         "expert_bytes": expert_bytes,
-        "active_bytes_per_token": round(weight_bytes - idle * expert_bytes),
+        "active_bytes_per_token": round(weight_bytes - table_bytes - idle * expert_bytes),
     }
 
 
