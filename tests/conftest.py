@@ -118,6 +118,18 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         },
     ),
     "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64}),
+    # Qwen2-MoE: a shared expert beside 8 routed ones (4 a token, rescaled), every other layer sparse.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 96,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
     # gpt-oss: a sliding layer (window 8) before a full one, sinks, YaRN RoPE, the router's bias, the experts'
     # biases and clamped SwiGLU (a limit low enough to clamp).
     "gpt_oss": (
@@ -157,7 +169,9 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.2)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight")):
+            elif name.endswith(
+                ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "expert_gate.weight")
+            ):
                 param.normal_(0.0, 1.0)  # routers: distinct experts for distinct tokens, not a near tie
             elif name.endswith("bias") or name == "sinks" or name.endswith(".sinks"):
                 param.normal_(0.0, 0.2)

@@ -310,7 +310,9 @@ def write_tiny_gguf(
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = config.model_type.removesuffix("_text")
     # llama.cpp's architecture names (Mixtral is a llama with experts).
-    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(arch, arch)
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}.get(
+        arch, arch
+    )
     model_arch = getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_"))
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
@@ -329,8 +331,10 @@ def write_tiny_gguf(
     if experts:  # as llama.cpp's converter writes a mixture of experts
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen2moe"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gpt-oss":  # its window, experts' width and YaRN, as llama.cpp's converter writes them
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)

@@ -19,7 +19,7 @@ from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.layers.moe import RouterLinear, SparseMoE
 from kvd.model.loader import load_model
 
-MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+MOE_FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"]
 FORMATS = [("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int4")]
 # The reference multiplies float64 copies of the weights the kernels hold; what remains is the kernels' own
 # rounding: bf16 activations and outputs, int8-quantized activations of the quantized kernels.
@@ -55,6 +55,12 @@ def _reference(layer: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: to
             hidden = activation(*gate_up.split(layer.moe.intermediate_size, dim=-1))
             down = torch.nn.functional.linear(hidden, _weight(expert.down_proj), bias[1])
             out[t] += weights[t, slot].double() * down[0]
+    if layer.shared_expert is not None:  # Qwen2-MoE: + sigmoid(gate x) x the shared expert's output
+        shared = layer.shared_expert
+        gate_up = torch.nn.functional.linear(x.double(), _weight(shared.gate_up_proj))
+        hidden = activation(*gate_up.split(layer.moe.shared_expert_size, dim=-1))
+        scale = torch.sigmoid(torch.nn.functional.linear(x.double(), _weight(layer.shared_expert_gate)))
+        out += scale * torch.nn.functional.linear(hidden, _weight(shared.down_proj))
     return out
 
 
@@ -101,8 +107,8 @@ def test_experts_match_a_float64_reference_and_ignore_their_batch(
 
 
 def test_routing_follows_each_familys_rule(tiny_checkpoint):
-    """Qwen3-MoE without norm_topk_prob: the top k of a softmax over all experts, not rescaled; Mixtral: rescaled
-    to 1; gpt-oss: a softmax over the top k logits (its router's bias included)."""
+    """Qwen3-MoE without norm_topk_prob: the top k of a softmax over all experts, not rescaled; Mixtral and the tiny
+    Qwen2-MoE: rescaled to 1; gpt-oss: a softmax over the top k logits (its router's bias included)."""
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
     for family in MOE_FAMILIES:
         layer = _moe_layer(tiny_checkpoint(family), "float32", "none")
@@ -111,12 +117,13 @@ def test_routing_follows_each_familys_rule(tiny_checkpoint):
             logits += layer.gate.bias.double()
         with torch.inference_mode():
             weights, ids = layer.route(x)
+        k = layer.moe.top_k
         if family == "gpt_oss":
-            top, want_ids = logits.topk(2)
+            top, want_ids = logits.topk(k)
             want = top.softmax(-1)
         else:
-            want, want_ids = logits.softmax(-1).topk(2)
-            if family == "mixtral":
+            want, want_ids = logits.softmax(-1).topk(k)
+            if family in ("mixtral", "qwen2_moe"):  # the tiny Qwen2-MoE sets norm_topk_prob
                 want = want / want.sum(-1, keepdim=True)
         order = want_ids.argsort(-1)
         assert torch.equal(ids, want_ids.gather(-1, order))
@@ -197,6 +204,15 @@ GGUF_MOE = {
         {"head_dim": 64, "num_experts": 8, "moe_intermediate_size": 256, "norm_topk_prob": True},
     ),
     "mixtral": ("MixtralConfig", {"head_dim": 64, "num_local_experts": 8}),
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        {
+            "head_dim": 64,
+            "num_experts": 8,
+            "moe_intermediate_size": 256,
+            "shared_expert_intermediate_size": 512,
+        },
+    ),
     # A sliding layer (window 8) before a full one, sinks, YaRN (its correction range rounded, as llama.cpp has
     # it: a file has no key for it), the router's and the experts' biases.
     "gpt-oss": (
@@ -259,7 +275,9 @@ def test_a_gguf_mixture_of_experts_loads_as_transformers_runs_it(tmp_path, arch,
     model, path = _moe_gguf(arch, tmp_path)
     loaded = load_model(str(path), dtype="float32", quantization="none")
     moe = loaded.config.moe
-    assert moe.num_experts == 8 and (moe.normalize_top_k or moe.scoring == "topk_then_softmax")
+    # llama.cpp's rules: rescaled for Qwen3-MoE and Mixtral, not for Qwen2-MoE; gpt-oss's softmax over the top k.
+    assert moe.num_experts == 8 and moe.normalize_top_k == (arch in ("qwen3moe", "mixtral"))
+    assert moe.shared_expert_size == (512 if arch == "qwen2moe" else 0)
     ids = list(range(3, 40, 2))
     logits = paged_runner(loaded.model).step([("a", ids)], all_logits=True)
     with torch.no_grad():
@@ -276,8 +294,19 @@ OSS_EXPERT_TYPES = {
 }
 
 
+# Qwen2-MoE's: the Q4_K_M-like experts and a shared expert of K-quants.
+SHARED_EXPERT_TYPES = EXPERT_TYPES | {
+    f"blk.{i}.ffn_{p}_shexp.weight": "Q6_K" if p == "down" else "Q4_K"
+    for i in (0, 1)
+    for p in ("gate", "up", "down")
+}
+
+
 @pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
-@pytest.mark.parametrize(("arch", "types"), [("qwen3moe", EXPERT_TYPES), ("gpt-oss", OSS_EXPERT_TYPES)])
+@pytest.mark.parametrize(
+    ("arch", "types"),
+    [("qwen3moe", EXPERT_TYPES), ("gpt-oss", OSS_EXPERT_TYPES), ("qwen2moe", SHARED_EXPERT_TYPES)],
+)
 def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path, caplog, arch, types):
     from kvd.model.layers.gguf_linear import GGUFLinear
 
@@ -289,6 +318,13 @@ def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path, c
         isinstance(p, GGUFLinear) for m in layers for e in m.experts for p in (e.gate_up_proj, e.down_proj)
     )
     assert all(type(m.gate) is RouterLinear and m.native() is not None for m in layers)
+    shared = [
+        p
+        for m in layers
+        if m.shared_expert
+        for p in (m.shared_expert.gate_up_proj, m.shared_expert.down_proj)
+    ]
+    assert len(shared) == (4 if arch == "qwen2moe" else 0) and all(isinstance(p, GGUFLinear) for p in shared)
     if arch == "gpt-oss":  # MXFP4 held exactly in 8-bit blocks, and no warning that any was dequantized
         assert [s.bits for s in layers[0].experts[0].gate_up_proj.specs] == [8]
         assert "MXFP4" in native.file_types and not any(

@@ -95,6 +95,7 @@ def _close_rows(got: dict, want: dict) -> None:
         # Mixtures of experts: each rank a slice of every expert; float, then quantized with gpt-oss's biases.
         ("qwen3_moe", "none", "auto"),
         ("gpt_oss", "int8", "auto"),
+        ("qwen2_moe", "none", "auto"),  # its shared expert sliced as a dense MLP
     ],
 )
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(

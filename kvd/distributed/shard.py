@@ -97,7 +97,16 @@ class ShardPlan(Generic[C]):
                     f"the experts' width is {moe.intermediate_size}, which {n} ranks cannot split evenly; use a "
                     "tensor-parallel size that divides it"
                 )
-            moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // n)
+            if moe.shared_expert_size % n:
+                raise ShardingError(
+                    f"the shared expert's width is {moe.shared_expert_size}, which {n} ranks cannot split evenly; "
+                    "use a tensor-parallel size that divides it"
+                )
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // n,
+                shared_expert_size=moe.shared_expert_size // n,
+            )
         return dataclasses.replace(
             config,
             num_attention_heads=kv_heads * self._group(),

@@ -48,6 +48,9 @@ class MoE:
     swiglu_limit: float = 7.0
     # Layers whose MLP stays dense (of the model's intermediate_size); every other layer is sparse.
     dense_layers: tuple[int, ...] = ()
+    # The width of a shared expert every token runs beside its routed ones, its output scaled by sigmoid(a learned
+    # gate) (Qwen2-MoE); 0: none.
+    shared_expert_size: int = 0
 
 
 # Router settings of other MoE families (DeepSeek's) that none of kvd's implements otherwise: refused by name.

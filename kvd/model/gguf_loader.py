@@ -71,6 +71,10 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # its shared expert (Qwen2-MoE) and that one's gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # A mixture of experts' matrices, each layer's experts stacked in one tensor [experts, rows, k]: expert e's part is
 # Hugging Face's model.layers.N.mlp.experts.e.<projection>.
@@ -387,16 +391,19 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
 
 
 def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
-    """A mixture of experts' keys: expert count, experts a token, the experts' width. llama.cpp writes Mixtral
-    as a llama file with experts, and rescales the top k's weights to sum to 1 for both (Qwen3-MoE's
-    norm_topk_prob, which its released models set)."""
+    """A mixture of experts' keys: expert count, experts a token, the experts' width, a shared expert's. llama.cpp
+    writes Mixtral as a llama file with experts, and rescales the top k's weights to sum to 1 for Mixtral and
+    Qwen3-MoE (its norm_topk_prob, which the released models set), not for Qwen2-MoE."""
     md, arch = file.metadata, file.architecture
     out = {
         "num_experts": md[f"{arch}.expert_count"],
         "num_experts_per_tok": md.get(f"{arch}.expert_used_count"),
         "moe_intermediate_size": md.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"]),
-        "norm_topk_prob": True,
+        "norm_topk_prob": arch != "qwen2moe",
     }
+    if arch == "qwen2moe":
+        shared = md.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"])
+        out |= {"shared_expert_intermediate_size": shared, "qkv_bias": config["attention_bias"]}
     if arch == "llama":
         out["architectures"] = ["MixtralForCausalLM"]
     if arch in ("llama", "gpt-oss"):  # their experts' width is the config's intermediate_size
@@ -405,7 +412,7 @@ def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         window, layers = md[f"{arch}.attention.sliding_window"], config["num_hidden_layers"]
         out["sliding_window"] = window
         out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    elif arch not in ("llama", "qwen3moe"):
+    elif arch not in ("llama", "qwen3moe", "qwen2moe"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
     return out
 

@@ -56,8 +56,16 @@ def uses_native_types(file: GGUFFile) -> bool:
     )
 
 
+# A mixture of experts' shared expert (Qwen2-MoE): our linear -> its GGUF matrices.
+_SHARED_EXPERT = {
+    "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+    "mlp.shared_expert.down_proj": ("ffn_down_shexp",),
+}
 # A GGUF matrix kind -> the Hugging Face projection whose shard plan it follows.
 _HF_NAMES = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -166,8 +174,9 @@ def install(
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None:
             taken |= _install_experts(reader, experts, i)
-        for path, kinds in _LINEARS.items():
-            if experts is not None and path.startswith("mlp."):
+        shared = experts is not None and layer.mlp.shared_expert is not None
+        for path, kinds in (_LINEARS | (_SHARED_EXPERT if shared else {})).items():
+            if experts is not None and path in ("mlp.gate_up_proj", "mlp.down_proj"):
                 continue
             parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
             linear = getattr(parent, attr)

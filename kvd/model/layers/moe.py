@@ -53,6 +53,9 @@ class SparseMoE(nn.Module):
             GatedMLP(config.hidden_size, moe.intermediate_size, moe.expert_bias, activation)
             for _ in range(moe.num_experts)
         )
+        shared = moe.shared_expert_size
+        self.shared_expert = GatedMLP(config.hidden_size, shared, False, activation) if shared else None
+        self.shared_expert_gate = RouterLinear(config.hidden_size, 1, bias=False) if shared else None
 
     def native(self) -> cpu_native.ExpertWeights | None:
         """The whole mixture as kvd's native kernel runs it (one call a step: the router, the top k, each expert's
@@ -112,9 +115,18 @@ class SparseMoE(nn.Module):
         return weights.gather(-1, order), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self._routed(x)
+        if (
+            self.shared_expert is not None
+        ):  # as transformers adds it: routed + sigmoid(gate) x shared, in the dtype
+            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return all_reduce(routed, self.shard)
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum (this rank's partial sum under tensor parallelism), in x's dtype."""
         native = self.native() if cpu_native.supports(x) and x.dtype == self.gate.weight.dtype else None
         if native is not None:
-            return all_reduce(native.forward(x.reshape(-1, x.shape[-1])).view(x.shape), self.shard)
+            return native.forward(x.reshape(-1, x.shape[-1])).view(x.shape)
         weights, ids = self.route(x)
         tokens, k = ids.shape
         outputs = x.new_empty(tokens * k, x.shape[-1])  # one row per (token, slot)
@@ -131,7 +143,7 @@ class SparseMoE(nn.Module):
         total = outputs[:, 0].float() * weights[:, :1]
         for slot in range(1, k):
             total += outputs[:, slot].float() * weights[:, slot : slot + 1]
-        return all_reduce(total.to(x.dtype), self.shard)
+        return total.to(x.dtype)
 
 
 def _row_sums(weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""Qwen2-MoE (Qwen1.5-MoE): Qwen2's attention (a bias on q/k/v where qkv_bias says so), and a mixture of experts
+in place of the MLP (softmax over every expert, the top k kept, rescaled where norm_topk_prob says so) beside a
+shared expert that every token runs, scaled by sigmoid(a learned gate); the layers mlp_only_layers names or that
+decoder_sparse_step skips keep a dense MLP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvd.model.config import Layout, ModelConfig, read_moe
+from kvd.model.decoder import CausalLM
+from kvd.model.families.qwen2 import sliding_layers
+from kvd.model.families.qwen3_moe import dense_layers
+
+
+class Qwen2MoeForCausalLM(CausalLM):
+    @staticmethod
+    def read_layout(hf_config: dict[str, Any]) -> Layout:
+        moe = read_moe(
+            hf_config,
+            "moe_intermediate_size",
+            normalize_top_k=bool(hf_config.get("norm_topk_prob", False)),
+            activation=hf_config.get("hidden_act") or "silu",
+            dense_layers=dense_layers(hf_config),
+            shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0),
+        )
+        return Layout(
+            attention_bias=bool(hf_config.get("qkv_bias", True)), moe=moe, **sliding_layers(hf_config)
+        )
+
+    @staticmethod
+    def checkpoint_tensors(
+        config: ModelConfig, name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
+        if name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:  # a GGUF file's [hidden]
+            return [(name, tensor.reshape(1, -1))]
+        return [(name, tensor)]
