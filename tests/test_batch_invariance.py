@@ -52,7 +52,7 @@ MODES = [
     ("float32", "int4", "qwen3_moe", "auto"),
     ("bfloat16", "int8", "gpt_oss", "auto"),
     ("bfloat16", "none", "mixtral", "int8"),
-    ("float32", "int8", "qwen2_moe", "auto"),  # a shared expert beside the routed ones (the Python loop)
+    ("float32", "int8", "qwen2_moe", "auto"),  # a shared expert beside the routed ones
 ]
 
 

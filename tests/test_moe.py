@@ -343,3 +343,23 @@ def test_gguf_experts_run_in_their_file_types_and_ignore_their_batch(tmp_path, c
         # The file's values (dequantized by gguf), in float64: the kernels' own rounding stays.
         ref = _reference(reference_layer, x, ids, weights)
         assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < QUANTIZED_TOLERANCE
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_decode_steps_run_the_native_layer_loop_with_the_python_loops_tokens(
+    tiny_checkpoint, monkeypatch, family
+):
+    """A MoE model's decode steps run every layer in one native call (each mixture through kvd_moe_forward), and
+    give the tokens of the Python layer loop."""
+    from kvd import SamplingParams
+    from kvd.model.native_decode import NativeDecoder
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [7, 3]]
+    llm = LLM(str(tiny_checkpoint(family)), dtype="float32", quantization="int8", kv_cache_memory="8M")
+    native = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert isinstance(llm.engine.runner.model._native_decoder, NativeDecoder)
+    monkeypatch.setattr(NativeDecoder, "applies", staticmethod(lambda model: False))
+    python = LLM(str(tiny_checkpoint(family)), dtype="float32", quantization="int8", kv_cache_memory="8M")
+    assert [o.token_ids for o in python.generate(prompts, greedy, use_tqdm=False)] == native

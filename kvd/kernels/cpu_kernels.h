@@ -69,7 +69,9 @@ enum kvd_parts { KVD_MAX_PARTS = 3 };
 // KVD_ACT_CLAMPED_SWIGLU g sigmoid(alpha g) (u + 1) with g = min(gate, limit) and u = up clipped to +-limit.
 // A token's output: its experts' outputs (in the dtype) times their weights, summed in float32 in ascending expert
 // order, then rounded to the dtype; the tokens of each expert run together, every row as kvd_linear computes it
-// alone, so a token's output never depends on the others.
+// alone, so a token's output never depends on the others. With shared_size > 0, a shared expert (weights shared[],
+// laid out as one expert's, of width shared_size) runs on every token and is added scaled by sigmoid(shared_gate . x),
+// shared_gate a float weight [1, hidden]: out = routed + sigmoid(g) x shared, each step rounded in the dtype.
 enum kvd_moe_scoring { KVD_SOFTMAX_TOPK = 0, KVD_TOPK_SOFTMAX = 1 };
 enum kvd_moe_act { KVD_ACT_SILU = 0, KVD_ACT_GELU_TANH = 1, KVD_ACT_CLAMPED_SWIGLU = 2 };
 enum kvd_moe_weights { KVD_EXPERT_WEIGHTS = 4 };  // KVD_MAX_PARTS gate/up parts, then down
@@ -79,6 +81,9 @@ typedef struct {
     int64_t num_experts, top_k, hidden, intermediate;
     int32_t scoring, normalize, act;
     float alpha, limit;
+    kvd_weight shared[KVD_EXPERT_WEIGHTS];
+    kvd_weight shared_gate;
+    int64_t shared_size;
 } kvd_moe;
 
 // out [M, hidden] = the mixture of experts of x [M, hidden] (bf16: both bfloat16, else float32); KVD_BAD_INDEX for

@@ -44,6 +44,12 @@ static void route(const kvd_moe* moe, const float* logits, int64_t M, int32_t* i
 
 static inline float round_to(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
+// 1 / (1 + e^-z), with e^-|z| so the exponential never overflows.
+static inline float sigmoid(float z) {
+    const float e = expf(-fabsf(z));
+    return z >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+}
+
 // gpt-oss's: g sigmoid(alpha g) (u + 1), g = min(gate, limit), u = up within +-limit; each step rounded in the
 // dtype as torch's ops round it (the alpha product, the sigmoid, the products, u + 1).
 static void clamped_swiglu(const char* gate_up, int64_t I, void* out, int64_t T, int bf16, float alpha, float limit) {
@@ -56,11 +62,51 @@ static void clamped_swiglu(const char* gate_up, int64_t I, void* out, int64_t T,
             float gi = load_f(g, i, bf16), ui = load_f(u, i, bf16);
             gi = gi > limit ? limit : gi;
             ui = ui > limit ? limit : (ui < -limit ? -limit : ui);
-            const float z = round_to(gi * alpha, bf16), e = expf(-fabsf(z));
-            const float sig = round_to(z >= 0.f ? 1.f / (1.f + e) : e / (1.f + e), bf16);
+            const float sig = round_to(sigmoid(round_to(gi * alpha, bf16)), bf16);
             store_f(o, i, round_to(gi * sig, bf16) * round_to(ui + 1.f, bf16), bf16);
         }
     }
+}
+
+// One expert's gated MLP on `count` rows x [count, H] -> y [count, H] (in the dtype), through the caller's buffers.
+static int expert_rows(const kvd_moe* moe, const kvd_weight* w, int64_t I, const char* x, int64_t count, char* y,
+                       char* gate_up, char* act, char* scratch, int bf16, int nthreads) {
+    const size_t elem = bf16 ? 2 : 4;
+    if (parts_linear(w, x, bf16, count, gate_up, scratch, nthreads) != KVD_OK) return KVD_OUT_OF_MEMORY;
+    if (moe->act == KVD_ACT_CLAMPED_SWIGLU)
+        clamped_swiglu(gate_up, I, act, count, bf16, moe->alpha, moe->limit);
+    else
+        gated_mul(gate_up, gate_up + I * elem, 2 * I, act, count, I, bf16, moe->act == KVD_ACT_GELU_TANH, nthreads);
+    return kvd_linear(w + KVD_MAX_PARTS, act, bf16, count, y, bf16, nthreads);
+}
+
+// out += sigmoid(shared_gate . x) x shared(x), row by row, each step rounded in the dtype (as torch's ops round).
+static int add_shared_expert(const kvd_moe* moe, const void* x, int64_t M, void* out, int bf16, int nthreads) {
+    const int64_t H = moe->hidden, S = moe->shared_size;
+    const size_t elem = bf16 ? 2 : 4;
+    const int64_t widest = widest_part(moe->shared);
+    char* gate = malloc(elem * (size_t)M);
+    char* y = malloc(elem * (size_t)(M * H));
+    char* gate_up = malloc(elem * (size_t)(M * 2 * S));
+    char* act = malloc(elem * (size_t)(M * S));
+    char* scratch = malloc(elem * (size_t)(M * (widest ? widest : 1)));
+    int failed = !gate || !y || !gate_up || !act || !scratch;
+    if (!failed) failed = kvd_linear(&moe->shared_gate, x, bf16, M, gate, bf16, nthreads) != KVD_OK;
+    if (!failed) failed = expert_rows(moe, moe->shared, S, x, M, y, gate_up, act, scratch, bf16, nthreads) != KVD_OK;
+    if (!failed)
+        for (int64_t t = 0; t < M; t++) {
+            const float sig = round_to(sigmoid(load_f(gate, t, bf16)), bf16);
+            for (int64_t i = 0; i < H; i++) {
+                const float scaled = round_to(sig * load_f(y, t * H + i, bf16), bf16);
+                store_f(out, t * H + i, load_f(out, t * H + i, bf16) + scaled, bf16);
+            }
+        }
+    free(gate);
+    free(y);
+    free(gate_up);
+    free(act);
+    free(scratch);
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
 int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void* out, int nthreads) {
@@ -98,12 +144,7 @@ int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void
         const kvd_weight* w = moe->experts + e * KVD_EXPERT_WEIGHTS;
         for (int64_t i = 0; i < count; i++)
             memcpy(gathered + i * H * elem, (const char*)x + rows[starts[e] + i] / K * H * elem, H * elem);
-        failed |= parts_linear(w, gathered, bf16, count, gate_up, scratch, nthreads) != KVD_OK;
-        if (moe->act == KVD_ACT_CLAMPED_SWIGLU)
-            clamped_swiglu(gate_up, I, act, count, bf16, moe->alpha, moe->limit);
-        else
-            gated_mul(gate_up, gate_up + I * elem, 2 * I, act, count, I, bf16, moe->act == KVD_ACT_GELU_TANH, nthreads);
-        failed |= kvd_linear(w + KVD_MAX_PARTS, act, bf16, count, gathered, bf16, nthreads) != KVD_OK;
+        failed |= expert_rows(moe, w, I, gathered, count, gathered, gate_up, act, scratch, bf16, nthreads) != KVD_OK;
         for (int64_t i = 0; i < count; i++)
             memcpy(outputs + rows[starts[e] + i] * H * elem, gathered + i * H * elem, H * elem);
     }
@@ -126,5 +167,6 @@ int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void
     free(act);
     free(scratch);
     free(outputs);
+    if (!failed && moe->shared_size) failed = add_shared_expert(moe, x, M, out, bf16, nthreads) != KVD_OK;
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }

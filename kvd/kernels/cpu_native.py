@@ -316,17 +316,19 @@ class ExpertWeights:
         activation: str,
         alpha: float = 0.0,
         limit: float = 0.0,
+        shared: tuple[tuple[LinearWeight, ...], LinearWeight, LinearWeight, int] | None = None,
     ) -> None:
+        """`experts`: each expert's gate/up parts and down; `shared`: a shared expert's parts, down, its gate [1,
+        hidden] and its width, or None."""
         self.array = ffi.new("kvd_weight[]", len(experts) * EXPERT_WEIGHTS)
         for e, (parts, down) in enumerate(experts):
-            if len(parts) >= EXPERT_WEIGHTS:
-                raise NativeKernelError(
-                    f"an expert's gate/up: at most {EXPERT_WEIGHTS - 1} parts, got {len(parts)}"
-                )
-            for p, part in enumerate(parts):
-                _fill(self.array[e * EXPERT_WEIGHTS + p], part)
-            _fill(self.array[(e + 1) * EXPERT_WEIGHTS - 1], down)
+            _fill_expert(self.array[e * EXPERT_WEIGHTS : (e + 1) * EXPERT_WEIGHTS], parts, down)
         self.struct = ffi.new("kvd_moe *")
+        if shared is not None:
+            parts, down, gate, size = shared
+            _fill_expert(self.struct.shared, parts, down)
+            _fill(self.struct.shared_gate, gate)
+            self.struct.shared_size = size
         _fill(self.struct.router, router)
         self.struct.experts = self.array
         self.struct.num_experts, self.struct.top_k = len(experts), top_k
@@ -347,6 +349,15 @@ class ExpertWeights:
         )
         _check(status, "mixture of experts")
         return out
+
+
+def _fill_expert(slots: object, parts: tuple[LinearWeight, ...], down: LinearWeight) -> None:
+    """One expert's weights into EXPERT_WEIGHTS kvd_weight slots: its gate/up parts, empty ones, then down."""
+    if len(parts) >= EXPERT_WEIGHTS:
+        raise NativeKernelError(f"an expert's gate/up: at most {EXPERT_WEIGHTS - 1} parts, got {len(parts)}")
+    for p, part in enumerate(parts):
+        _fill(slots[p], part)
+    _fill(slots[EXPERT_WEIGHTS - 1], down)
 
 
 def dequantize(weight: LinearWeight, first: int, out: torch.Tensor) -> torch.Tensor:

@@ -136,12 +136,7 @@ class NativeDecoder:
             and model.config.hidden_act in ("silu", "gelu_pytorch_tanh")
             and all(t.dtype == dtype and t.shape == tables[0].shape and t.is_contiguous() for t in tables)
             and all(native_linear(m, dtype) for m in _linears(layers))
-            # A mixture in one native call (kvd_moe_forward has no shared expert: those run the Python loop).
-            and all(
-                layer.mlp.native() is not None and layer.mlp.shared_expert is None
-                for layer in layers
-                if isinstance(layer.mlp, SparseMoE)
-            )
+            and all(layer.mlp.native() is not None for layer in layers if isinstance(layer.mlp, SparseMoE))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
         )

@@ -67,12 +67,14 @@ class SparseMoE(nn.Module):
         key = (self.gate.weight.data_ptr(), id(self.experts[0].gate_up_proj), id(self.experts[-1].down_proj))
         if getattr(self, "_native_key", None) == key:
             return self._native
-        linears = [p for e in self.experts for p in (e.gate_up_proj, e.down_proj)]
+        mlps = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
+        linears = [p for e in mlps for p in (e.gate_up_proj, e.down_proj)]
+        routers = [self.gate, *([self.shared_expert_gate] if self.shared_expert_gate is not None else [])]
         usable = (
             cpu_native.available()
             and self.gate.weight.device.type == "cpu"
             and dtype in (torch.float32, torch.bfloat16)
-            and isinstance(self.gate, RouterLinear)
+            and all(isinstance(r, RouterLinear) for r in routers)
             and all(native_linear(m, dtype) for m in linears)
         )
         self._native_key, self._native = key, self._build_native() if usable else None
@@ -81,15 +83,17 @@ class SparseMoE(nn.Module):
     def _build_native(self) -> cpu_native.ExpertWeights:
         bias = None if self.gate.bias is None else self.gate.bias.float()
         self._router_bias = bias  # the kernel reads it in place: kept alive here
-        router = cpu_native.linear_weight(
-            16 if self.gate.weight.dtype == torch.bfloat16 else 32,
-            self.gate.weight,
-            bias=bias,
-            tiles=self.gate.tiles,
-        )
         experts = [(native_parts(e.gate_up_proj), native_parts(e.down_proj)[0]) for e in self.experts]
+        shared = self.shared_expert
+        if shared is not None:
+            shared = (
+                native_parts(shared.gate_up_proj),
+                native_parts(shared.down_proj)[0],
+                _float_weight(self.shared_expert_gate, None),
+                self.moe.shared_expert_size,
+            )
         return cpu_native.ExpertWeights(
-            router,
+            _float_weight(self.gate, bias),
             experts,
             self.moe.top_k,
             self.moe.intermediate_size,
@@ -98,6 +102,7 @@ class SparseMoE(nn.Module):
             _NATIVE_ACTIVATIONS[self.moe.activation],
             self.moe.swiglu_alpha,
             self.moe.swiglu_limit,
+            shared,
         )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,18 +120,19 @@ class SparseMoE(nn.Module):
         return weights.gather(-1, order), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self._routed(x)
+        """The mixture's output, all-reduced over the tensor-parallel ranks (each holds a slice of every expert)."""
+        native = self.native() if cpu_native.supports(x) and x.dtype == self.gate.weight.dtype else None
+        if native is not None:
+            return all_reduce(native.forward(x.reshape(-1, x.shape[-1])).view(x.shape), self.shard)
+        out = self._routed(x)
         if (
             self.shared_expert is not None
         ):  # as transformers adds it: routed + sigmoid(gate) x shared, in the dtype
-            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return all_reduce(routed, self.shard)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return all_reduce(out, self.shard)
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum (this rank's partial sum under tensor parallelism), in x's dtype."""
-        native = self.native() if cpu_native.supports(x) and x.dtype == self.gate.weight.dtype else None
-        if native is not None:
-            return native.forward(x.reshape(-1, x.shape[-1])).view(x.shape)
+        """The routed experts' sum in x's dtype, in torch (where the native kernel does not run)."""
         weights, ids = self.route(x)
         tokens, k = ids.shape
         outputs = x.new_empty(tokens * k, x.shape[-1])  # one row per (token, slot)
@@ -144,6 +150,12 @@ class SparseMoE(nn.Module):
         for slot in range(1, k):
             total += outputs[:, slot].float() * weights[:, slot : slot + 1]
         return total.to(x.dtype)
+
+
+def _float_weight(linear: Linear, bias: torch.Tensor | None) -> cpu_native.LinearWeight:
+    """A router's float weight as the native kernel reads it, with a float32 bias (added before any rounding)."""
+    bits = 16 if linear.weight.dtype == torch.bfloat16 else 32
+    return cpu_native.linear_weight(bits, linear.weight, bias=bias, tiles=linear.tiles)
 
 
 def _row_sums(weights: torch.Tensor) -> torch.Tensor:
