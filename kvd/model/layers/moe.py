@@ -124,18 +124,24 @@ class SparseMoE(nn.Module):
         native = self.native() if cpu_native.supports(x) and x.dtype == self.gate.weight.dtype else None
         if native is not None:
             return all_reduce(native.forward(x.reshape(-1, x.shape[-1])).view(x.shape), self.shard)
-        out = self._routed(x)
+        weights, ids = self.route(x)
+        outputs = self._grouped(x, ids) if x.device.type == "cuda" else self._per_expert(x, ids)
+        # Slot by slot (ascending expert id), elementwise: a token's sum never depends on the others'.
+        outputs = outputs.view(*ids.shape, -1)
+        total = outputs[:, 0].float() * weights[:, :1]
+        for slot in range(1, ids.shape[1]):
+            total += outputs[:, slot].float() * weights[:, slot : slot + 1]
+        out = total.to(x.dtype)
         if (
             self.shared_expert is not None
         ):  # as transformers adds it: routed + sigmoid(gate) x shared, in the dtype
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, self.shard)
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum in x's dtype, in torch (where the native kernel does not run)."""
-        weights, ids = self.route(x)
-        tokens, k = ids.shape
-        outputs = x.new_empty(tokens * k, x.shape[-1])  # one row per (token, slot)
+    def _per_expert(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each (token, slot)'s expert output [T x top_k, hidden], expert by expert over its tokens (torch)."""
+        k = ids.shape[1]
+        outputs = x.new_empty(ids.numel(), x.shape[-1])
         slots = ids.flatten().argsort(stable=True)  # grouped by expert
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         start = 0
@@ -144,12 +150,34 @@ class SparseMoE(nn.Module):
                 mine = slots[start : start + count]
                 outputs[mine] = expert(x[mine // k])
                 start += count
-        outputs = outputs.view(tokens, k, -1)
-        # Slot by slot (ascending expert id), elementwise: a token's sum never depends on the others'.
-        total = outputs[:, 0].float() * weights[:, :1]
-        for slot in range(1, k):
-            total += outputs[:, slot].float() * weights[:, slot : slot + 1]
-        return total.to(x.dtype)
+        return outputs
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """_per_expert's outputs from two grouped Triton launches (kvd.kernels.grouped_experts): no host sync."""
+        from kvd.kernels.grouped_experts import grouped_linear, plan_rows
+
+        gate_up, gate_up_bias, down, down_bias = self.stacked_weights()
+        plan = plan_rows(ids, len(self.experts))
+        hidden = grouped_linear(x.contiguous(), gate_up, gate_up_bias, ids, plan, per_token=True)
+        act = self.experts[0].activation(*hidden.split(self.moe.intermediate_size, dim=-1))
+        return grouped_linear(act.contiguous(), down, down_bias, ids, plan, per_token=False)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(gate/up [E, 2 width, hidden], its biases [E, 2 width], down [E, hidden, width], its biases) of the
+        experts, stacked once in row order: each expert's parameters become views of the stacks (no second copy)."""
+        if getattr(self, "_stacks", None) is None:
+            stacks = []
+            for name in ("gate_up_proj", "down_proj"):
+                linears = [getattr(e, name) for e in self.experts]
+                stack = torch.stack([lin.row_weight() for lin in linears])
+                biases = None if linears[0].bias is None else torch.stack([lin.bias.data for lin in linears])
+                for e, lin in enumerate(linears):
+                    lin.weight.data, lin.tiles = stack[e], False
+                    if biases is not None:
+                        lin.bias.data = biases[e]
+                stacks += [stack, biases]
+            self._stacks = tuple(stacks)
+        return self._stacks
 
 
 def _float_weight(linear: Linear, bias: torch.Tensor | None) -> cpu_native.LinearWeight:
