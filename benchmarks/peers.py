@@ -248,6 +248,15 @@ def main(argv: list[str] | None = None) -> dict:
         f"kvd: {info['dtype']}, quantization {info['quantization']} ({info['dtype_reason']}); "
         f"peer: {args.peer_model if binary else 'skipped'}; threads {args.threads}"
     )
+    experts = info.get("experts")
+    if experts:  # a mixture of experts: what a token reads against all the weights
+        results["experts"] = experts
+        print(
+            f"experts: {experts['top_k']} of {experts['num_experts']} a token in {experts['sparse_layers']} layers; "
+            f"a token reads {experts['active_bytes_per_token'] / 1e6:.1f} MB of {info['weight_bytes'] / 1e6:.1f} MB "
+            f"(experts' parameters {experts['active_expert_parameters'] / 1e6:.1f} M of "
+            f"{experts['expert_parameters'] / 1e6:.1f} M)"
+        )
 
     def record(name: str, figures: dict[str, Figures]) -> None:
         row = {side: {k: v for k, v in vars(f).items() if v is not None} for side, f in figures.items()}
