@@ -394,7 +394,7 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     cos_sin = torch.zeros(64, 16)
     layer = cpu_native.LayerWeights(
-        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0, 0
+        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0, 0, 0
     )
     hidden, residual = torch.zeros(2, 16), torch.zeros(2, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)

@@ -13,13 +13,21 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from kvd.kernels import cpu_native
-from kvd.model.layers.gguf_linear import BLOCK_TYPES, GGUFLinear
+from kvd.model.layers.gguf_linear import BLOCK_TYPES, MXFP4_EXPONENTS, GGUFLinear
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels built")
 
 TYPES = sorted(BLOCK_TYPES, key=lambda q: q.name)
 # Where each type keeps its fp16 multipliers in a block (every other byte may be anything at all).
-HALVES = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.IQ4_NL: (0,)}
+HALVES = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.IQ4_NL: (0,),
+    Q.MXFP4: (),
+}
 N, K = 37, 9 * 32  # two groups of 16 and five rows more; an odd last block
 
 
@@ -31,6 +39,8 @@ def random_blocks(qtype: Q, rows: int, k: int, seed: int = 0) -> np.ndarray:
     for at in HALVES[qtype]:
         halves = ((rng.random((rows, k // block)) - 0.5) * 0.04).astype(np.float16)
         raw[:, :, at : at + 2] = halves.view(np.uint8).reshape(rows, k // block, 2)
+    if qtype == Q.MXFP4:  # its exponent byte: scales 2^-24 .. 2^15, those kvd holds exactly (held_exactly)
+        raw[:, :, 0] = rng.integers(MXFP4_EXPONENTS[0], MXFP4_EXPONENTS[1] + 1, size=(rows, k // block))
     return raw.reshape(rows, -1)
 
 

@@ -238,8 +238,9 @@ EXPERT_TYPES = {
 }
 
 
-def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None):
-    """A tiny MoE model of llama.cpp's `arch` as transformers builds it, and its GGUF file."""
+def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None, **overrides):
+    """A tiny MoE model of llama.cpp's `arch` as transformers builds it (`overrides`: config values), and its GGUF
+    file."""
     import transformers
     from gguf import GGMLQuantizationType
     from test_loader import tiny_vocab, write_tiny_gguf
@@ -247,8 +248,7 @@ def _moe_gguf(arch: str, folder, types: dict[str, str] | None = None):
     class_name, extra = GGUF_MOE[arch]
     tokens = tiny_vocab()[0]
     config = getattr(transformers, class_name)(
-        **GGUF_SHAPE,
-        **extra,
+        **(GGUF_SHAPE | extra | overrides),
         num_hidden_layers=2,
         num_experts_per_tok=2,
         max_position_embeddings=256,

@@ -96,6 +96,7 @@ def _close_rows(got: dict, want: dict) -> None:
         ("qwen3_moe", "none", "auto"),
         ("gpt_oss", "int8", "auto"),
         ("qwen2_moe", "none", "auto"),  # its shared expert sliced as a dense MLP
+        ("gguf_moe", "gguf", "auto"),  # a Qwen3-MoE file's stacked K-quant experts, each rank a slice of each
     ],
 )
 def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_invariant(
@@ -113,6 +114,11 @@ def test_tp2_gives_tp1_tokens_through_every_scheduling_path_and_stays_batch_inva
         # o's columns whole blocks (test_gguf_native checks the columns that are not, which round otherwise).
         types = TYPES | {"blk.0.attn_output.weight": gguf.GGMLQuantizationType.Q5_1}
         write_tiny_gguf(tiny_hf_model("qwen2", **SHAPE), folder, tensor_types=types)
+    elif family == "gguf_moe":
+        from test_moe import EXPERT_TYPES, _moe_gguf
+
+        # Experts 512 wide: each rank's 256 columns of down are whole super-blocks.
+        _, folder = _moe_gguf("qwen3moe", tmp_path, EXPERT_TYPES, moe_intermediate_size=512)
     else:
         folder = tiny_checkpoint(family)
     recorder = LogitsRecorder(monkeypatch)

@@ -10,14 +10,15 @@ static void route(const kvd_moe* moe, const float* logits, int64_t M, int32_t* i
         const float* l = logits + t * E;
         int32_t* id = ids + t * K;
         float* w = weights + t * K;
-        // The top k by repeated maximum: the lowest index wins a tie; NaN logits are never picked over numbers.
-        unsigned char taken[E];
-        memset(taken, 0, (size_t)E);
+        // The top k by repeated maximum over the experts not yet taken (k is small): the lowest index wins a tie;
+        // NaN logits are never picked over numbers.
         for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
-            for (int64_t e = 0; e < E; e++)
-                if (!taken[e] && (best < 0 || l[e] > l[best])) best = e;
-            taken[best] = 1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t i = 0; i < j; i++) taken |= id[i] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
             id[j] = (int32_t)best;
         }
         // Ascending expert order (insertion sort of k values): the order of the sum below.
