@@ -81,12 +81,6 @@ static int expert_rows(const kvd_moe* moe, const kvd_weight* w, int64_t I, const
     return kvd_linear(w + KVD_MAX_PARTS, act, bf16, count, y, bf16, nthreads);
 }
 
-// Up to this many rows an expert, the experts of a step run side by side, one thread each (decode steps: each
-// kernel call of an expert's few rows would otherwise fork and join the threads for little work); from more, one
-// after another, each on every thread. Either way every row is kvd_linear's alone (its results do not depend on the
-// thread count), so the outputs are the same bits.
-#define SPREAD_ROWS 16
-
 // Expert e on its `count` rows (row r reading token r / top_k of x), the outputs into their (token, slot) rows of
 // `outputs`; bufs: gathered rows [count, H], gate/up [count, 2I], the activation [count, I], scratch.
 static int run_expert(const kvd_moe* moe, int64_t e, const void* x, const int64_t* rows, int64_t count, char** bufs,
@@ -99,34 +93,6 @@ static int run_expert(const kvd_moe* moe, int64_t e, const void* x, const int64_
                                    bufs[0], bufs[1], bufs[2], bufs[3], bf16, nthreads);
     for (int64_t i = 0; i < count; i++) memcpy(outputs + rows[i] * H * elem, bufs[0] + i * H * elem, H * elem);
     return status;
-}
-
-// The experts side by side over the threads (dynamic: a thread takes the next expert when done), each thread with
-// buffers of its own for `most` rows.
-static int spread_experts(const kvd_moe* moe, const void* x, const int64_t* rows, const int64_t* starts, int64_t most,
-                          int64_t widest, char* outputs, int bf16, int nthreads) {
-    const int64_t H = moe->hidden, I = moe->intermediate;
-    const size_t elem = bf16 ? 2 : 4;
-    const size_t sizes[4] = {elem * (size_t)(most * H), elem * (size_t)(most * 2 * I), elem * (size_t)(most * I),
-                             elem * (size_t)(most * (widest ? widest : 1))};
-    const size_t per_thread = sizes[0] + sizes[1] + sizes[2] + sizes[3];
-    char* pool = malloc(per_thread * (size_t)nthreads);
-    if (!pool) return KVD_OUT_OF_MEMORY;
-    int failed = 0;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t e = 0; e < moe->num_experts; e++) {
-        const int64_t count = starts[e + 1] - starts[e];
-        if (count == 0) continue;
-#ifdef _OPENMP
-        char* mine = pool + per_thread * (size_t)omp_get_thread_num();
-#else
-        char* mine = pool;
-#endif
-        char* bufs[4] = {mine, mine + sizes[0], mine + sizes[0] + sizes[1], mine + sizes[0] + sizes[1] + sizes[2]};
-        failed |= run_expert(moe, e, x, rows + starts[e], count, bufs, outputs, bf16, 1) != KVD_OK;
-    }
-    free(pool);
-    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
 }
 
 // out += sigmoid(shared_gate . x) x shared(x), row by row, each step rounded in the dtype (as torch's ops round).
@@ -187,17 +153,11 @@ int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void
         for (int64_t e = 0; e < E; e++) starts[e + 1] += starts[e];
         for (int64_t r = 0; r < M * K; r++) rows[starts[ids[r]] + filled[ids[r]]++] = r;  // in token order
     }
-    int64_t most = 0;
-    for (int64_t e = 0; e < E && !failed; e++) most = starts[e + 1] - starts[e] > most ? starts[e + 1] - starts[e] : most;
-    if (!failed && most <= SPREAD_ROWS && nthreads > 1) {
-        failed = spread_experts(moe, x, rows, starts, most, widest, outputs, bf16, nthreads) != KVD_OK;
-    } else {
-        for (int64_t e = 0; e < E && !failed; e++) {
-            const int64_t count = starts[e + 1] - starts[e];
-            if (count == 0) continue;
-            char* bufs[4] = {gathered, gate_up, act, scratch};
-            failed |= run_expert(moe, e, x, rows + starts[e], count, bufs, outputs, bf16, nthreads) != KVD_OK;
-        }
+    for (int64_t e = 0; e < E && !failed; e++) {
+        const int64_t count = starts[e + 1] - starts[e];
+        if (count == 0) continue;
+        char* bufs[4] = {gathered, gate_up, act, scratch};
+        failed |= run_expert(moe, e, x, rows + starts[e], count, bufs, outputs, bf16, nthreads) != KVD_OK;
     }
     if (!failed)
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 65536)
