@@ -9,22 +9,17 @@ from typing import Any
 
 import torch
 
-from kvd.model.config import Layout, ModelConfig, read_moe
+from kvd.model.config import Layout, ModelConfig
 from kvd.model.decoder import CausalLM
 from kvd.model.families.qwen2 import sliding_layers
-from kvd.model.families.qwen3_moe import dense_layers
+from kvd.model.families.qwen3_moe import qwen_moe
 
 
 class Qwen2MoeForCausalLM(CausalLM):
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
-        moe = read_moe(
-            hf_config,
-            "moe_intermediate_size",
-            normalize_top_k=bool(hf_config.get("norm_topk_prob", False)),
-            activation=hf_config.get("hidden_act") or "silu",
-            dense_layers=dense_layers(hf_config),
-            shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0),
+        moe = qwen_moe(
+            hf_config, shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0)
         )
         return Layout(
             attention_bias=bool(hf_config.get("qkv_bias", True)), moe=moe, **sliding_layers(hf_config)

@@ -7,26 +7,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvd.model.config import Layout, read_moe
+from kvd.model.config import Layout, MoE, read_moe
 from kvd.model.families.qwen3 import Qwen3ForCausalLM
 
 
-def dense_layers(hf_config: dict[str, Any]) -> tuple[int, ...]:
-    """The layers that keep a dense MLP (Qwen2-MoE's and Qwen3-MoE's rule): those mlp_only_layers names, and
-    those decoder_sparse_step skips."""
+def qwen_moe(hf_config: dict[str, Any], **variant: Any) -> MoE:
+    """Qwen2-MoE's and Qwen3-MoE's experts: moe_intermediate_size wide, the top k rescaled where norm_topk_prob says
+    so, and a dense MLP on the layers mlp_only_layers names or decoder_sparse_step skips; `variant`: the rest."""
     step = int(hf_config.get("decoder_sparse_step") or 1)
     only_mlp = set(hf_config.get("mlp_only_layers") or ())
-    return tuple(i for i in range(int(hf_config["num_hidden_layers"])) if i in only_mlp or (i + 1) % step)
+    dense = tuple(i for i in range(int(hf_config["num_hidden_layers"])) if i in only_mlp or (i + 1) % step)
+    return read_moe(
+        hf_config,
+        "moe_intermediate_size",
+        normalize_top_k=bool(hf_config.get("norm_topk_prob", False)),
+        activation=hf_config.get("hidden_act") or "silu",
+        dense_layers=dense,
+        **variant,
+    )
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
-        moe = read_moe(
-            hf_config,
-            "moe_intermediate_size",
-            normalize_top_k=bool(hf_config.get("norm_topk_prob", False)),
-            activation=hf_config.get("hidden_act") or "silu",
-            dense_layers=dense_layers(hf_config),
-        )
-        return dataclasses.replace(Qwen3ForCausalLM.read_layout(hf_config), moe=moe)
+        return dataclasses.replace(Qwen3ForCausalLM.read_layout(hf_config), moe=qwen_moe(hf_config))
