@@ -336,3 +336,11 @@ def test_mxfp4_blocks_whose_scale_fp16_cannot_hold_are_dequantized():
         edited = raw.copy()
         edited[3, 17] = exponent  # row 3's second block's exponent byte
         assert held_exactly(edited, Q.MXFP4) == held
+    # An all-zero block (+0 and -0 codes), as quantizers write it with exponent 0 (or any): zeros, held exactly.
+    edited = raw.copy()
+    edited[3, 17] = 0
+    edited[3, 18:34] = np.array([0x00, 0x88] * 8, np.uint8)
+    assert held_exactly(edited, Q.MXFP4)
+    layer = GGUFLinear(64, [("w", edited, Q.MXFP4)], None, torch.float32)
+    out = cpu_native.dequantize(layer.part_weight(0), 0, torch.empty(8, 64))
+    np.testing.assert_array_equal(out.numpy(), gguf.quants.dequantize(edited, Q.MXFP4))

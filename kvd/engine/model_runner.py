@@ -63,7 +63,7 @@ class ModelRunner:
         self.num_eager_steps = 0
         # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here; so do
         # models with sliding-window layers (the graphs' decode metadata has no sliding part yet) and mixtures of
-        # experts (the grouping by expert reads each expert's token count on the host, which no graph captures).
+        # experts (their grouped launches need no host sync, but capturing them is untested: no GPU at hand).
         eager = (
             enforce_eager
             or model.shard.sharded

@@ -87,7 +87,7 @@ typedef struct {
 } kvd_moe;
 
 // out [M, hidden] = the mixture of experts of x [M, hidden] (bf16: both bfloat16, else float32); KVD_BAD_INDEX for
-// top_k outside 1..num_experts.
+// top_k outside 1..num_experts, else the first failing kernel's status.
 int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void* out, int nthreads);
 
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights,

@@ -10,8 +10,8 @@ static void route(const kvd_moe* moe, const float* logits, int64_t M, int32_t* i
         const float* l = logits + t * E;
         int32_t* id = ids + t * K;
         float* w = weights + t * K;
-        // The top k by repeated maximum over the experts not yet taken (k is small): the lowest index wins a tie;
-        // NaN logits are never picked over numbers.
+        // The top k by repeated maximum over the experts not yet taken (k is small): the lowest index wins a tie
+        // (a NaN logit compares false: it is kept where it came first, never taken over a number after it).
         for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
             for (int64_t e = 0; e < E; e++) {
@@ -73,7 +73,8 @@ static void clamped_swiglu(const char* gate_up, int64_t I, void* out, int64_t T,
 static int expert_rows(const kvd_moe* moe, const kvd_weight* w, int64_t I, const char* x, int64_t count, char* y,
                        char* gate_up, char* act, char* scratch, int bf16, int nthreads) {
     const size_t elem = bf16 ? 2 : 4;
-    if (parts_linear(w, x, bf16, count, gate_up, scratch, nthreads) != KVD_OK) return KVD_OUT_OF_MEMORY;
+    const int status = parts_linear(w, x, bf16, count, gate_up, scratch, nthreads);
+    if (status != KVD_OK) return status;
     if (moe->act == KVD_ACT_CLAMPED_SWIGLU)
         clamped_swiglu(gate_up, I, act, count, bf16, moe->alpha, moe->limit);
     else
@@ -105,10 +106,10 @@ static int add_shared_expert(const kvd_moe* moe, const void* x, int64_t M, void*
     char* gate_up = malloc(elem * (size_t)(M * 2 * S));
     char* act = malloc(elem * (size_t)(M * S));
     char* scratch = malloc(elem * (size_t)(M * (widest ? widest : 1)));
-    int failed = !gate || !y || !gate_up || !act || !scratch;
-    if (!failed) failed = kvd_linear(&moe->shared_gate, x, bf16, M, gate, bf16, nthreads) != KVD_OK;
-    if (!failed) failed = expert_rows(moe, moe->shared, S, x, M, y, gate_up, act, scratch, bf16, nthreads) != KVD_OK;
-    if (!failed)
+    int status = !gate || !y || !gate_up || !act || !scratch ? KVD_OUT_OF_MEMORY : KVD_OK;
+    if (status == KVD_OK) status = kvd_linear(&moe->shared_gate, x, bf16, M, gate, bf16, nthreads);
+    if (status == KVD_OK) status = expert_rows(moe, moe->shared, S, x, M, y, gate_up, act, scratch, bf16, nthreads);
+    if (status == KVD_OK)
         for (int64_t t = 0; t < M; t++) {
             const float sig = round_to(sigmoid(load_f(gate, t, bf16)), bf16);
             for (int64_t i = 0; i < H; i++) {
@@ -121,7 +122,7 @@ static int add_shared_expert(const kvd_moe* moe, const void* x, int64_t M, void*
     free(gate_up);
     free(act);
     free(scratch);
-    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+    return status;
 }
 
 int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void* out, int nthreads) {
@@ -144,22 +145,22 @@ int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void
     char* act = malloc(elem * (size_t)(M * I));
     char* scratch = malloc(elem * (size_t)(M * (widest ? widest : 1)));
     char* outputs = malloc(elem * (size_t)(M * K * H));  // each (token, slot)'s expert output
-    int failed = !logits || !ids || !weights || !rows || !starts || !filled || !gathered || !gate_up || !act ||
-                 !scratch || !outputs;
-    if (!failed) failed = kvd_linear(&moe->router, x, bf16, M, logits, 0, nthreads) != KVD_OK;
-    if (!failed) {
+    const int missing = !logits || !ids || !weights || !rows || !starts || !filled || !gathered || !gate_up || !act ||
+                        !scratch || !outputs;
+    int status = missing ? KVD_OUT_OF_MEMORY : kvd_linear(&moe->router, x, bf16, M, logits, 0, nthreads);
+    if (status == KVD_OK) {
         route(moe, logits, M, ids, weights);
         for (int64_t r = 0; r < M * K; r++) starts[ids[r] + 1]++;
         for (int64_t e = 0; e < E; e++) starts[e + 1] += starts[e];
         for (int64_t r = 0; r < M * K; r++) rows[starts[ids[r]] + filled[ids[r]]++] = r;  // in token order
     }
-    for (int64_t e = 0; e < E && !failed; e++) {
+    for (int64_t e = 0; e < E && status == KVD_OK; e++) {
         const int64_t count = starts[e + 1] - starts[e];
         if (count == 0) continue;
         char* bufs[4] = {gathered, gate_up, act, scratch};
-        failed |= run_expert(moe, e, x, rows + starts[e], count, bufs, outputs, bf16, nthreads) != KVD_OK;
+        status = run_expert(moe, e, x, rows + starts[e], count, bufs, outputs, bf16, nthreads);
     }
-    if (!failed)
+    if (status == KVD_OK)
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M * H >= 65536)
         for (int64_t t = 0; t < M; t++)
             for (int64_t i = 0; i < H; i++) {
@@ -178,6 +179,6 @@ int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void
     free(act);
     free(scratch);
     free(outputs);
-    if (!failed && moe->shared_size) failed = add_shared_expert(moe, x, M, out, bf16, nthreads) != KVD_OK;
-    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+    if (status == KVD_OK && moe->shared_size) status = add_shared_expert(moe, x, M, out, bf16, nthreads);
+    return status;
 }

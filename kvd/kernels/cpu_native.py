@@ -320,9 +320,19 @@ class ExpertWeights:
     ) -> None:
         """`experts`: each expert's gate/up parts and down; `shared`: a shared expert's parts, down, its gate [1,
         hidden] and its width, or None."""
+        hidden = router.k
+        if router.n != len(experts):
+            raise NativeKernelError(f"moe: the router scores {router.n} experts, {len(experts)} given")
+        if shared is not None and (shared[2].n, shared[2].k) != (1, hidden):
+            raise NativeKernelError(
+                f"moe: the shared expert's gate is [{shared[2].n}, {shared[2].k}], not [1, {hidden}]"
+            )
         self.array = ffi.new("kvd_weight[]", len(experts) * EXPERT_WEIGHTS)
         for e, (parts, down) in enumerate(experts):
+            _check_expert(f"expert {e}", parts, down, hidden, intermediate)
             _fill_expert(self.array[e * EXPERT_WEIGHTS : (e + 1) * EXPERT_WEIGHTS], parts, down)
+        if shared is not None:
+            _check_expert("the shared expert", shared[0], shared[1], hidden, shared[3])
         self.struct = ffi.new("kvd_moe *")
         if shared is not None:
             parts, down, gate, size = shared
@@ -349,6 +359,21 @@ class ExpertWeights:
         )
         _check(status, "mixture of experts")
         return out
+
+
+def _check_expert(
+    name: str, parts: tuple[LinearWeight, ...], down: LinearWeight, hidden: int, width: int
+) -> None:
+    """The kernel sizes its buffers by hidden and width: an expert of other shapes is refused before it runs."""
+    if (
+        sum(p.n for p in parts) != 2 * width
+        or any(p.k != hidden for p in parts)
+        or (down.n, down.k) != (hidden, width)
+    ):
+        raise NativeKernelError(
+            f"moe: {name} is gate/up {[(p.n, p.k) for p in parts]} and down {(down.n, down.k)}, not "
+            f"[{2 * width}, {hidden}] and [{hidden}, {width}]"
+        )
 
 
 def _fill_expert(slots: object, parts: tuple[LinearWeight, ...], down: LinearWeight) -> None:

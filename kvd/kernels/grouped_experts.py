@@ -93,6 +93,7 @@ def grouped_linear(
         NUM_EXPERTS=num_experts,
         ROW_DIVISOR=top_k if per_token else 1,
         HAS_BIAS=bias is not None,
+        FLOAT32=x.dtype == torch.float32,
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_K=BLOCK_K,
@@ -139,6 +140,7 @@ def _kernel():
         NUM_EXPERTS: tl.constexpr,
         ROW_DIVISOR: tl.constexpr,  # the row of x a (token, slot) row reads: row // ROW_DIVISOR
         HAS_BIAS: tl.constexpr,
+        FLOAT32: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -164,7 +166,10 @@ def _kernel():
                     mask=(cols[None, :] < N) & (ks[:, None] < K),
                     other=0.0,
                 )
-                acc += tl.dot(a, w)
+                if FLOAT32:  # float32 weights multiply in float32 (tl.dot's default would round them to tf32)
+                    acc += tl.dot(a, w, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, w)
             if HAS_BIAS:
                 acc += tl.load(b_ptr + expert * N + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
             out = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]

@@ -18,6 +18,7 @@ from kvd.distributed.shard import ShardPlan
 from kvd.model.config import ModelConfig
 from kvd.model.gguf_loader import (
     PERMUTED_QK,
+    GGUFError,
     GGUFFile,
     dequantize,
     expert_tensor_names,
@@ -82,6 +83,7 @@ class _Reader:
         self.arenas = Arenas()  # the weights go straight to their 2 MiB pages: no copy moves them later
         self.heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
         self.permuted = file.architecture in PERMUTED_QK  # llama.cpp reorders their q/k rows
+        self._biases: dict[str, torch.Tensor] = {}
 
     def part(
         self, name: str, hf_name: str, kind: str | None = None, rows: slice | int | None = None
@@ -149,6 +151,15 @@ class _Reader:
         return_freed_heap()  # the conversion's temporaries, before the next matrix's
         return linear
 
+    def _dequantized(self, name: str) -> torch.Tensor:
+        """A bias's values; a layer's stacked expert biases [E, N] (gate, up, down) are kept while its experts take
+        their rows of them."""
+        if name not in self._biases:
+            if len(self._biases) >= 3:
+                self._biases.clear()
+            self._biases[name] = self.file.dequantize(name)
+        return self._biases[name]
+
     def bias(
         self, names: list[str], hf_names: list[str], rows: list[slice | int | None]
     ) -> torch.Tensor | None:
@@ -158,7 +169,7 @@ class _Reader:
             return None
         if len(present) != len(names):
             raise ValueError(f"{self.file.path}: biases for only some of {names}")
-        values = [self.file.dequantize(n) for n in names]
+        values = [self._dequantized(n) for n in names]
         values = [v if r is None or isinstance(r, slice) else v[r] for v, r in zip(values, rows, strict=True)]
         return torch.cat([self.plan.tensor(h, v) for v, h in zip(values, hf_names, strict=True)])
 
@@ -215,8 +226,13 @@ def _install_experts(reader: _Reader, experts: nn.ModuleList, layer: int) -> set
     for e, expert in enumerate(experts):
         for attr, kinds in _EXPERT_LINEARS.items():
             names = [f"blk.{layer}.{kind}.weight" for kind in kinds]
-            if any(n in file.tensors and file.tensors[n].shape[0] != len(experts) for n in names):
-                raise ValueError(f"{file.path}: {names} do not hold {len(experts)} experts")
+            missing = [n for n in names if n not in file.tensors]
+            if missing:
+                raise GGUFError(
+                    f"{file.path}: layer {layer} is a mixture of experts but the file lacks {missing}"
+                )
+            if any(file.tensors[n].shape[0] != len(experts) for n in names):
+                raise GGUFError(f"{file.path}: {names} do not hold {len(experts)} experts")
             hf_names = [expert_tensor_names(n, len(experts))[e] for n in names]
             biases = [n.replace(".weight", ".bias") for n in names]
             k = getattr(expert, attr).weight.shape[1]

@@ -36,6 +36,10 @@ def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
 _NO_WEIGHT = cpu_native.LinearWeight(qs=0, d=0, mn=0, qh=0, bias=0, n=0, k=0, bits=0, tiles=0, ggml=0)
 
 
+def _mixtures(layers: torch.nn.ModuleList) -> list[SparseMoE]:
+    return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
+
+
 def _norm(module: torch.nn.Module | None) -> int:
     return 0 if module is None else module.weight.data_ptr()
 
@@ -62,6 +66,9 @@ class NativeDecoder:
             kv8=int(cache.dtype == torch.int8),
         )
         # The sinks as the loop reads them: float32 (a bf16 model holds them in bf16, as transformers does).
+        self._moes = [
+            m.native() for m in _mixtures(layers)
+        ]  # their structs, which the loop reads, kept alive
         self._sinks = [
             None if layer.self_attn.sinks is None else layer.self_attn.sinks.float() for layer in layers
         ]
@@ -101,7 +108,14 @@ class NativeDecoder:
         or whose buffers moved is bound anew."""
         attn = model.model.layers[0].self_attn
         native = hasattr(attn.qkv_proj, "native_weight")
-        return id(attn.qkv_proj), native_parts(attn.qkv_proj)[0].qs if native else 0, attn.kv_cache.data_ptr()
+        # A mixture of experts rebuilt (its weights replaced or moved) has a new native struct: bound anew.
+        moes = tuple(m.native().address for m in _mixtures(model.model.layers))
+        return (
+            id(attn.qkv_proj),
+            native_parts(attn.qkv_proj)[0].qs if native else 0,
+            attn.kv_cache.data_ptr(),
+            *moes,
+        )
 
     @staticmethod
     def applies(model: torch.nn.Module) -> bool:
@@ -136,7 +150,7 @@ class NativeDecoder:
             and model.config.hidden_act in ("silu", "gelu_pytorch_tanh")
             and all(t.dtype == dtype and t.shape == tables[0].shape and t.is_contiguous() for t in tables)
             and all(native_linear(m, dtype) for m in _linears(layers))
-            and all(layer.mlp.native() is not None for layer in layers if isinstance(layer.mlp, SparseMoE))
+            and all(m.native() is not None for m in _mixtures(layers))
             and all(n.weight.dtype == dtype for n in norms)
             and all(c.dtype == cache.dtype and c.is_contiguous() for c in caches)
         )

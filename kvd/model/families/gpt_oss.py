@@ -12,7 +12,14 @@ from typing import Any
 
 import torch
 
-from kvd.model.config import CLAMPED_SWIGLU, TOPK_THEN_SOFTMAX, Layout, ModelConfig, read_moe
+from kvd.model.config import (
+    CLAMPED_SWIGLU,
+    TOPK_THEN_SOFTMAX,
+    Layout,
+    ModelConfig,
+    UnsupportedModelError,
+    read_moe,
+)
 from kvd.model.decoder import CausalLM
 
 _EXPERTS = ".mlp.experts."
@@ -23,6 +30,12 @@ class GptOssForCausalLM(CausalLM):
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
+        method = (hf_config.get("quantization_config") or {}).get("quant_method")
+        if method is not None:  # the released checkpoints: MXFP4 experts as *_blocks / *_scales tensors
+            raise UnsupportedModelError(
+                f"gpt-oss checkpoints quantized with {method!r} are not supported as safetensors; load its GGUF file "
+                "(its MXFP4 experts run natively) or a dequantized (bf16) checkpoint"
+            )
         window = hf_config.get("sliding_window")
         types = hf_config.get("layer_types")
         if types is None:  # transformers' rule: even layers slide

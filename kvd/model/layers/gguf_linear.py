@@ -52,13 +52,19 @@ def native_type(qtype: GGMLQuantizationType) -> bool:
 
 
 def held_exactly(raw: np.ndarray, qtype: GGMLQuantizationType) -> bool:
-    """Whether these rows of a native type convert without loss: all but MXFP4 blocks whose scale lies outside
-    fp16's range (kvd's 8-bit blocks scale by an fp16)."""
+    """Whether these rows of a native type convert without loss: all but MXFP4 blocks of nonzero values whose scale
+    lies outside fp16's range (kvd's 8-bit blocks scale by an fp16; an all-zero block, which quantizers write with
+    exponent 0, converts to a zero scale)."""
     if qtype != Q.MXFP4:
         return True
-    exponents = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[qtype][1])[:, :, 0]
+    blocks = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[qtype][1])
     low, high = MXFP4_EXPONENTS
-    return bool(((exponents >= low) & (exponents <= high)).all())
+    return bool(((blocks[:, :, 0] >= low) & (blocks[:, :, 0] <= high) | _zero_mxfp4(blocks)).all())
+
+
+def _zero_mxfp4(blocks: np.ndarray) -> np.ndarray:
+    """Which MXFP4 blocks [N, nb, 17] hold only zeros (codes 0 and 8, E2M1's +0 and -0)."""
+    return ((blocks[:, :, 1:] & 0x77) == 0).all(axis=-1)
 
 
 def _half(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -102,10 +108,12 @@ def to_kvd_blocks(
         return 8, blocks[:, :, 2:].reshape(n, -1).view(np.int8), d, None, None
     if qtype == Q.IQ4_NL:
         return 8, IQ4_NL_VALUES[_nibbles(blocks[:, :, 2:])].reshape(n, -1), d, None, None
-    if (
-        qtype == Q.MXFP4
-    ):  # one exponent byte, then Q4_0's nibbles; its scale 2^(e - 128) as an fp16 (held_exactly)
-        scale = np.ldexp(np.float32(1), blocks[:, :, 0].astype(np.int32) - 128).astype(np.float16)
+    if qtype == Q.MXFP4:
+        # One exponent byte, then Q4_0's nibbles; its scale 2^(e - 128) as an fp16 (held_exactly), an all-zero
+        # block's 0 whatever its exponent (no inf x 0).
+        with np.errstate(over="ignore"):
+            scale = np.ldexp(np.float32(1), blocks[:, :, 0].astype(np.int32) - 128).astype(np.float16)
+        scale[_zero_mxfp4(blocks)] = 0
         return 8, MXFP4_VALUES[_nibbles(blocks[:, :, 1:])].reshape(n, -1), scale, None, None
     raise ValueError(f"{qtype.name} is not a 32-value block type kvd holds exactly")
 

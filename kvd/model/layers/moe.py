@@ -9,6 +9,7 @@ tokens of the step chose.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -63,8 +64,11 @@ class SparseMoE(nn.Module):
         form that computes it as its Python forward does. Made on first use, again when a weight was replaced."""
         dtype = self.gate.weight.dtype
         # What replaces or moves the weights (quantization and GGUF installs replace the experts' linears; batch
-        # invariance lays float weights out anew, the router's with them; .to() moves them all) changes this.
-        key = (self.gate.weight.data_ptr(), id(self.experts[0].gate_up_proj), id(self.experts[-1].down_proj))
+        # invariance lays float weights out anew; .to() moves them) changes where their first tensors lie.
+        key = tuple(
+            _first_tensor(m).data_ptr()
+            for m in (self.gate, self.experts[0].gate_up_proj, self.experts[-1].down_proj)
+        )
         if getattr(self, "_native_key", None) == key:
             return self._native
         mlps = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
@@ -178,6 +182,10 @@ class SparseMoE(nn.Module):
                 stacks += [stack, biases]
             self._stacks = tuple(stacks)
         return self._stacks
+
+
+def _first_tensor(module: nn.Module) -> torch.Tensor:
+    return next(itertools.chain(module.parameters(), module.buffers()))
 
 
 def _float_weight(linear: Linear, bias: torch.Tensor | None) -> cpu_native.LinearWeight:
