@@ -363,3 +363,24 @@ def test_decode_steps_run_the_native_layer_loop_with_the_python_loops_tokens(
     monkeypatch.setattr(NativeDecoder, "applies", staticmethod(lambda model: False))
     python = LLM(str(tiny_checkpoint(family)), dtype="float32", quantization="int8", kv_cache_memory="8M")
     assert [o.token_ids for o in python.generate(prompts, greedy, use_tqdm=False)] == native
+
+
+def test_a_quantized_gpt_oss_checkpoint_is_refused_before_any_weight_loads():
+    """The released gpt-oss safetensors hold MXFP4 experts as *_blocks / *_scales: the error says what loads."""
+    with pytest.raises(UnsupportedModelError, match=r"quantized with 'mxfp4'.*GGUF file"):
+        ModelConfig.from_hf_dict(_config("gpt_oss", quantization_config={"quant_method": "mxfp4"}))
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
+def test_the_native_mixture_refuses_experts_of_other_shapes(tiny_checkpoint):
+    """The kernel sizes its buffers by the config's widths: an expert whose weights disagree is refused first."""
+    from kvd.model.layers.native_weights import native_parts
+
+    layer = _moe_layer(tiny_checkpoint("mixtral"), "float32", "int8")
+    assert layer.native() is not None
+    router = cpu_native.linear_weight(32, layer.gate.row_weight())
+    experts = [(native_parts(e.gate_up_proj), native_parts(e.down_proj)[0]) for e in layer.experts]
+    with pytest.raises(cpu_native.NativeKernelError, match="expert 0 is gate/up"):
+        cpu_native.ExpertWeights(router, experts, 2, 32, "softmax_topk", True, "silu")
+    with pytest.raises(cpu_native.NativeKernelError, match="scores 8 experts, 7 given"):
+        cpu_native.ExpertWeights(router, experts[:7], 2, 64, "softmax_topk", True, "silu")
