@@ -384,3 +384,28 @@ def test_the_native_mixture_refuses_experts_of_other_shapes(tiny_checkpoint):
         cpu_native.ExpertWeights(router, experts, 2, 32, "softmax_topk", True, "silu")
     with pytest.raises(cpu_native.NativeKernelError, match="scores 8 experts, 7 given"):
         cpu_native.ExpertWeights(router, experts[:7], 2, 64, "softmax_topk", True, "silu")
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="kvd's native kernels need a C compiler")
+def test_a_gguf_mixture_with_mxfp4_experts_serves_through_the_daemon(tmp_path):
+    """A gpt-oss GGUF file with MXFP4 experts, served by a real daemon: its info names the experts and the file's
+    types, and a greedy request gives the tokens the model gives in process."""
+    from daemon_fixtures import start_daemon
+
+    from kvd import SamplingParams
+
+    _, path = _moe_gguf("gpt-oss", tmp_path, OSS_EXPERT_TYPES)
+    prompt = [(5 * i + 2) % 250 for i in range(20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = LLM(str(path), kv_cache_memory="16M").generate([prompt], greedy, use_tqdm=False)[0].token_ids
+    daemon = start_daemon(tmp_path, model=path, kv_cache_memory="16M")
+    try:
+        with daemon.client() as client:
+            info = client.info()
+            assert info["quantization"] == "gguf" and "MXFP4" in info["file_types"]
+            assert info["experts"]["num_experts"] == 8 and info["experts"]["top_k"] == 2
+            assert (
+                client.generate(prompt, temperature=0.0, max_tokens=8, ignore_eos=True).token_ids == expected
+            )
+    finally:
+        assert daemon.stop() == 0, daemon.log()

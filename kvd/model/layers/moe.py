@@ -136,9 +136,8 @@ class SparseMoE(nn.Module):
         for slot in range(1, ids.shape[1]):
             total += outputs[:, slot].float() * weights[:, slot : slot + 1]
         out = total.to(x.dtype)
-        if (
-            self.shared_expert is not None
-        ):  # as transformers adds it: routed + sigmoid(gate) x shared, in the dtype
+        if self.shared_expert is not None:
+            # As transformers adds it: routed + sigmoid(gate) x shared, in the dtype.
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, self.shard)
 
