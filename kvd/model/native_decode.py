@@ -65,10 +65,10 @@ class NativeDecoder:
             bf16=int(dtype == torch.bfloat16),
             kv8=int(cache.dtype == torch.int8),
         )
-        # The sinks as the loop reads them: float32 (a bf16 model holds them in bf16, as transformers does).
         self._moes = [
             m.native() for m in _mixtures(layers)
         ]  # their structs, which the loop reads, kept alive
+        # The sinks as the loop reads them: float32 (a bf16 model holds them in bf16, as transformers does).
         self._sinks = [
             None if layer.self_attn.sinks is None else layer.self_attn.sinks.float() for layer in layers
         ]
@@ -109,7 +109,7 @@ class NativeDecoder:
         attn = model.model.layers[0].self_attn
         native = hasattr(attn.qkv_proj, "native_weight")
         # A mixture of experts rebuilt (its weights replaced or moved) has a new native struct: bound anew.
-        moes = tuple(m.native().address for m in _mixtures(model.model.layers))
+        moes = tuple(getattr(m.native(), "address", 0) for m in _mixtures(model.model.layers))
         return (
             id(attn.qkv_proj),
             native_parts(attn.qkv_proj)[0].qs if native else 0,
