@@ -1,5 +1,6 @@
 """GGUF's super-block types (Q4_K, Q5_K, Q6_K, IQ4_XS) multiplied in place by the native kernels: against gguf's own
-dequantization and a float64 matmul, exact in the integer part, batch invariant, and refused when malformed."""
+dequantization and a float64 matmul, exact in the integer part, batch invariant, and refused when malformed; each
+in the file's layout and in the packed one (kvd_super_pack), which gives the same bits."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvd.kernels import cpu_native
+from kvd.kernels import cpu_native, native_build
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels built")
 
@@ -29,11 +30,25 @@ def random_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def weight(name: str, raw: np.ndarray, bias: torch.Tensor | None = None) -> cpu_native.LinearWeight:
+LAYOUTS = ["file", "packed"]
+
+
+def packs(name: str, rows: int) -> bool:
+    """Whether this build packs the type: its AVX-512 VNNI outer products read Q4_K, Q5_K and Q6_K packed (a
+    whole group of 16 rows at least)."""
+    isa = native_build.isa(native_build.library())
+    return "avx512" in isa and "vnni" in isa and name != "IQ4_XS" and rows >= 16
+
+
+def weight(
+    name: str, raw: np.ndarray, bias: torch.Tensor | None = None, layout: str = "file"
+) -> cpu_native.LinearWeight:
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
-    data = torch.from_numpy(raw.copy())
+    data, k = torch.from_numpy(raw.copy()), raw.shape[1] // size * block
     weight.keep.append(data)  # the view holds an address, not the tensor
-    return cpu_native.super_weight(cpu_native.SUPER_TYPES[name], data, raw.shape[1] // size * block, bias)
+    packed = layout == "packed" and cpu_native.pack_super(cpu_native.SUPER_TYPES[name], data, k)
+    assert packed == (layout == "packed" and packs(name, raw.shape[0]))
+    return cpu_native.super_weight(cpu_native.SUPER_TYPES[name], data, k, bias, packed=packed)
 
 
 weight.keep = []
@@ -52,23 +67,26 @@ def reference(raw: np.ndarray, name: str, x: torch.Tensor) -> np.ndarray:
     return xq @ w.T
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", TYPES)
-def test_dequantize_is_ggufs(name):
-    raw = random_blocks(name, 19, 768)
+def test_dequantize_is_ggufs(name, layout):
+    raw = random_blocks(name, 35, 768)  # two whole groups of 16 rows and three rows after them
     expected = gguf.quants.dequantize(raw, GGMLQuantizationType[name])
-    out = cpu_native.dequantize(weight(name, raw), 0, torch.empty(19, 768))
+    w = weight(name, raw, layout=layout)
+    out = cpu_native.dequantize(w, 0, torch.empty(35, 768))
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6, atol=1e-7)
-    rows = cpu_native.dequantize(weight(name, raw), 5, torch.empty(3, 768, dtype=torch.bfloat16))
-    assert torch.equal(rows, torch.from_numpy(expected[5:8]).bfloat16())
+    rows = cpu_native.dequantize(w, 15, torch.empty(18, 768, dtype=torch.bfloat16))
+    assert torch.equal(rows, torch.from_numpy(expected[15:33]).bfloat16())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 130])
-def test_linear_matches_a_float64_reference(name, rows):
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 64, 65, 130])
+def test_linear_matches_a_float64_reference(name, rows, layout):
     raw = random_blocks(name, 37, 512, seed=rows)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
     bias = torch.randn(37)
-    y = cpu_native.linear(x, weight(name, raw, bias))
+    y = cpu_native.linear(x, weight(name, raw, bias, layout))
     expected = reference(raw, name, x) + bias.double().numpy()
     # Exact integer sums; the float steps round a few times per super-block.
     scale = np.abs(expected).max()
@@ -77,13 +95,38 @@ def test_linear_matches_a_float64_reference(name, rows):
 
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_the_same_bits_alone_and_in_any_batch(name, dtype):
-    raw = random_blocks(name, 24, 1024, seed=3)
-    w = weight(name, raw)
+def test_a_row_is_the_same_bits_alone_and_in_any_batch_in_either_layout(name, dtype):
+    raw = random_blocks(name, 40, 1024, seed=3)
+    file, packed = weight(name, raw), weight(name, raw, layout="packed")
     x = (torch.randn(150, 1024, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
-    together = cpu_native.linear(x, w)
-    for first, count in [(0, 1), (7, 1), (3, 5), (60, 9), (149, 1), (10, 100)]:
-        assert torch.equal(cpu_native.linear(x[first : first + count], w), together[first : first + count])
+    together = cpu_native.linear(x, file)
+    for first, count in [(0, 1), (7, 1), (3, 2), (3, 3), (3, 4), (3, 5), (60, 9), (149, 1), (10, 100), (0, 150)]:
+        for w in (file, packed):
+            assert torch.equal(cpu_native.linear(x[first : first + count], w), together[first : first + count])
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_packing_moves_whole_groups_and_leaves_the_rest(name):
+    """The packed bytes are a permutation of each whole group's bytes; rows after the last group are untouched;
+    a type or build without a packed layout leaves every byte; a row size that is not the type's is refused."""
+    raw = random_blocks(name, 37, 512, seed=4)
+    data = torch.from_numpy(raw.copy())
+    packed = cpu_native.pack_super(cpu_native.SUPER_TYPES[name], data, 512)
+    assert packed == packs(name, 37)
+    after = data.numpy()
+    assert (after[32:] == raw[32:]).all()
+    if packed:
+        assert not (after[:16] == raw[:16]).all()
+        for g in (0, 1):
+            group = slice(16 * g, 16 * g + 16)
+            assert (np.sort(after[group], axis=None) == np.sort(raw[group], axis=None)).all()
+    else:
+        assert (after == raw).all()
+    with pytest.raises(cpu_native.NativeKernelError):
+        cpu_native.pack_super(cpu_native.SUPER_TYPES[name], data[:, :-2].contiguous(), 512)
+    small = torch.from_numpy(raw[:15].copy())
+    assert not cpu_native.pack_super(cpu_native.SUPER_TYPES[name], small, 512)  # no whole group
+    assert (small.numpy() == raw[:15]).all()
 
 
 def test_odd_rows_and_many_blocks_per_row():

@@ -43,7 +43,7 @@ enum kvd_half { KVD_GGML_F16 = 1 };
 // order, multiplied in one order for every row count: a bf16 weight in AMX tile order, a float32 one in panel
 // order (kvd.kernels.cpu_native.pack says both); 0 for a float weight in rows, and for every quantized one.
 // ggml: 0 for the layouts above; a kvd_ggml type for a weight in that type's super-blocks at qs (rows of
-// k / KVD_SUPER_BLOCK blocks; d, mn NULL, bits and tiles 0); KVD_GGML_F16 for a float weight of fp16 values in
+// k / KVD_SUPER_BLOCK blocks; d, mn NULL, bits 0; tiles 0, or 1 once kvd_super_pack rewrote them); KVD_GGML_F16 for a float weight of fp16 values in
 // rows (bits 16, tiles 0: a GGUF F16 matrix, widened exactly as it is read).
 typedef struct {
     const void* qs;
@@ -143,6 +143,12 @@ int kvd_bf16_kernel_order(void);
 // computed in one order whatever M is (batch invariance): integer block dots for 4- and 8-bit weights, float32
 // products and sums for float weights.
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads);
+
+// A super-block weight's rows data [n, row_bytes], as the file stores them, rewritten in place into the layout
+// this build's kernels read fastest (its groups of 16 rows interleaved; kvd_weight.tiles 1 then); KVD_UNSUPPORTED,
+// data untouched, where this build or type has none (the file's layout is read as it is); KVD_BAD_INDEX where
+// row_bytes is not k / KVD_SUPER_BLOCK of the type's blocks.
+int kvd_super_pack(int32_t ggml, void* data, int64_t n, int64_t k, int64_t row_bytes, int nthreads);
 
 // out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight, or of a
 // super-block one.

@@ -181,10 +181,11 @@ def linear_weight(
 
 
 def super_weight(
-    ggml_type: int, data: torch.Tensor, k: int, bias: torch.Tensor | None = None
+    ggml_type: int, data: torch.Tensor, k: int, bias: torch.Tensor | None = None, packed: bool = False
 ) -> LinearWeight:
     """The kernel's view of a weight [N, K] in one of GGUF's super-block types (SUPER_TYPES; the type as GGUF
-    numbers it): data uint8 [N, K / 256 x the type's block bytes], the file's bytes, read in place."""
+    numbers it): data uint8 [N, K / 256 x the type's block bytes], the file's bytes (or, `packed`, the bytes
+    pack_super rewrote), read in place."""
     if ggml_type not in SUPER_TYPES.values():
         raise NativeKernelError(f"no native kernel for GGUF tensor type {ggml_type}")
     if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or k % SUPER_BLOCK:
@@ -203,9 +204,23 @@ def super_weight(
         n=data.shape[0],
         k=k,
         bits=0,
-        tiles=0,
+        tiles=int(packed),
         ggml=ggml_type,
     )
+
+
+def pack_super(ggml_type: int, data: torch.Tensor, k: int) -> bool:
+    """Rewrites a super-block weight's bytes (super_weight's data) in place into the layout this build's kernels
+    read fastest; False, data untouched, where there is none (then the file's layout is read as it is)."""
+    if ggml_type not in SUPER_TYPES.values() or data.dtype != torch.uint8 or not data.is_contiguous():
+        raise NativeKernelError(f"pack_super: GGUF type {ggml_type}, {data.dtype} data is not a super-block weight")
+    if data.dim() != 2:
+        raise NativeKernelError(f"pack_super: data is [N, row bytes], got {tuple(data.shape)}")
+    status = library().kvd_super_pack(ggml_type, _ptr(data), data.shape[0], k, data.shape[1], _threads())
+    if status == library().KVD_UNSUPPORTED:
+        return False
+    _check(status, "pack_super")
+    return True
 
 
 def group_blocks(codes: torch.Tensor, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:

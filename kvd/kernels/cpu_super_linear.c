@@ -18,6 +18,7 @@
 #define SB KVD_SUPER_BLOCK
 #define SUBS (SB / 16)  // the sub-blocks of 16 values: the finest that any of the types scales (Q6_K)
 #define ROW_CHUNK 64    // activation rows a work item: each unpacked weight super-block serves all of them
+#define OUT16 16        // weight rows of a group: the outer products' lanes, and the rows a packed weight interleaves
 
 _Static_assert(SB == 256, "the unpacking below is written for GGUF's 256-value super-blocks");
 
@@ -55,6 +56,45 @@ static inline float half_at(const uint8_t* p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return f16_to_f32(h);
+}
+
+// ---- the packed layout (kvd_super_pack) --------------------------------------------------------------------------
+//
+// A packed weight's whole groups of 16 rows hold, for each super-block s in turn, the 16 rows' blocks s field by
+// field (in the block's own field order): a 2-byte field (d, dmin) as the 16 rows' values side by side, any other
+// field dword by dword, each dword of the field as 64 bytes with row j's in bytes 4 j .. 4 j + 3, so that one load
+// gives the same dword of 16 rows, as the outer products take them. A field at byte o of a file block starts at
+// byte 16 o of the packed one; a group takes the bytes its 16 rows took. Rows past the last whole group stay as
+// the file stores them.
+
+// The field of a block that its byte o lies in: its start and size.
+static void block_field(int32_t type, int o, int* start, int* size) {
+    static const int k4[] = {0, 2, 4, 16, 144}, k5[] = {0, 2, 4, 16, 48, 176}, k6[] = {0, 128, 192, 208, 210};
+    const int* f = type == KVD_GGML_Q4_K ? k4 : type == KVD_GGML_Q5_K ? k5 : k6;
+    while (f[1] <= o) f++;
+    *start = f[0], *size = f[1] - f[0];
+}
+
+// Row j's block between the file's form (file) and its place in its group's packed block (packed), field by field
+// in units of 2 (d, dmin) or 4 bytes (every other field is whole dwords); to_packed gives the direction.
+static void move_block(int32_t type, int j, uint8_t* file, uint8_t* packed, int to_packed) {
+    const int tb = (int)type_bytes(type);
+    for (int o = 0; o < tb;) {
+        int start, size;
+        block_field(type, o, &start, &size);
+        const int unit = size == 2 ? 2 : 4, r = o - start;
+        uint8_t* at = packed + 16 * start + (size == 2 ? 2 * j : r / 4 * 64 + 4 * j);
+        memcpy(to_packed ? at : file + o, to_packed ? file + o : at, (size_t)unit);
+        o += unit;
+    }
+}
+
+// Super-block s of weight row n as the file stores it: in place, or gathered from its packed group into tmp.
+static const uint8_t* file_block(const kvd_weight* w, int64_t n, int64_t s, uint8_t* tmp) {
+    const int64_t nb = w->k / SB, tb = type_bytes(w->ggml);
+    if (!w->tiles || n >= w->n / OUT16 * OUT16) return (const uint8_t*)w->qs + (n * nb + s) * tb;
+    move_block(w->ggml, (int)(n % OUT16), tmp, (uint8_t*)w->qs + (n / OUT16 * nb + s) * OUT16 * tb, 0);
+    return tmp;
 }
 
 // Q4_K and Q5_K's 6-bit scale and minimum of their sub-block j (32 values) from the 12 bytes that pack them.
@@ -499,7 +539,6 @@ static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, 
 // is multiplied by that scale's lanes, the minimum term comes from int16 pairs (VPDPWSSD): the same exact integers
 // as direct_dot, then the same float steps per output, so the outputs are the other paths' bits.
 #define SUPER_VNNI_MIN_ROWS 6  // from here, one decode of a group beats decoding each row per chunk (Xeon, 2 cores: 8 rows 1.3x, 4 rows 0.7x)
-#define OUT16 16
 #define PASS_ROWS 4  // activation rows a pass: their sums in registers
 
 typedef struct {
@@ -559,6 +598,68 @@ static void decode_group(const kvd_weight* w, int64_t n0, int64_t s, group_block
     for (int r = 0; r < (k4 ? SUBS / 2 : SUBS); r++) g->scale[r] = _mm512_load_si512(sc[r]);
     for (int p = 0; p < SUBS / 2; p++) g->mins[p] = _mm512_load_si512(mn[p]);
     g->da = _mm512_load_ps(da), g->db = _mm512_load_ps(db);
+}
+
+// Super-block s of a packed weight's group g into o: the same group_block as decode_group's of the file's rows,
+// taken dword by dword from the packed fields (a nibble split and a shift where decode_group transposes).
+static void unpack_group(const kvd_weight* w, int64_t g, int64_t s, group_block* o) {
+    const int64_t nb = w->k / SB, tb = type_bytes(w->ggml);
+    const uint8_t* b = (const uint8_t*)w->qs + (g * nb + s) * OUT16 * tb;
+#define FIELD(start, q) _mm512_loadu_si512(b + 16 * (start) + 64 * (q))
+    const __m512i m4 = _mm512_set1_epi8(15), byte = _mm512_set1_epi32(0xff);
+    if (w->ggml == KVD_GGML_Q6_K) {  // ql at 0, qh at 128, the int8 scales at 192, d at 208
+        const __m512i m3 = _mm512_set1_epi8(3);
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 16; c++) {  // decode_q6k's vectors 2 h and 2 h + 1, dword c
+                const __m512i l = FIELD(0, 16 * h + c), q = FIELD(128, 8 * h + c % 8);
+                const int shift = c < 8 ? 0 : 2;
+                const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(q, shift), m3);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(q, shift + 4), m3);
+                o->codes[32 * h + c] = _mm512_or_si512(_mm512_and_si512(l, m4), _mm512_slli_epi32(lo, 4));
+                o->codes[32 * h + 16 + c] =
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(l, 4), m4), _mm512_slli_epi32(hi, 4));
+            }
+        for (int r = 0; r < SUBS; r++)  // sign-extended byte r % 4 of dword r / 4
+            o->scale[r] = _mm512_srai_epi32(_mm512_slli_epi32(FIELD(192, r / 4), 24 - 8 * (r % 4)), 24);
+        for (int p = 0; p < SUBS / 2; p++)  // int16 pairs of 32 x the scales (codes stored + 32)
+            o->mins[p] = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi32(o->scale[2 * p], 5), _mm512_set1_epi32(0xffff)),
+                                         _mm512_slli_epi32(o->scale[2 * p + 1], 21));
+        o->da = o->db = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 16 * 208)));
+        return;
+    }
+    // Q4_K and Q5_K: d at 0, dmin at 2, the 12 scale bytes at 4, Q5_K's fifth bits at 16, the codes at 16 or 48.
+    const int five = w->ggml == KVD_GGML_Q5_K;
+    for (int x = 0; x < 32; x++) {  // code dword x: decode_k4's vector 2 (x / 16) (low nibbles) and + 1 (high)
+        const __m512i q = FIELD(five ? 48 : 16, x);
+        const int v = 2 * (x / 16), c = x % 16;
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi32(q, 4), m4);
+        if (five) {  // vector v's fifth bit: bit 4 (v / 2) + v % 2 of qh, + 2 in its second half
+            const __m512i h = FIELD(16, c % 8), one = _mm512_set1_epi8(1);
+            const int bit = 4 * (v / 2) + 2 * (c / 8);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, bit), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, bit + 1), one), 4));
+        }
+        o->codes[16 * v + c] = lo, o->codes[16 * (v + 1) + c] = hi;
+    }
+    // scale_min_k4 on 16 rows at once: sub-block j's scale and minimum in byte j % 4 of sc[j / 4] and mn[j / 4].
+    const __m512i u0 = FIELD(4, 0), u1 = FIELD(4, 1), u2 = FIELD(4, 2), m6 = _mm512_set1_epi8(63);
+    const __m512i top = _mm512_set1_epi8(0x30), m15 = _mm512_set1_epi8(15);
+    const __m512i sc[2] = {_mm512_and_si512(u0, m6),
+                           _mm512_or_si512(_mm512_and_si512(u2, m15), _mm512_and_si512(_mm512_srli_epi32(u0, 2), top))};
+    const __m512i mn[2] = {_mm512_and_si512(u1, m6),
+                           _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), m15),
+                                           _mm512_and_si512(_mm512_srli_epi32(u1, 2), top))};
+    for (int r = 0; r < SUBS / 2; r++) {  // run r: decode_group's sub-block 4 (r / 4) + (r / 2) % 2 + 2 (r % 2)
+        const int j = 4 * (r / 4) + (r / 2) % 2 + 2 * (r % 2);
+        o->scale[r] = _mm512_and_si512(_mm512_srli_epi32(sc[j / 4], 8 * (j % 4)), byte);
+    }
+    for (int p = 0; p < SUBS / 2; p++) {  // the minimum of sub-block p (32 values) in both halves of the pair
+        const __m512i m = _mm512_and_si512(_mm512_srli_epi32(mn[p / 4], 8 * (p % 4)), byte);
+        o->mins[p] = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+    }
+    o->da = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
+    o->db = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));
+#undef FIELD
 }
 
 // Activation rows m .. m + rows - 1 against the group's decoded super-blocks gb [nb]: outputs n0 .. n0 + 15. run:
@@ -631,7 +732,11 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
             if (!gb) continue;
             const int64_t group = item / chunks, m0 = item % chunks * ROW_CHUNK, m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
             if (decoded != group) {
-                for (int64_t s = 0; s < nb; s++) decode_group(w, group * OUT16, s, gb + s);
+                for (int64_t s = 0; s < nb; s++)
+                    if (w->tiles)
+                        unpack_group(w, group, s, gb + s);
+                    else
+                        decode_group(w, group * OUT16, s, gb + s);
                 decoded = group;
             }
             if (w->ggml == KVD_GGML_Q6_K)
@@ -662,7 +767,7 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
 #endif
         int64_t first = 0;  // weight rows before it are done
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
-        if (M >= SUPER_VNNI_MIN_ROWS && w->n >= OUT16) {
+        if ((M >= SUPER_VNNI_MIN_ROWS || w->tiles) && w->n >= OUT16) {
             failed = vnni_super(w, M, q, dx, bsum, y, y_bf16, nthreads);
             first = w->n / OUT16 * OUT16;
         }
@@ -683,12 +788,13 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
 }
 
 void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* out, int out_bf16, int nthreads) {
-    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
+    const int64_t K = w->k, nb = K / SB;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = first; n < first + count; n++) {
         unpacked u;
+        uint8_t tmp[256];
         for (int64_t s = 0; s < nb; s++) {
-            const uint8_t* b = (const uint8_t*)w->qs + (n * nb + s) * tb;
+            const uint8_t* b = file_block(w, n, s, tmp);
             unpack_scales(w->ggml, b, &u);
             unpack_codes(w->ggml, b, u.codes);
             for (int i = 0; i < SB; i++) {
@@ -698,4 +804,31 @@ void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* o
             }
         }
     }
+}
+
+int kvd_super_pack(int32_t ggml, void* data, int64_t n, int64_t k, int64_t row_bytes, int nthreads) {
+    if (k <= 0 || k % SB || row_bytes != k / SB * type_bytes(ggml)) return KVD_BAD_INDEX;
+#if DIRECT_SUPER && defined(__AVX512VNNI__)
+    if ((ggml != KVD_GGML_Q4_K && ggml != KVD_GGML_Q5_K && ggml != KVD_GGML_Q6_K) || n < OUT16) return KVD_UNSUPPORTED;
+    const int64_t nb = k / SB, tb = type_bytes(ggml), bytes = OUT16 * nb * tb;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        uint8_t* rows = malloc((size_t)bytes);  // one group's rows as the file stores them
+        failed |= !rows;
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < n / OUT16; g++) {
+            if (!rows) continue;
+            uint8_t* at = (uint8_t*)data + g * bytes;
+            memcpy(rows, at, (size_t)bytes);
+            for (int64_t s = 0; s < nb; s++)
+                for (int j = 0; j < OUT16; j++) move_block(ggml, j, rows + (j * nb + s) * tb, at + s * OUT16 * tb, 1);
+        }
+        free(rows);
+    }
+    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+#else
+    (void)data, (void)n, (void)nthreads;
+    return KVD_UNSUPPORTED;
+#endif
 }

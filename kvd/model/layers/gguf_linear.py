@@ -126,7 +126,7 @@ class PartSpec:
     rows: int
     bits: int = 0  # kvd blocks: 4, 5 or 8; float: 32 or 16
     ggml: int = 0  # super: the GGUF type number
-    tiles: bool = False  # float: in the float kernels' packed order (cpu_native.pack)
+    tiles: bool = False  # float: in the float kernels' packed order (cpu_native.pack); super: pack_super's
 
 
 # Rows of 32-value blocks converted at a time (a multiple of GROUP_ROWS, so chunks group as the whole would): the
@@ -239,8 +239,9 @@ class GGUFLinear(nn.Module):
         if layout[0] == "super":
             stacked = empty((rows, matrices[0][0].shape[1]), torch.uint8)
             np.concatenate([raw for raw, _ in matrices], out=stacked.numpy())
+            tiles = cpu_native.pack_super(layout[1], stacked, self.in_features)
             self.register_buffer(f"data{i}", stacked)
-            return PartSpec("super", rows, ggml=layout[1])
+            return PartSpec("super", rows, ggml=layout[1], tiles=tiles)
         values = torch.cat([_values(raw, qtype).to(layout[1]) for raw, qtype in matrices])
         # The packed kernels take the model's dtype alone.
         tiles = layout[1] == dtype and cpu_native.packable(values)
@@ -253,7 +254,9 @@ class GGUFLinear(nn.Module):
         """Part i's view for the kernels (its bias included), over its buffers where they lie now."""
         spec, bias = self.specs[i], self._part_bias(i)
         if spec.kind == "super":
-            return cpu_native.super_weight(spec.ggml, getattr(self, f"data{i}"), self.in_features, bias)
+            return cpu_native.super_weight(
+                spec.ggml, getattr(self, f"data{i}"), self.in_features, bias, packed=spec.tiles
+            )
         if spec.kind == "blocks":
             codes, *rest = (getattr(self, f"data{i}_{j}") for j in range(_BUFFERS[spec.bits]))
             return cpu_native.linear_weight(
