@@ -216,6 +216,8 @@ def pack_super(ggml_type: int, data: torch.Tensor, k: int) -> bool:
         raise NativeKernelError(f"pack_super: GGUF type {ggml_type}, {data.dtype} data is not a super-block weight")
     if data.dim() != 2:
         raise NativeKernelError(f"pack_super: data is [N, row bytes], got {tuple(data.shape)}")
+    if not available():
+        return False
     status = library().kvd_super_pack(ggml_type, _ptr(data), data.shape[0], k, data.shape[1], _threads())
     if status == library().KVD_UNSUPPORTED:
         return False
