@@ -672,8 +672,11 @@ static inline __attribute__((always_inline)) void group_pass(int run, int fold, 
     const int64_t K = w->k, nb = K / SB;
     __m512 acc[PASS_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    group_block streamed;
     for (int64_t s = 0; s < nb; s++) {
-        const group_block* g = gb + s;
+        // gb NULL: a packed weight's super-blocks unpacked one at a time as the pass reaches them (one pass over the
+        // group, so the loads of the next overlap this one's products).
+        const group_block* g = gb ? gb + s : (unpack_group(w, n0 / OUT16, s, &streamed), &streamed);
         __m512i tot[PASS_ROWS], summ[PASS_ROWS];
         for (int r = 0; r < rows; r++) tot[r] = summ[r] = _mm512_setzero_si512();
         for (int c = 0; c < SB / 4; c += run) {
@@ -731,7 +734,8 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
         for (int64_t item = 0; item < groups * chunks; item++) {
             if (!gb) continue;
             const int64_t group = item / chunks, m0 = item % chunks * ROW_CHUNK, m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
-            if (decoded != group) {
+            const int stream = w->tiles && m1 - m0 <= PASS_ROWS;  // a single pass: unpacked as it goes
+            if (!stream && decoded != group) {
                 for (int64_t s = 0; s < nb; s++)
                     if (w->tiles)
                         unpack_group(w, group, s, gb + s);
@@ -739,12 +743,13 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
                         decode_group(w, group * OUT16, s, gb + s);
                 decoded = group;
             }
+            const group_block* from = stream ? NULL : gb;
             if (w->ggml == KVD_GGML_Q6_K)
-                group_rows16(4, 0, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+                group_rows16(4, 0, w, from, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
             else if (w->ggml == KVD_GGML_IQ4_XS)
-                group_rows16(4, 1, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+                group_rows16(4, 1, w, from, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
             else
-                group_rows16(8, 0, w, gb, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
+                group_rows16(8, 0, w, from, group * OUT16, m0, m1, q, dx, bsum, y, y_bf16);
         }
         free(gb);
     }
