@@ -100,9 +100,22 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch_in_either_layout(name, dt
     file, packed = weight(name, raw), weight(name, raw, layout="packed")
     x = (torch.randn(150, 1024, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
     together = cpu_native.linear(x, file)
-    for first, count in [(0, 1), (7, 1), (3, 2), (3, 3), (3, 4), (3, 5), (60, 9), (149, 1), (10, 100), (0, 150)]:
+    for first, count in [
+        (0, 1),
+        (7, 1),
+        (3, 2),
+        (3, 3),
+        (3, 4),
+        (3, 5),
+        (60, 9),
+        (149, 1),
+        (10, 100),
+        (0, 150),
+    ]:
         for w in (file, packed):
-            assert torch.equal(cpu_native.linear(x[first : first + count], w), together[first : first + count])
+            assert torch.equal(
+                cpu_native.linear(x[first : first + count], w), together[first : first + count]
+            )
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -149,3 +162,29 @@ def test_malformed_weights_are_refused():
     w = cpu_native.super_weight(cpu_native.SUPER_TYPES["Q4_K"], raw, 256)
     with pytest.raises(cpu_native.NativeKernelError, match="features"):
         cpu_native.linear(torch.zeros(1, 512), w)
+
+
+def test_packing_from_the_files_rows_is_packing_in_place():
+    raw = random_blocks("Q6_K", 40, 512, seed=5)
+    t = cpu_native.SUPER_TYPES["Q6_K"]
+    in_place, copied = torch.from_numpy(raw.copy()), torch.empty(40, raw.shape[1], dtype=torch.uint8)
+    assert cpu_native.pack_super(t, in_place, 512) == cpu_native.pack_super(t, copied, 512, source=raw)
+    assert torch.equal(in_place, copied)
+    with pytest.raises(cpu_native.NativeKernelError, match="source"):
+        cpu_native.pack_super(t, copied, 512, source=raw[:39])
+
+
+@pytest.mark.parametrize("rows", [(24, 40), (32, 20), (16, 16, 5), (7,)])
+def test_a_stack_of_matrices_packs_as_one(rows):
+    """GGUFLinear stacks a projection's matrices (q, k, v) into one part: packed matrix by matrix from the file
+    where the stack's groups of 16 rows fall within one matrix, else stacked, then packed; either way the same
+    outputs as the file's rows stacked."""
+    from kvd.model.layers.gguf_linear import GGUFLinear
+
+    raws = [random_blocks("Q4_K", n, 512, seed=n) for n in rows]
+    linear = GGUFLinear(
+        512, [(f"m{i}", r, GGMLQuantizationType.Q4_K) for i, r in enumerate(raws)], None, torch.float32
+    )
+    assert linear.specs[0].tiles == packs("Q4_K", sum(rows))
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(linear(x), cpu_native.linear(x, weight("Q4_K", np.concatenate(raws))))

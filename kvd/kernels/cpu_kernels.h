@@ -27,7 +27,7 @@ enum kvd_block { KVD_QBLOCK = 32, KVD_GROUP_ROWS = 8 };
 // bytes of low 4 bits, 64 of high 2 bits, 16 int8 sub-block scales, fp16 d; block_iq4_xs: fp16 d, 16 bits of
 // high 2 scale bits, 4 bytes of low 4 scale bits, 128 bytes of 4-bit indices into IQ4's table of 16 int8 values).
 enum kvd_ggml { KVD_GGML_Q4_K = 12, KVD_GGML_Q5_K = 13, KVD_GGML_Q6_K = 14, KVD_GGML_IQ4_XS = 23 };
-enum kvd_super { KVD_SUPER_BLOCK = 256 };
+enum kvd_super { KVD_SUPER_BLOCK = 256, KVD_SUPER_PACK_ROWS = 16 };  // rows a group of kvd_super_pack's layout
 
 // GGUF's F16 type number, for kvd_weight.ggml of a float weight of fp16 values (bits 16 alone: bf16 values).
 enum kvd_half { KVD_GGML_F16 = 1 };
@@ -144,11 +144,11 @@ int kvd_bf16_kernel_order(void);
 // products and sums for float weights.
 int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16, int nthreads);
 
-// A super-block weight's rows data [n, row_bytes], as the file stores them, rewritten in place into the layout
-// this build's kernels read fastest (its groups of 16 rows interleaved; kvd_weight.tiles 1 then); KVD_UNSUPPORTED,
-// data untouched, where this build or type has none (the file's layout is read as it is); KVD_BAD_INDEX where
-// row_bytes is not k / KVD_SUPER_BLOCK of the type's blocks.
-int kvd_super_pack(int32_t ggml, void* data, int64_t n, int64_t k, int64_t row_bytes, int nthreads);
+// dst [n, row_bytes] = a super-block weight's rows src as the file stores them (src == dst: in place), rewritten
+// into the layout this build's kernels read fastest where it has one for the type (each whole group of 16 rows
+// interleaved, the rows after the last group as they were; kvd_weight.tiles 1 then): 1 when packed, 0 when copied
+// as they are, KVD_BAD_INDEX where row_bytes is not k / KVD_SUPER_BLOCK of the type's blocks.
+int kvd_super_pack(int32_t ggml, const void* src, void* dst, int64_t n, int64_t k, int64_t row_bytes, int nthreads);
 
 // out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight, or of a
 // super-block one.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import namedtuple
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +26,7 @@ GROUP_ROWS = _BLOCK["KVD_GROUP_ROWS"]
 # GGUF's super-block types that run in place (enum kvd_ggml): name as GGUF spells it -> its type number.
 SUPER_TYPES = {name.removeprefix("KVD_GGML_"): v for name, v in ffi.typeof("enum kvd_ggml").relements.items()}
 SUPER_BLOCK = ffi.typeof("enum kvd_super").relements["KVD_SUPER_BLOCK"]
+SUPER_PACK_ROWS = ffi.typeof("enum kvd_super").relements["KVD_SUPER_PACK_ROWS"]
 GGML_F16 = ffi.typeof("enum kvd_half").relements["KVD_GGML_F16"]
 MAX_PARTS = ffi.typeof("enum kvd_parts").relements["KVD_MAX_PARTS"]  # of a fused projection in the layer loop
 # A mixture of experts' router scoring and expert activation (enum kvd_moe_scoring, kvd_moe_act), and the weights of
@@ -209,20 +211,29 @@ def super_weight(
     )
 
 
-def pack_super(ggml_type: int, data: torch.Tensor, k: int) -> bool:
-    """Rewrites a super-block weight's bytes (super_weight's data) in place into the layout this build's kernels
-    read fastest; False, data untouched, where there is none (then the file's layout is read as it is)."""
+def pack_super(ggml_type: int, data: torch.Tensor, k: int, source: np.ndarray | None = None) -> bool:
+    """data = the rows of a super-block weight (super_weight's data), rewritten into the layout this build's kernels
+    read fastest where it has one for the type (then True; super_weight(..., packed=True) reads them): from
+    `source` (the file's rows, uint8 [N, row bytes]), or in place. False: data holds the rows as the file does."""
     if ggml_type not in SUPER_TYPES.values() or data.dtype != torch.uint8 or not data.is_contiguous():
-        raise NativeKernelError(f"pack_super: GGUF type {ggml_type}, {data.dtype} data is not a super-block weight")
-    if data.dim() != 2:
-        raise NativeKernelError(f"pack_super: data is [N, row bytes], got {tuple(data.shape)}")
+        raise NativeKernelError(
+            f"pack_super: GGUF type {ggml_type}, {data.dtype} data is not a super-block weight"
+        )
+    if data.dim() != 2 or (source is not None and source.shape != tuple(data.shape)):
+        raise NativeKernelError(
+            f"pack_super: data is [N, row bytes], got {tuple(data.shape)}"
+            + ("" if source is None else f" for a source of {source.shape}")
+        )
+    if source is not None:
+        source = np.ascontiguousarray(source, dtype=np.uint8)
     if not available():
+        if source is not None:
+            data.numpy()[:] = source
         return False
-    status = library().kvd_super_pack(ggml_type, _ptr(data), data.shape[0], k, data.shape[1], _threads())
-    if status == library().KVD_UNSUPPORTED:
-        return False
-    _check(status, "pack_super")
-    return True
+    src = _ptr(data) if source is None else ffi.cast("void *", source.ctypes.data)
+    status = library().kvd_super_pack(ggml_type, src, _ptr(data), data.shape[0], k, data.shape[1], _threads())
+    _check(min(status, 0), "pack_super")
+    return status == 1
 
 
 def group_blocks(codes: torch.Tensor, *scales: torch.Tensor) -> tuple[torch.Tensor, ...]:

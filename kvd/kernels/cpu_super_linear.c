@@ -21,6 +21,7 @@
 #define OUT16 16        // weight rows of a group: the outer products' lanes, and the rows a packed weight interleaves
 
 _Static_assert(SB == 256, "the unpacking below is written for GGUF's 256-value super-blocks");
+_Static_assert(OUT16 == KVD_SUPER_PACK_ROWS, "a packed group is the outer products' 16 rows");
 
 // One weight super-block, ready for the dot products of every activation row.
 typedef struct {
@@ -67,25 +68,22 @@ static inline float half_at(const uint8_t* p) {
 // byte 16 o of the packed one; a group takes the bytes its 16 rows took. Rows past the last whole group stay as
 // the file stores them.
 
-// The field of a block that its byte o lies in: its start and size.
-static void block_field(int32_t type, int o, int* start, int* size) {
+// A block's fields: their starts, then the block's size.
+static const int* block_fields(int32_t type) {
     static const int k4[] = {0, 2, 4, 16, 144}, k5[] = {0, 2, 4, 16, 48, 176}, k6[] = {0, 128, 192, 208, 210};
-    const int* f = type == KVD_GGML_Q4_K ? k4 : type == KVD_GGML_Q5_K ? k5 : k6;
-    while (f[1] <= o) f++;
-    *start = f[0], *size = f[1] - f[0];
+    return type == KVD_GGML_Q4_K ? k4 : type == KVD_GGML_Q5_K ? k5 : k6;
 }
 
-// Row j's block between the file's form (file) and its place in its group's packed block (packed), field by field
-// in units of 2 (d, dmin) or 4 bytes (every other field is whole dwords); to_packed gives the direction.
-static void move_block(int32_t type, int j, uint8_t* file, uint8_t* packed, int to_packed) {
+// Row j's block moved between the file's form and its place in its group's packed block, field by field: from the
+// file's block into the packed one (to_packed), or back.
+static void move_block(int32_t type, int j, const uint8_t* from, uint8_t* to, int to_packed) {
     const int tb = (int)type_bytes(type);
-    for (int o = 0; o < tb;) {
-        int start, size;
-        block_field(type, o, &start, &size);
-        const int unit = size == 2 ? 2 : 4, r = o - start;
-        uint8_t* at = packed + 16 * start + (size == 2 ? 2 * j : r / 4 * 64 + 4 * j);
-        memcpy(to_packed ? at : file + o, to_packed ? file + o : at, (size_t)unit);
-        o += unit;
+    for (const int* f = block_fields(type); f[0] < tb; f++) {
+        const int unit = f[1] - f[0] == 2 ? 2 : 4;  // d and dmin whole, every other field dword by dword
+        for (int o = f[0]; o < f[1]; o += unit) {
+            const int at = 16 * f[0] + (unit == 2 ? 2 * j : (o - f[0]) * 16 + 4 * j);
+            memcpy(to + (to_packed ? at : o), from + (to_packed ? o : at), (size_t)unit);
+        }
     }
 }
 
@@ -93,7 +91,7 @@ static void move_block(int32_t type, int j, uint8_t* file, uint8_t* packed, int 
 static const uint8_t* file_block(const kvd_weight* w, int64_t n, int64_t s, uint8_t* tmp) {
     const int64_t nb = w->k / SB, tb = type_bytes(w->ggml);
     if (!w->tiles || n >= w->n / OUT16 * OUT16) return (const uint8_t*)w->qs + (n * nb + s) * tb;
-    move_block(w->ggml, (int)(n % OUT16), tmp, (uint8_t*)w->qs + (n / OUT16 * nb + s) * OUT16 * tb, 0);
+    move_block(w->ggml, (int)(n % OUT16), (const uint8_t*)w->qs + (n / OUT16 * nb + s) * OUT16 * tb, tmp, 0);
     return tmp;
 }
 
@@ -811,29 +809,32 @@ void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* o
     }
 }
 
-int kvd_super_pack(int32_t ggml, void* data, int64_t n, int64_t k, int64_t row_bytes, int nthreads) {
+int kvd_super_pack(int32_t ggml, const void* src, void* dst, int64_t n, int64_t k, int64_t row_bytes, int nthreads) {
     if (k <= 0 || k % SB || row_bytes != k / SB * type_bytes(ggml)) return KVD_BAD_INDEX;
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
-    if ((ggml != KVD_GGML_Q4_K && ggml != KVD_GGML_Q5_K && ggml != KVD_GGML_Q6_K) || n < OUT16) return KVD_UNSUPPORTED;
-    const int64_t nb = k / SB, tb = type_bytes(ggml), bytes = OUT16 * nb * tb;
+    const int64_t groups = ggml == KVD_GGML_IQ4_XS ? 0 : n / OUT16;
+#else
+    const int64_t groups = 0;
+#endif
+    const int64_t nb = k / SB, tb = row_bytes / nb, bytes = OUT16 * row_bytes;
+    if (src != dst) memcpy((uint8_t*)dst + groups * bytes, (const uint8_t*)src + groups * bytes, (size_t)((n - groups * OUT16) * row_bytes));
     int failed = 0;
-#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+#pragma omp parallel num_threads(nthreads) reduction(| : failed) if (groups > 1)
     {
-        uint8_t* rows = malloc((size_t)bytes);  // one group's rows as the file stores them
-        failed |= !rows;
+        uint8_t* rows = src == dst ? malloc((size_t)bytes) : NULL;  // in place: one group's rows as the file has them
+        failed |= src == dst && !rows;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < n / OUT16; g++) {
-            if (!rows) continue;
-            uint8_t* at = (uint8_t*)data + g * bytes;
-            memcpy(rows, at, (size_t)bytes);
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t* to = (uint8_t*)dst + g * bytes;
+            const uint8_t* from = (const uint8_t*)src + g * bytes;
+            if (src == dst) {
+                if (!rows) continue;
+                from = memcpy(rows, to, (size_t)bytes);
+            }
             for (int64_t s = 0; s < nb; s++)
-                for (int j = 0; j < OUT16; j++) move_block(ggml, j, rows + (j * nb + s) * tb, at + s * OUT16 * tb, 1);
+                for (int j = 0; j < OUT16; j++) move_block(ggml, j, from + (j * nb + s) * tb, to + s * bytes / nb, 1);
         }
         free(rows);
     }
-    return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
-#else
-    (void)data, (void)n, (void)nthreads;
-    return KVD_UNSUPPORTED;
-#endif
+    return failed ? KVD_OUT_OF_MEMORY : groups > 0;
 }

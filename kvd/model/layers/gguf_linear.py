@@ -189,6 +189,22 @@ def _grouped_blocks(
     return out
 
 
+def _stack_super(
+    ggml: int, matrices: list[tuple[np.ndarray, GGMLQuantizationType]], out: torch.Tensor, k: int
+) -> bool:
+    """out = the matrices' rows stacked, in the kernels' packed layout where they have one (cpu_native.pack_super;
+    then True): each matrix straight from the file's bytes where the stack's groups of rows fall within one, else
+    stacked first and packed in place."""
+    if any(raw.shape[0] % cpu_native.SUPER_PACK_ROWS for raw, _ in matrices[:-1]):
+        np.concatenate([raw for raw, _ in matrices], out=out.numpy())
+        return cpu_native.pack_super(ggml, out, k)
+    packed, start = [], 0
+    for raw, _ in matrices:
+        packed.append(cpu_native.pack_super(ggml, out[start : start + raw.shape[0]], k, source=raw))
+        start += raw.shape[0]
+    return packed[0]  # the later ones alike, or (fewer rows than a group) the stack's rows after its groups
+
+
 class GGUFLinear(nn.Module):
     """y = x W^T (+ b), W the row-wise stack of its parts, each in its file's type (see the module's doc)."""
 
@@ -238,8 +254,7 @@ class GGUFLinear(nn.Module):
             return PartSpec("blocks", rows, bits=layout[1])
         if layout[0] == "super":
             stacked = empty((rows, matrices[0][0].shape[1]), torch.uint8)
-            np.concatenate([raw for raw, _ in matrices], out=stacked.numpy())
-            tiles = cpu_native.pack_super(layout[1], stacked, self.in_features)
+            tiles = _stack_super(layout[1], matrices, stacked, self.in_features)
             self.register_buffer(f"data{i}", stacked)
             return PartSpec("super", rows, ggml=layout[1], tiles=tiles)
         values = torch.cat([_values(raw, qtype).to(layout[1]) for raw, qtype in matrices])
