@@ -418,6 +418,20 @@ def test_chat_applies_the_template_and_streams(client: Client):
     assert "".join(c.text for c in streamed) == reply.text
 
 
+def test_tokenize_lists_tools_as_chat_does(client: Client):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    reply = client.chat(messages, tools=tools, **GREEDY)
+    with_tools = client.tokenize(messages=messages, tools=tools)
+    assert reply.usage.prompt_tokens == len(with_tools) > len(client.tokenize(messages=messages))
+    with pytest.raises(BadRequestError, match="tools") as e:
+        client.tokenize("Weather?", tools=tools)
+    assert e.value.field == "tools"
+    with pytest.raises(BadRequestError) as e:
+        client.tokenize(messages=messages, tools=[{"type": "function"}])
+    assert e.value.field.startswith("tools")
+
+
 def test_logprobs_come_with_each_token(client: Client):
     reply = client.generate("Hello", temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
     assert len(reply.logprobs) == 4

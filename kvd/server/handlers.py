@@ -217,9 +217,8 @@ class RequestHandler:
         """The prompt's token ids, and the request field they came from."""
         engine = self.state.engine
         if message.messages is not None:
-            tools = message.tools if isinstance(message, GenerateMessage) else None
             try:
-                return "messages", engine.apply_chat_template(message.messages, tools)
+                return "messages", engine.apply_chat_template(message.messages, message.tools)
             except Exception as e:  # the template is a program: whatever it raises, the input is at fault
                 raise ProtocolError(
                     BAD_REQUEST, f"the chat template rejected the messages: {e}", "messages"

@@ -85,7 +85,7 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
     "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS),
     "embed": ("input", "dimensions", "cache_salt"),
-    "tokenize": ("text", "messages"),
+    "tokenize": ("text", "messages", "tools"),
     "detokenize": ("token_ids",),
     "abort": ("target",),
     "health": (),
@@ -141,6 +141,7 @@ class EmbedMessage(Message):
 class TokenizeMessage(Message):
     text: str | None  # exactly one of text and messages is set
     messages: list[dict[str, str]] | None
+    tools: list[Tool] | None = None  # with messages: the tools chat would list in the prompt
 
 
 @dataclass
@@ -295,7 +296,15 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
         text, messages = _one_prompt(fields, ("text", "messages"))
         if messages is not None:  # tokenize shows the prompt chat would see: it refuses what chat refuses
             _check_history(messages)
-        return TokenizeMessage(request_id, op, text, messages)
+        if fields.get("tools") is not None and messages is None:
+            raise ProtocolError(
+                BAD_REQUEST, "tools go with messages (a chat's prompt), not with text", "tools"
+            )
+        try:
+            tools = parse_tools(fields["tools"]) if fields.get("tools") is not None else []
+        except ToolError as e:
+            raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
+        return TokenizeMessage(request_id, op, text, messages, tools or None)
     if op == "detokenize":
         return DetokenizeMessage(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
     if op == "abort":

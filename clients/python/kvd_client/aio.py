@@ -78,10 +78,16 @@ class AsyncClient:
     ) -> Embeddings:
         return to_embeddings(await self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
 
-    async def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
+    async def tokenize(
+        self,
+        text: str | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[dict] | None = None,
+    ) -> list[int]:
         fields = {
             "text": text,
             "messages": None if messages is None else chat_fields(messages, {})["messages"],
+            "tools": None if tools is None else list(tools),
         }
         return (await self._call("tokenize", fields))["token_ids"]
 

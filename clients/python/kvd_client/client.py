@@ -85,11 +85,18 @@ class Client:
         truncates."""
         return to_embeddings(self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
 
-    def tokenize(self, text: str | None = None, messages: Sequence[Message] | None = None) -> list[int]:
-        """Token ids of `text` as a prompt, or of `messages` with the chat template applied."""
+    def tokenize(
+        self,
+        text: str | None = None,
+        messages: Sequence[Message] | None = None,
+        tools: Sequence[dict] | None = None,
+    ) -> list[int]:
+        """Token ids of `text` as a prompt, or of `messages` with the chat template applied (listing `tools`, as
+        chat does)."""
         fields = {
             "text": text,
             "messages": None if messages is None else chat_fields(messages, {})["messages"],
+            "tools": None if tools is None else list(tools),
         }
         return self._call("tokenize", fields)["token_ids"]
 
