@@ -1,5 +1,5 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, Ollama's /api,
-/health and /metrics; /metrics needs the API key as the others do (its counters show the callers' activity)."""
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, Anthropic's /v1/messages,
+Ollama's /api, /health and /metrics; /metrics needs the API key as the others do (its counters show the callers' activity)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvd.gateway import embeddings, ollama
+from kvd.gateway import anthropic, embeddings, ollama
 from kvd.gateway.auth import Access, Guard
 from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, unless_disconnected
@@ -68,6 +68,7 @@ def create_app(
     install_handlers(app)
     app.include_router(embeddings.router)
     app.include_router(ollama.router)
+    app.include_router(anthropic.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -1,5 +1,6 @@
-"""Errors with their HTTP status: OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on /v1, and
-Ollama's, {"error": message}, on /api."""
+"""Errors with their HTTP status: OpenAI's shape, {"error": {"message", "type", "param", "code"}}, on /v1,
+Anthropic's, {"type": "error", "error": {"type", "message"}}, on /v1/messages, and Ollama's, {"error": message},
+on /api."""
 
 from __future__ import annotations
 
@@ -113,12 +114,36 @@ def is_ollama(request: Request) -> bool:
     return request.url.path.startswith("/api/")
 
 
+def is_anthropic(request: Request) -> bool:
+    return request.url.path == "/v1/messages" or request.url.path.startswith("/v1/messages/")
+
+
+# HTTP status -> Anthropic's error type (its API answers an overloaded service with 529; kvd's daemon says 429).
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def anthropic_error(error: ApiError) -> dict:
+    """The error's body in Anthropic's shape (the field at fault is named in the message, as Anthropic does)."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
 # Seconds a client is asked to wait before retrying a 429 or 503: the daemon's queues drain within a few steps.
 RETRY_AFTER_S = 1
 
 
 def error_response(request: Request, error: ApiError) -> JSONResponse:
-    body = {"error": error.message} if is_ollama(request) else error.body()
+    if is_ollama(request):
+        body = {"error": error.message}
+    else:
+        body = anthropic_error(error) if is_anthropic(request) else error.body()
     headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status in (429, 503) else None
     return JSONResponse(body, status_code=error.status, headers=headers)
 

@@ -1,0 +1,192 @@
+"""Anthropic's Messages API on the same app: POST /v1/messages (whole or as Anthropic's server-sent events) and
+/v1/messages/count_tokens; errors in Anthropic's shape (kvd.gateway.errors)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvd.gateway.anthropic_schemas import PARAM_NAMES, CountTokensRequest, MessagesRequest
+from kvd.gateway.choices import Choice, merged, unless_disconnected
+from kvd.gateway.errors import ApiError, anthropic_error, from_kvd_error, invalid_fields
+from kvd.gateway.outcome import answer
+from kvd.gateway.state import Gateway, gateway_of
+from kvd_client import KvdError, ToolCall
+
+CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
+# The daemon's finish reasons as Anthropic's stop reasons (a stop sequence and the end of the turn are both the
+# daemon's "stop": the text says which, not the reason).
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+router = APIRouter(prefix="/v1/messages")
+
+
+@router.post("")
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    gateway = gateway_of(request)
+    return await answer(gateway.metrics, request.url.path, PARAM_NAMES, _reply(request, gateway, body))
+
+
+@router.post("/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    gateway = gateway_of(request)
+    await _check(gateway, body)
+    tools = body.daemon_tools().get("tools")
+    try:
+        ids = await gateway.client.tokenize(messages=body.conversation(), tools=tools)
+    except KvdError as e:
+        raise from_kvd_error(e, PARAM_NAMES) from None
+    return {"input_tokens": len(ids)}
+
+
+async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -> None:
+    await gateway.check_model(body.model)
+    refused = body.refusals()
+    if refused:
+        raise invalid_fields(refused)
+
+
+async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> dict | StreamingResponse:
+    await _check(gateway, body)
+    messages = body.conversation()
+    shape = ReplyShape(body.model)
+    job = (messages, body.daemon_fields())
+    streams = gateway.streams(request, "chat", [job], body.user)
+    chunks = merged(streams, gateway.metrics)
+    if body.stream:
+        first = await anext(chunks)  # errors before the first token are HTTP errors
+        # The prompt's size for message_start (with tools too: tokenize lists them as chat does).
+        prompt = await gateway.client.tokenize(messages=messages, tools=job[1].get("tools"))
+        events = _events(gateway, shape, len(prompt), first, chunks, request.url.path)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def collect() -> Choice:
+        choice = Choice(0)
+        async for _, chunk in chunks:
+            choice.add(chunk)
+        return choice
+
+    choice = await unless_disconnected(request, collect())
+    if choice.finish_reason == "abort":
+        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+    return shape.whole(choice)
+
+
+@dataclass
+class ReplyShape:
+    """Anthropic's bodies for one generation: the whole message, or its stream's events."""
+
+    model: str
+    id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
+    open_block: int | None = None  # the index of the text block being streamed
+    blocks: int = 0  # content blocks started so far
+
+    def message(self, content: list[dict], stop_reason: str | None, usage: dict) -> dict:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": None,
+            "usage": usage,
+        }
+
+    def whole(self, choice: Choice) -> dict:
+        content = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls else []
+        content += [_tool_use(call) for call in choice.tool_calls]
+        usage = {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
+        return self.message(content, STOP_REASONS.get(choice.finish_reason, "end_turn"), usage)
+
+    def start(self, input_tokens: int) -> list[tuple[str, dict]]:
+        body = self.message([], None, {"input_tokens": input_tokens, "output_tokens": 0})
+        return [("message_start", {"type": "message_start", "message": body}), ("ping", {"type": "ping"})]
+
+    def text(self, text: str) -> list[tuple[str, dict]]:
+        events = []
+        if self.open_block is None:
+            self.open_block, self.blocks = self.blocks, self.blocks + 1
+            block = {"type": "text", "text": ""}
+            events.append(("content_block_start", _indexed("content_block_start", self.open_block, block)))
+        delta = {"type": "text_delta", "text": text}
+        events.append(("content_block_delta", _delta(self.open_block, delta)))
+        return events
+
+    def finish(self, choice: Choice) -> list[tuple[str, dict]]:
+        """The last events: the open text block closed, each tool use as a block of its own, the stop reason."""
+        events = []
+        if self.open_block is None and not choice.tool_calls:  # a reply with no text still has its text block
+            events += self.text("")
+        if self.open_block is not None:
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": self.open_block}))
+            self.open_block = None
+        for call in choice.tool_calls:
+            index, self.blocks = self.blocks, self.blocks + 1
+            block = {**_tool_use(call), "input": {}}
+            events.append(("content_block_start", _indexed("content_block_start", index, block)))
+            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            events.append(("content_block_delta", _delta(index, delta)))
+            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
+        usage = {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
+        stop = {"stop_reason": STOP_REASONS.get(choice.finish_reason, "end_turn"), "stop_sequence": None}
+        events.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return events
+
+
+def _indexed(kind: str, index: int, block: dict) -> dict:
+    return {"type": kind, "index": index, "content_block": block}
+
+
+def _delta(index: int, delta: dict) -> dict:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        arguments = {}  # the daemon's calls are JSON objects; this only guards a broken reply
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+
+
+async def _events(
+    gateway: Gateway, shape: ReplyShape, input_tokens: int, first: tuple, rest: AsyncIterator, endpoint: str
+) -> AsyncIterator[str]:
+    outcome = "disconnected"  # unless the loop below ends
+    choice = Choice(0)
+    try:
+        for event in shape.start(input_tokens):
+            yield _event(*event)
+        item = first
+        while item is not None:
+            _, chunk = item
+            if chunk.finish_reason == "abort":
+                outcome = "server_error"
+                yield _event("error", anthropic_error(ApiError(503, CUT_MESSAGE, "server_error")))
+                return
+            choice.add(chunk)
+            if chunk.text:
+                for event in shape.text(chunk.text):
+                    yield _event(*event)
+            item = await anext(rest, None)
+        for event in shape.finish(choice):
+            yield _event(*event)
+        outcome = "success"
+    except KvdError as e:
+        outcome = "server_error"
+        yield _event("error", anthropic_error(from_kvd_error(e, PARAM_NAMES)))
+    finally:
+        await rest.aclose()
+        gateway.metrics.request_done(endpoint, outcome)
+
+
+def _event(kind: str, body: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
