@@ -200,6 +200,12 @@ def test_an_output_format_is_a_json_schema(api: anthropic.Anthropic, model: str)
         ({"extra_body": {"frequency": 1}}, anthropic.BadRequestError, "frequency"),
         ({"tool_choice": {"type": "any"}}, anthropic.BadRequestError, "tool_choice"),
         (
+            {"messages": [*HI, {"role": "assistant", "content": "{"}]},
+            anthropic.BadRequestError,
+            "messages[1]",
+        ),
+        ({"messages": []}, anthropic.BadRequestError, "messages"),
+        (
             {
                 "messages": [
                     {

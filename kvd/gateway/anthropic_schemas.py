@@ -196,6 +196,11 @@ class _Prompt(Strict):
         refused = []
         if not self.messages:
             refused.append(("messages", "at least one message"))
+        elif self.messages[-1].role == "assistant":  # Anthropic's prefill: the reply would go on from it
+            where = f"messages[{len(self.messages) - 1}]"
+            refused.append(
+                (where, "kvd does not continue an assistant's prefilled reply yet: end with a user turn")
+            )
         if self.thinking is not None and self.thinking.type != "disabled":
             refused.append(("thinking", "kvd serves no thinking mode yet; leave thinking unset or disabled"))
         if self.output_config is not None and self.output_config.effort is not None:
