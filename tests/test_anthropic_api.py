@@ -96,6 +96,22 @@ def test_a_stream_has_anthropics_events_and_the_same_message(api: anthropic.Anth
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_stop_sequence_is_named(api: anthropic.Anthropic, model: str):
+    params = dict(model=model, messages=HI, max_tokens=12, extra_body=GREEDY)
+    free = api.messages.create(**params).content[0].text
+    stop = free[3:6]
+    assert stop and stop not in free[:3]
+    reply = api.messages.create(**params, stop_sequences=["never written", stop])
+    assert (reply.stop_reason, reply.stop_sequence, reply.content[0].text) == (
+        "stop_sequence",
+        stop,
+        free[:3],
+    )
+    with api.messages.stream(**params, stop_sequences=[stop]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
 def test_a_forced_tool_use_validates_streamed_or_not(api: anthropic.Anthropic, model: str):
     params = dict(
         model=model,

@@ -432,6 +432,20 @@ def test_tokenize_lists_tools_as_chat_does(client: Client):
     assert e.value.field.startswith("tools")
 
 
+def test_the_final_reply_names_the_stop_string_that_ended_it(client: Client):
+    free = client.generate("Hello", **GREEDY)
+    stop = free.text[3:6]  # a piece of what greedy decoding writes: it stops there
+    assert stop and stop not in free.text[:3]
+    cut = client.generate("Hello", **GREEDY, stop=["never written", stop])
+    assert cut.finish_reason == "stop" and cut.stop_string == stop and cut.text == free.text[:3]
+    (final,) = [c for c in client.stream("Hello", **GREEDY, stop=[stop]) if c.finished]
+    assert final.stop_string == stop
+    assert (
+        free.stop_string is None
+        and client.generate("Hello", **GREEDY, stop=["never written"]).stop_string is None
+    )
+
+
 def test_logprobs_come_with_each_token(client: Client):
     reply = client.generate("Hello", temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True)
     assert len(reply.logprobs) == 4

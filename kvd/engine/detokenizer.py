@@ -26,6 +26,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once stopped
         self.starts: list[int] = []  # where each generated token's text begins in `text`
         self.released = 0  # generated tokens handed out (take_tokens)
 
@@ -86,8 +87,9 @@ class IncrementalDetokenizer:
     def _append(self, new_text: str) -> None:
         start = max(0, len(self.text) - self.holdback)
         self.text += new_text
-        # The earliest match in the text wins, whatever the order of the stop strings.
-        matches = [pos for s in self.stop if (pos := self.text.find(s, start)) != -1]
+        # The earliest match in the text wins, whatever the order of the stop strings (at one place, the first
+        # listed).
+        matches = [(pos, i) for i, s in enumerate(self.stop) if (pos := self.text.find(s, start)) != -1]
         if matches:
-            self.text = self.text[: min(matches)]
-            self.stopped = True
+            pos, i = min(matches)
+            self.text, self.stop_string, self.stopped = self.text[:pos], self.stop[i], True

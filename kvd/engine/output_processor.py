@@ -90,6 +90,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            stop_string=detokenizer.stop_string if finished and detokenizer else None,
         )
 
     @staticmethod

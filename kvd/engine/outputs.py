@@ -28,6 +28,7 @@ class RequestOutput:
     # Speculative decoding: the request's draft tokens so far, and those its own tokens confirmed.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    stop_string: str | None = None  # on the last increment: the stop string that ended the text, if one did
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This increment followed by a later one of the same request, as one (a step's verified tokens go out

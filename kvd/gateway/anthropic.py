@@ -20,8 +20,7 @@ from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import KvdError, ToolCall
 
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
-# The daemon's finish reasons as Anthropic's stop reasons (a stop sequence and the end of the turn are both the
-# daemon's "stop": the text says which, not the reason).
+# The daemon's finish reasons as Anthropic's stop reasons ("stop" with a stop string: stop_sequence).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 router = APIRouter(prefix="/v1/messages")
@@ -87,26 +86,27 @@ class ReplyShape:
     open_block: int | None = None  # the index of the text block being streamed
     blocks: int = 0  # content blocks started so far
 
-    def message(self, content: list[dict], stop_reason: str | None, usage: dict) -> dict:
-        return {
+    def message(self, content: list[dict], stop: dict, usage: dict) -> dict:
+        body = {
             "id": self.id,
             "type": "message",
             "role": "assistant",
             "model": self.model,
             "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": None,
-            "usage": usage,
         }
+        return {**body, **stop, "usage": usage}
 
     def whole(self, choice: Choice) -> dict:
         content = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls else []
         content += [_tool_use(call) for call in choice.tool_calls]
-        usage = {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
-        return self.message(content, STOP_REASONS.get(choice.finish_reason, "end_turn"), usage)
+        return self.message(content, _stop(choice), _usage(choice))
 
     def start(self, input_tokens: int) -> list[tuple[str, dict]]:
-        body = self.message([], None, {"input_tokens": input_tokens, "output_tokens": 0})
+        body = self.message(
+            [],
+            {"stop_reason": None, "stop_sequence": None},
+            {"input_tokens": input_tokens, "output_tokens": 0},
+        )
         return [("message_start", {"type": "message_start", "message": body}), ("ping", {"type": "ping"})]
 
     def text(self, text: str) -> list[tuple[str, dict]]:
@@ -134,11 +134,21 @@ class ReplyShape:
             delta = {"type": "input_json_delta", "partial_json": call.arguments}
             events.append(("content_block_delta", _delta(index, delta)))
             events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-        usage = {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
-        stop = {"stop_reason": STOP_REASONS.get(choice.finish_reason, "end_turn"), "stop_sequence": None}
-        events.append(("message_delta", {"type": "message_delta", "delta": stop, "usage": usage}))
+        events.append(
+            ("message_delta", {"type": "message_delta", "delta": _stop(choice), "usage": _usage(choice)})
+        )
         events.append(("message_stop", {"type": "message_stop"}))
         return events
+
+
+def _stop(choice: Choice) -> dict:
+    if choice.stop_string is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": choice.stop_string}
+    return {"stop_reason": STOP_REASONS.get(choice.finish_reason, "end_turn"), "stop_sequence": None}
+
+
+def _usage(choice: Choice) -> dict:
+    return {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
 
 
 def _indexed(kind: str, index: int, block: dict) -> dict:

@@ -35,6 +35,7 @@ class Choice:
     usage: Usage | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_string: str | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
@@ -45,6 +46,7 @@ class Choice:
             self.usage = chunk.usage
             self.tool_calls = chunk.tool_calls
             self.prompt_logprobs = chunk.prompt_logprobs
+            self.stop_string = chunk.stop_string
 
     def drop_generated(self) -> None:
         """Forget the output (the one token asked for so that the daemon scores the prompt)."""

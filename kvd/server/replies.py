@@ -46,14 +46,20 @@ class Replies:
             text = generation.tool_parser.feed(text)
         if generation.stream:
             if out.finished:
-                reply = self.final_reply(generation, out.finish_reason, text, out.new_token_ids, logprobs)
+                reply = self.final_reply(
+                    generation, out.finish_reason, text, out.new_token_ids, logprobs, out.stop_string
+                )
             else:
                 reply = protocol.chunk_reply(generation.id, text, out.new_token_ids, logprobs)
         else:
             generation.text.append(text)
             generation.token_ids.extend(out.new_token_ids)
             generation.logprobs.extend(logprobs or [])
-            reply = self.final_reply(generation, out.finish_reason) if out.finished else None
+            reply = (
+                self.final_reply(generation, out.finish_reason, stop_string=out.stop_string)
+                if out.finished
+                else None
+            )
         if out.finished:
             del self.state.in_engine[out.request_id]
             self._finished(session, generation, reply["finish_reason"])
@@ -111,6 +117,7 @@ class Replies:
         text: str = "",
         token_ids: list[int] | None = None,
         logprobs: list[dict] | None = None,
+        stop_string: str | None = None,
     ) -> dict:
         """The final reply: a stream's last delta, or a non-streaming generation's whole output."""
         if not generation.stream:
@@ -134,6 +141,8 @@ class Replies:
                 extra["tool_calls"] = protocol.tool_calls_payload(calls)
         if generation.prompt_logprobs is not None:
             extra["prompt_logprobs"] = generation.prompt_logprobs
+        if stop_string is not None and reason == "stop":
+            extra["stop_string"] = stop_string
         return protocol.final_reply(generation.id, text, token_ids or [], logprobs, reason, usage, extra)
 
 

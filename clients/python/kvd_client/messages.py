@@ -73,6 +73,9 @@ class Chunk:
     usage: Usage | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # the last chunk's, with tools
     prompt_logprobs: list[TokenLogprob | None] | None = None  # the last chunk's, with prompt_logprobs
+    stop_string: str | None = (
+        None  # the last chunk's: the request's stop string that ended the text, if one did
+    )
 
     @property
     def finished(self) -> bool:
@@ -91,6 +94,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs; the first is None
+    stop_string: str | None = None  # the request's stop string that ended the text, if one did
 
 
 def pack_request(op: str, request_id: RequestId, fields: dict[str, Any]) -> bytes:
@@ -203,6 +207,7 @@ def to_chunk(reply: dict) -> Chunk:
         usage=Usage(**reply["usage"]) if final else None,
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
+        stop_string=reply.get("stop_string"),
     )
 
 
@@ -219,6 +224,7 @@ def to_completion(reply: dict) -> Completion:
         logprobs=_logprobs(reply.get("logprobs")),
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
+        stop_string=reply.get("stop_string"),
     )
 
 
