@@ -221,6 +221,20 @@ def test_an_output_format_is_a_json_schema(api: anthropic.Anthropic, model: str)
             "messages[1]",
         ),
         ({"messages": []}, anthropic.BadRequestError, "messages"),
+        ({"messages": [{"role": "user", "content": []}]}, anthropic.BadRequestError, "messages[0].content"),
+        ({"tools": [{**WEATHER, "strict": True}]}, anthropic.BadRequestError, "tools[0].strict"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}],
+                    }
+                ]
+            },
+            anthropic.BadRequestError,
+            "messages[0].content[0].tool_use_id",
+        ),
         (
             {
                 "messages": [

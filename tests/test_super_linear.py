@@ -137,6 +137,9 @@ def test_packing_moves_whole_groups_and_leaves_the_rest(name):
         assert (after == raw).all()
     with pytest.raises(cpu_native.NativeKernelError):
         cpu_native.pack_super(cpu_native.SUPER_TYPES[name], data[:, :-2].contiguous(), 512)
+    if name == "IQ4_XS":
+        with pytest.raises(cpu_native.NativeKernelError, match="no packed layout"):
+            cpu_native.super_weight(cpu_native.SUPER_TYPES[name], data, 512, packed=True)
     small = torch.from_numpy(raw[:15].copy())
     assert not cpu_native.pack_super(cpu_native.SUPER_TYPES[name], small, 512)  # no whole group
     assert (small.numpy() == raw[:15]).all()

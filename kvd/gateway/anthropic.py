@@ -56,12 +56,15 @@ async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> d
     messages = body.conversation()
     shape = ReplyShape(body.model)
     job = (messages, body.daemon_fields())
+    # A stream's message_start gives the prompt's size first (tokenize lists tools as chat does); asked before the
+    # generation starts, so that nothing runs on if it fails.
+    prompt = (
+        await gateway.client.tokenize(messages=messages, tools=job[1].get("tools")) if body.stream else []
+    )
     streams = gateway.streams(request, "chat", [job], body.user)
     chunks = merged(streams, gateway.metrics)
     if body.stream:
         first = await anext(chunks)  # errors before the first token are HTTP errors
-        # The prompt's size for message_start (with tools too: tokenize lists them as chat does).
-        prompt = await gateway.client.tokenize(messages=messages, tools=job[1].get("tools"))
         events = _events(gateway, shape, len(prompt), first, chunks, request.url.path)
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -131,7 +134,7 @@ class ReplyShape:
             index, self.blocks = self.blocks, self.blocks + 1
             block = {**_tool_use(call), "input": {}}
             events.append(("content_block_start", _indexed("content_block_start", index, block)))
-            delta = {"type": "input_json_delta", "partial_json": call.arguments}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(_tool_use(call)["input"])}
             events.append(("content_block_delta", _delta(index, delta)))
             events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
         events.append(

@@ -210,8 +210,20 @@ class _Prompt(Strict):
                 refused.append(("tool_choice.name", 'tool_choice of type "tool" names the tool'))
             if self.tool_choice.type in ("any", "tool") and not self.tools:
                 refused.append(("tool_choice", f'tool_choice of type "{self.tool_choice.type}" needs tools'))
+        for i, tool in enumerate(self.tools or []):
+            forced = self.tool_choice is not None and self.tool_choice.type in ("any", "tool")
+            if tool.strict and not forced:  # only a forced call is held to its schema by a grammar
+                refused.append(
+                    (f"tools[{i}].strict", 'strict tools need tool_choice "any" or "tool" with kvd')
+                )
+        uses: set[str] = set()  # the ids of the previous assistant turn's tool uses
         for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and not m.content:
+                refused.append((f"messages[{i}].content", "at least one content block"))
             for j, b in enumerate(m.blocks()):
+                if isinstance(b, ToolResultBlock) and b.tool_use_id not in uses:
+                    why = "answers no tool_use of the assistant's turn before it"
+                    refused.append((f"messages[{i}].content[{j}].tool_use_id", why))
                 where = f"messages[{i}].content[{j}]"
                 if isinstance(b, ImageBlock | DocumentBlock):
                     refused.append((where, f"kvd serves text models: no {b.type} blocks"))
@@ -223,6 +235,8 @@ class _Prompt(Strict):
                     refused.append((where, "tool_use blocks are the assistant's"))
                 if isinstance(b, ToolResultBlock) and m.role != "user":
                     refused.append((where, "tool_result blocks are the user's"))
+            if m.role == "assistant":
+                uses = {b.id for b in m.blocks() if isinstance(b, ToolUseBlock)}
         return refused
 
 

@@ -127,7 +127,7 @@ def create_app(
                 fields = [{**f, "prompt_logprobs": body.logprobs} for f in fields]
             reply = Reply(name, False, body.logprobs is not None, gateway.texts, n=body.n, echo=echo)
             if body.continuous_usage:
-                reply.prompt_counts = await _prompt_counts(gateway.client, "generate", prompts, False)
+                reply.prompt_counts = await _prompt_counts(gateway.client, "generate", prompts)
             return [(p, f) for p in prompts for f in fields], reply, echo is not None and max_tokens == 0
 
         return await _generate(request, body, "generate", plan)
@@ -141,8 +141,9 @@ def create_app(
             jobs = [(messages, body.daemon_fields(max_tokens, j)) for j in range(body.n)]
             reply = Reply(name, True, body.num_logprobs is not None, gateway.texts, n=body.n)
             if body.continuous_usage:
-                counts = await _prompt_counts(gateway.client, "chat", [messages], bool(body.tools))
-                reply.prompt_counts = counts
+                reply.prompt_counts = await _prompt_counts(
+                    gateway.client, "chat", [messages], jobs[0][1].get("tools")
+                )
             return jobs, reply, False
 
         return await _generate(request, body, "chat", plan)
@@ -158,13 +159,10 @@ async def _text(client: AsyncClient, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else await client.detokenize(prompt)
 
 
-async def _prompt_counts(client: AsyncClient, op: str, prompts: list, tools: bool) -> list[int | None]:
-    """Each prompt's token count as the daemon will see it; unknown (None) for a chat with tools, whose
-    tool text the daemon adds and `tokenize` does not."""
-    if tools:
-        return [None] * len(prompts)
+async def _prompt_counts(client: AsyncClient, op: str, prompts: list, tools: list | None = None) -> list[int]:
+    """Each prompt's token count as the daemon will see it (a chat's tools listed as chat lists them)."""
     if op == "chat":
-        return [len(await client.tokenize(messages=m)) for m in prompts]
+        return [len(await client.tokenize(messages=m, tools=tools)) for m in prompts]
     return [len(await _token_ids(client, p)) for p in prompts]
 
 

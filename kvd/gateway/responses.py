@@ -142,8 +142,6 @@ class Reply:
         if chunk.finished:
             return usage_body([self.finals[index]])
         prompt = self.prompt_counts[index // self.n]
-        if prompt is None:
-            return None
         completion = self.generated[index]
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 

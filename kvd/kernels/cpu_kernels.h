@@ -147,7 +147,8 @@ int kvd_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* 
 // dst [n, row_bytes] = a super-block weight's rows src as the file stores them (src == dst: in place), rewritten
 // into the layout this build's kernels read fastest where it has one for the type (each whole group of 16 rows
 // interleaved, the rows after the last group as they were; kvd_weight.tiles 1 then): 1 when packed, 0 when copied
-// as they are, KVD_BAD_INDEX where row_bytes is not k / KVD_SUPER_BLOCK of the type's blocks.
+// as they are, KVD_BAD_INDEX for a type that is not a super-block type or row_bytes that is not k /
+// KVD_SUPER_BLOCK of its blocks, KVD_OUT_OF_MEMORY (in place) without a group's scratch.
 int kvd_super_pack(int32_t ggml, const void* src, void* dst, int64_t n, int64_t k, int64_t row_bytes, int nthreads);
 
 // out [count, k] (float32, or bf16 when out_bf16) = rows first .. first + count of a 4- or 8-bit weight, or of a

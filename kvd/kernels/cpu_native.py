@@ -197,6 +197,8 @@ def super_weight(
         )
     if bias is not None and bias.dtype != torch.float32:
         raise NativeKernelError(f"the bias of a native linear is float32, not {bias.dtype}")
+    if packed and ggml_type == SUPER_TYPES["IQ4_XS"]:
+        raise NativeKernelError("IQ4_XS has no packed layout: pack_super leaves it as the file stores it")
     return LinearWeight(
         qs=data.data_ptr(),
         d=0,

@@ -536,7 +536,9 @@ static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, 
 // row of its chunk: VPDPBUSD adds 4 code products into each row's int32 lane, each run of codes under one scale
 // is multiplied by that scale's lanes, the minimum term comes from int16 pairs (VPDPWSSD): the same exact integers
 // as direct_dot, then the same float steps per output, so the outputs are the other paths' bits.
-#define SUPER_VNNI_MIN_ROWS 6  // from here, one decode of a group beats decoding each row per chunk (Xeon, 2 cores: 8 rows 1.3x, 4 rows 0.7x)
+// From here, one decode of a group of the file's rows beats decoding each row per chunk (Xeon, 2 cores: 8 rows 1.3x,
+// 4 rows 0.7x); packed weights take the outer products at every row count.
+#define SUPER_VNNI_MIN_ROWS 6
 #define PASS_ROWS 4  // activation rows a pass: their sums in registers
 
 typedef struct {
@@ -725,14 +727,18 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        group_block* gb = aligned_alloc(64, sizeof(group_block) * (size_t)nb);
-        failed |= !gb;
+        // A packed weight's passes of at most PASS_ROWS rows unpack each super-block as they reach it: decode
+        // steps need no group buffer.
+        const int streams = w->tiles && M <= PASS_ROWS;
+        group_block* gb = streams ? NULL : aligned_alloc(64, sizeof(group_block) * (size_t)nb);
+        failed |= !streams && !gb;
         int64_t decoded = -1;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < groups * chunks; item++) {
-            if (!gb) continue;
+            if (!streams && !gb) continue;
             const int64_t group = item / chunks, m0 = item % chunks * ROW_CHUNK, m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
-            const int stream = w->tiles && m1 - m0 <= PASS_ROWS;  // a single pass: unpacked as it goes
+            // A single pass unpacks as it goes, unless the group is in gb already (a tail chunk after a whole one).
+            const int stream = streams || (w->tiles && m1 - m0 <= PASS_ROWS && decoded != group);
             if (!stream && decoded != group) {
                 for (int64_t s = 0; s < nb; s++)
                     if (w->tiles)
@@ -757,6 +763,11 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
 
 int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t M, void* y, int y_bf16,
                         int nthreads) {
+#if DIRECT_SUPER && defined(__AVX512VNNI__)
+    if (w->tiles && w->ggml == KVD_GGML_IQ4_XS) return KVD_UNSUPPORTED;  // kvd_super_pack leaves it as the file has it
+#else
+    if (w->tiles) return KVD_UNSUPPORTED;  // this build packs nothing, and reads no packed rows
+#endif
     const int64_t K = w->k, nb = K / SB, chunks = (M + ROW_CHUNK - 1) / ROW_CHUNK;
     int8_t* q = malloc((size_t)(M * K));
     float* dx = malloc(sizeof(float) * (size_t)(M * nb));
@@ -810,7 +821,8 @@ void super_dequantize(const kvd_weight* w, int64_t first, int64_t count, void* o
 }
 
 int kvd_super_pack(int32_t ggml, const void* src, void* dst, int64_t n, int64_t k, int64_t row_bytes, int nthreads) {
-    if (k <= 0 || k % SB || row_bytes != k / SB * type_bytes(ggml)) return KVD_BAD_INDEX;
+    const int known = ggml == KVD_GGML_Q4_K || ggml == KVD_GGML_Q5_K || ggml == KVD_GGML_Q6_K || ggml == KVD_GGML_IQ4_XS;
+    if (!known || n < 0 || k <= 0 || k % SB || row_bytes != k / SB * type_bytes(ggml)) return KVD_BAD_INDEX;
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
     const int64_t groups = ggml == KVD_GGML_IQ4_XS ? 0 : n / OUT16;
 #else

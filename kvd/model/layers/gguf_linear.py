@@ -202,7 +202,7 @@ def _stack_super(
     for raw, _ in matrices:
         packed.append(cpu_native.pack_super(ggml, out[start : start + raw.shape[0]], k, source=raw))
         start += raw.shape[0]
-    return packed[0]  # the later ones alike, or (fewer rows than a group) the stack's rows after its groups
+    return any(packed)  # the others alike, or (fewer rows than a group) the stack's rows after its groups
 
 
 class GGUFLinear(nn.Module):
