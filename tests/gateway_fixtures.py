@@ -17,6 +17,27 @@ from daemon_fixtures import DaemonProcess, start_daemon
 
 from kvd_client import Client
 
+# Schemas the API tests share, bounded so that a constrained output ends well within max_tokens: a structured
+# output, and the weather tool's parameters.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
 
 def free_port() -> int:
     with socket.socket() as s:

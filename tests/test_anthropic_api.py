@@ -10,35 +10,14 @@ import httpx
 import jsonschema
 import pytest
 from daemon_fixtures import DaemonProcess
-from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
+from gateway_fixtures import PERSON, WEATHER_PARAMETERS, daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
 
 from kvd_client import Client
 
 HI = [{"role": "user", "content": "Hi"}]
 # Anthropic's current SDK sends no sampling fields of its own; older clients and kvd's extension still may.
 GREEDY = {"temperature": 0}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "name": "weather",
-    "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 10},
-            "days": {"type": "integer", "maximum": 9},
-        },
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-}
+WEATHER = {"name": "weather", "description": "The weather in a city", "input_schema": WEATHER_PARAMETERS}
 DAEMON_WEATHER = {
     "type": "function",
     "function": {

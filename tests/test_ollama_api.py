@@ -11,7 +11,7 @@ import jsonschema
 import ollama
 import pytest
 from daemon_fixtures import DaemonProcess
-from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
+from gateway_fixtures import PERSON, daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
 from packaging.version import Version
 
 from kvd.gateway.ollama import ReplyShape
@@ -19,15 +19,6 @@ from kvd_client import Chunk, Client, ToolCall, Usage
 
 HI = [{"role": "user", "content": "Hi"}]
 GREEDY = {"temperature": 0, "num_predict": 8}
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 8},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
 
 
 def weather(city: str) -> str:

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 from daemon_fixtures import DaemonProcess
-from gateway_fixtures import daemon_fixture, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
+from gateway_fixtures import WEATHER_PARAMETERS, daemon_fixture, kvd_fixture, model_fixture, oai_fixture  # noqa: F401
 
 from kvd_client import Client
 
@@ -36,15 +36,7 @@ WEATHER = {
     "function": {
         "name": "weather",
         "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "days": {"type": "integer", "maximum": 9},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
+        "parameters": WEATHER_PARAMETERS,
     },
 }
 TIME = {
