@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvd.gateway.anthropic_schemas import PARAM_NAMES, CountTokensRequest, MessagesRequest
-from kvd.gateway.choices import Choice, merged, unless_disconnected
+from kvd.gateway.choices import Choice, arguments_object, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, anthropic_error, from_kvd_error, invalid_fields
 from kvd.gateway.outcome import answer
 from kvd.gateway.state import Gateway, gateway_of
@@ -117,7 +117,7 @@ class ReplyShape:
         if self.open_block is None:
             self.open_block, self.blocks = self.blocks, self.blocks + 1
             block = {"type": "text", "text": ""}
-            events.append(("content_block_start", _indexed("content_block_start", self.open_block, block)))
+            events.append(("content_block_start", _block_start(self.open_block, block)))
         delta = {"type": "text_delta", "text": text}
         events.append(("content_block_delta", _delta(self.open_block, delta)))
         return events
@@ -132,9 +132,9 @@ class ReplyShape:
             self.open_block = None
         for call in choice.tool_calls:
             index, self.blocks = self.blocks, self.blocks + 1
-            block = {**_tool_use(call), "input": {}}
-            events.append(("content_block_start", _indexed("content_block_start", index, block)))
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(_tool_use(call)["input"])}
+            use = _tool_use(call)
+            events.append(("content_block_start", _block_start(index, {**use, "input": {}})))
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(use["input"])}
             events.append(("content_block_delta", _delta(index, delta)))
             events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
         events.append(
@@ -154,8 +154,8 @@ def _usage(choice: Choice) -> dict:
     return {"input_tokens": choice.usage.prompt_tokens, "output_tokens": choice.usage.completion_tokens}
 
 
-def _indexed(kind: str, index: int, block: dict) -> dict:
-    return {"type": kind, "index": index, "content_block": block}
+def _block_start(index: int, block: dict) -> dict:
+    return {"type": "content_block_start", "index": index, "content_block": block}
 
 
 def _delta(index: int, delta: dict) -> dict:
@@ -163,11 +163,7 @@ def _delta(index: int, delta: dict) -> dict:
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.arguments)
-    except ValueError:
-        arguments = {}  # the daemon's calls are JSON objects; this only guards a broken reply
-    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments}
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call)}
 
 
 async def _events(

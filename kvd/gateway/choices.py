@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,16 @@ class Choice:
         """Forget the output (the one token asked for so that the daemon scores the prompt)."""
         self.text, self.token_ids, self.logprobs = "", [], []  # so the usage counts no completion token
         self.finish_reason = "length"
+
+
+def arguments_object(call: ToolCall) -> dict[str, Any]:
+    """A tool call's arguments as the object the daemon wrote (its calls are JSON objects; {} only guards a broken
+    reply), for the APIs that send arguments as an object (Ollama's, Anthropic's)."""
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def open_streams(client: AsyncClient, op: str, jobs: Sequence[Job]) -> list[AsyncStream]:

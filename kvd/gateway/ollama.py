@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvd.gateway.choices import Choice, Job, merged, unless_disconnected
+from kvd.gateway.choices import Choice, Job, arguments_object, merged, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.ollama_schemas import (
@@ -251,11 +251,10 @@ class ReplyShape:
 
 
 def _tool_call(index: int, call: ToolCall) -> dict:
-    try:
-        arguments = json.loads(call.arguments)
-    except ValueError:
-        arguments = {}  # the daemon's calls are JSON objects; this only guards a broken reply
-    return {"id": call.id, "function": {"index": index, "name": call.name, "arguments": arguments}}
+    return {
+        "id": call.id,
+        "function": {"index": index, "name": call.name, "arguments": arguments_object(call)},
+    }
 
 
 def _logprob(lp: TokenLogprob, texts: TokenTexts) -> dict:

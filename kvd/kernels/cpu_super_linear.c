@@ -737,8 +737,7 @@ static int vnni_super(const kvd_weight* w, int64_t M, const int8_t* q, const flo
         for (int64_t item = 0; item < groups * chunks; item++) {
             if (!streams && !gb) continue;
             const int64_t group = item / chunks, m0 = item % chunks * ROW_CHUNK, m1 = m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M;
-            // A single pass unpacks as it goes, unless the group is in gb already (a tail chunk after a whole one).
-            const int stream = streams || (w->tiles && m1 - m0 <= PASS_ROWS && decoded != group);
+            const int stream = w->tiles && m1 - m0 <= PASS_ROWS;  // a single pass: unpacked as it goes
             if (!stream && decoded != group) {
                 for (int64_t s = 0; s < nb; s++)
                     if (w->tiles)
