@@ -105,6 +105,19 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
+    # Qwen3.5: three Gated DeltaNet layers (value heads two to a key head, a convolution of 4) and a full-attention
+    # layer with a gated output and a quarter of each head rotated.
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+        },
+    ),
     # Mixtures of experts: 8 experts, 2 a token (the router's weights drawn wide, see save_tiny_checkpoint).
     # Qwen3-MoE: layer 0 dense (mlp_only_layers), the top 2 not renormalized, experts narrower than the dense MLP.
     "qwen3_moe": (
@@ -221,11 +234,16 @@ class PagedRunner:
         shuffle_seed: int | None = None,
     ) -> None:
         from kvd.model.layers.kv_cache import allocate_kv_cache
+        from kvd.model.layers.recurrent_state import allocate_state
 
         self.model = model
         self.block_size = block_size
         dtype = next(model.parameters()).dtype
         model.bind_kv_cache(allocate_kv_cache(model.config, num_blocks, block_size, dtype, "cpu"))
+        # Linear-attention layers: a state slot per sequence name, in order of first appearance.
+        self.recurrent = model.config.has_recurrent_state
+        model.bind_recurrent_state(allocate_state(model.config, 16, dtype, "cpu"))
+        self.state_slots: dict[str, int] = {}
         self.free = list(range(num_blocks))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(self.free)
@@ -264,6 +282,9 @@ class PagedRunner:
             device="cpu",
             backend=self.model.attention_backend,
             kv_groups=self.model.kv_groups,
+            state_slots=[self.state_slots.setdefault(s, len(self.state_slots)) for s, _ in chunks]
+            if self.recurrent
+            else None,
         )
         for seq, tokens in chunks:
             self.lens[seq] = self.lens.get(seq, 0) + len(tokens)

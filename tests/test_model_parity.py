@@ -69,7 +69,9 @@ def test_decode_steps_match_transformers(family, models, paged_runner):
             logits = runner.step([("a", [token])])[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "granite", "gemma3", "olmo2", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "granite", "gemma3", "olmo2", "qwen3_moe", "gpt_oss", "qwen3_5"]
+)
 def test_chunked_prefill_equals_one_shot(family, models, paged_runner):
     ours, _ = models(family)
     ids = prompt(3, 30)

@@ -79,6 +79,11 @@ class ShardPlan(Generic[C]):
                 "this model norms q and k over all their heads at once (OLMo 2), which ranks holding some heads "
                 "each cannot compute: run it at a tensor-parallel size of 1"
             )
+        if getattr(config, "linear_attention", None) is not None:
+            raise ShardingError(
+                "this model has linear-attention layers (Gated DeltaNet), whose heads kvd does not split across "
+                "ranks yet: run it at a tensor-parallel size of 1"
+            )
         if config.num_key_value_heads < n:
             raise ShardingError(
                 f"the model has {config.num_key_value_heads} KV heads, fewer than {n} ranks: use a "

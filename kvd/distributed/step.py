@@ -42,17 +42,20 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]  # KV group 0's, one per sequence
     group_tables: list[list[list[int]]] = field(default_factory=list)  # groups 1..'s, [group][sequence]
+    state_slots: list[int] | None = None  # per sequence its recurrent state's slot (linear-attention models)
 
     @property
     def positions(self) -> list[int]:
         return [p for q, c in zip(self.query_lens, self.context_lens, strict=True) for p in range(c - q, c)]
 
     def encode(self, block_size: int) -> list[int]:
-        """[S, groups after 0, then per sequence: query, context; then per group and sequence: blocks, its
-        blocks...; then the token ids]."""
-        out = [len(self.query_lens), len(self.group_tables)]
+        """[S, groups after 0, whether state slots follow, then per sequence: query, context; then the state
+        slots; then per group and sequence: blocks, its blocks...; then the token ids]."""
+        slots = self.state_slots
+        out = [len(self.query_lens), len(self.group_tables), int(slots is not None)]
         for q, c in zip(self.query_lens, self.context_lens, strict=True):
             out += [q, c]
+        out += slots or []
         for tables in (self.block_tables, *self.group_tables):
             for c, table in zip(self.context_lens, tables, strict=True):
                 used = table[: -(-c // block_size)]  # only the blocks the context covers
@@ -61,9 +64,11 @@ class StepInputs:
 
     @classmethod
     def decode(cls, ints: list[int]) -> StepInputs:
-        num_seqs, num_other = ints[0], ints[1]
-        queries, contexts = ints[2 : 2 + 2 * num_seqs : 2], ints[3 : 3 + 2 * num_seqs : 2]
-        i = 2 + 2 * num_seqs
+        num_seqs, num_other, has_slots = ints[0], ints[1], ints[2]
+        queries, contexts = ints[3 : 3 + 2 * num_seqs : 2], ints[4 : 4 + 2 * num_seqs : 2]
+        i = 3 + 2 * num_seqs
+        slots = ints[i : i + num_seqs] if has_slots else None
+        i += num_seqs if has_slots else 0
         groups = []
         for _ in range(1 + num_other):
             tables = []
@@ -71,7 +76,7 @@ class StepInputs:
                 tables.append(ints[i + 1 : i + 1 + ints[i]])
                 i += 1 + ints[i]
             groups.append(tables)
-        return cls(ints[i:], queries, contexts, groups[0], groups[1:])
+        return cls(ints[i:], queries, contexts, groups[0], groups[1:], slots)
 
 
 def _broadcast(ints: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -73,6 +73,10 @@ class ComputedTokensError(BlockManagerError, ValueError):
     """`num_computed_tokens` counts more tokens than the sequence has."""
 
 
+class NoFreeStateSlotsError(BlockManagerError):
+    """Every recurrent state slot is held by a running sequence."""
+
+
 class InvariantError(BlockManagerError):
     """`check_invariants` found the manager's state inconsistent (a bug, never a usage error)."""
 
@@ -129,9 +133,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn | None = None,
         group_windows: tuple[int | None, ...] = (None,),
+        num_state_slots: int = 0,
     ) -> None:
         """group_windows: per KV group, the window behind which it frees blocks (KVGroups.release_windows);
-        group 0's is None."""
+        group 0's is None. num_state_slots: for a model with linear-attention layers, the recurrent state slots
+        (kvd.model.layers.recurrent_state), one per allocated sequence; such a sequence reads no cached prefix,
+        since its state cannot be rebuilt from the prefix's blocks."""
         if not group_windows or group_windows[0] is not None:
             raise ValueError(
                 f"group_windows[0] must be None (group 0 keeps every block), got {group_windows}"
@@ -157,6 +164,8 @@ class BlockManager:
         self._cached: list[dict[int, Block]] = [{} for _ in group_windows]
         self._seqs: dict[int, Sequence] = {}  # id(seq) -> each allocated sequence
         self._uids = count()
+        self.num_state_slots = num_state_slots
+        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 first
         self._pack_block = struct.Struct(f"<{block_size}q").pack
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -173,19 +182,22 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """Whether `allocate(seq, max_new_tokens)` would succeed: cached prefix blocks in use cost nothing."""
         self._check_block_size(seq)
+        if self.num_state_slots and not self._free_state_slots:
+            return False
         free = self.num_free_blocks
         if free >= seq.num_blocks * self.num_groups:  # never needs more, so skip the lookup
             return True
-        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
-        return free >= self._blocks_needed(seq, hits, max_new_tokens)
+        return free >= self._blocks_needed(seq, self._hits(seq), max_new_tokens)
 
     def first_chunk(self, seq: Sequence, most: int) -> int:
         """The most tokens, up to `most`, of seq's first chunk that `allocate(seq, n)` has blocks for now; 0 when
         it cannot be admitted. Only a windowed group takes fewer blocks for a shorter chunk."""
         self._check_block_size(seq)
+        if self.num_state_slots and not self._free_state_slots:
+            return 0
         if self.num_free_blocks >= seq.num_blocks * self.num_groups:  # never needs more
             return most
-        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
+        hits = self._hits(seq)
         spare = self.num_free_blocks - self._blocks_needed(seq, hits, 0)  # what a chunk of none leaves
         windowed = self.num_windowed
         if spare < 0 or (windowed and spare < windowed):
@@ -207,13 +219,20 @@ class BlockManager:
             )
         if not seq.token_ids:
             raise EmptySequenceError("allocate: the sequence has no tokens")
-        hits = self._find_all_hits(seq) if self.enable_prefix_caching else None
+        hits = self._hits(seq)
         needed = self._blocks_needed(seq, hits, max_new_tokens)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"allocate: {len(seq)} tokens need {needed} free blocks but {self.num_free_blocks} are free; "
                 "check can_allocate(seq) first, or free other sequences"
             )
+        if self.num_state_slots:
+            if not self._free_state_slots:
+                raise NoFreeStateSlotsError(
+                    f"allocate: all {self.num_state_slots} recurrent state slots are held; check "
+                    "can_allocate(seq) first, or free other sequences"
+                )
+            seq.state_slot = self._free_state_slots.pop()
         group_hits = hits or [[] for _ in self.group_windows]
         num_hit = len(group_hits[0])
         seq.block_tables = [[] for _ in self.group_windows]
@@ -350,6 +369,9 @@ class BlockManager:
         seq.block_tables = [[]]
         seq.num_released = [0]
         seq.num_cached_tokens = seq.num_computed_tokens = 0
+        if seq.state_slot is not None:
+            self._free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""
@@ -450,6 +472,13 @@ class BlockManager:
 
     def _root_hash(self, cache_salt: str | None) -> int:
         return ROOT_HASH if cache_salt is None else self.hash_fn(cache_salt.encode(), ROOT_HASH)
+
+    def _hits(self, seq: Sequence) -> list[list[Block]] | None:
+        """The cached prefix `seq` may start from (_find_all_hits); None without prefix caching, and for a
+        sequence with a recurrent state."""
+        if not self.enable_prefix_caching or self.num_state_slots:
+            return None
+        return self._find_all_hits(seq)
 
     def _find_all_hits(self, seq: Sequence) -> list[list[Block]]:
         """Per group, the cached blocks of the longest prefix that every group holds: group 0's from the first
@@ -619,6 +648,13 @@ class BlockManager:
             len(free_ids) + len(cached_free_ids) + num_used == self.num_blocks,
             f"free {len(free_ids)} + cached-free {len(cached_free_ids)} + used {num_used} != total",
         )
+        held = [seq.state_slot for seq in self._seqs.values()]
+        if self.num_state_slots:
+            _require(None not in held, "an allocated sequence holds no state slot")
+            slots = sorted(held + self._free_state_slots)
+            _require(slots == list(range(self.num_state_slots)), f"state slots held and free: {slots}")
+        else:
+            _require(set(held) <= {None}, "a sequence holds a state slot in a pool without them")
 
     def _check_sequence(self, seq: Sequence) -> None:
         bs, table = self.block_size, seq.block_table

@@ -35,11 +35,13 @@ from kvd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvd.engine.sequence import Sequence
 from kvd.engine.speculative import Speculator
 from kvd.kernels.native_build import native_isa
+from kvd.model.config import LINEAR
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend
 from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.moe import describe_experts
+from kvd.model.layers.recurrent_state import state_bytes_per_slot
 from kvd.parallel.group import fingerprint, weight_bytes
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
@@ -98,7 +100,11 @@ class LLMEngine:
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
-        self.num_blocks = kv_pool_blocks(args, loaded.model, self.kv_dtype, max_model_len, baseline)
+        # A model with linear-attention layers: a recurrent state slot for each sequence that can run.
+        self.num_state_slots = args.max_num_seqs if loaded.config.has_recurrent_state else 0
+        self.num_blocks = kv_pool_blocks(
+            args, loaded.model, self.kv_dtype, max_model_len, baseline, self.num_state_slots
+        )
         groups = loaded.model.kv_groups
         pool_tokens = groups.max_tokens(self.num_blocks, args.block_size)
         if pool_tokens < 1:
@@ -109,7 +115,11 @@ class LLMEngine:
             )
         self.max_model_len = min(max_model_len, pool_tokens)
         self.block_manager = BlockManager(
-            self.num_blocks, args.block_size, args.enable_prefix_caching, group_windows=groups.release_windows
+            self.num_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            group_windows=groups.release_windows,
+            num_state_slots=self.num_state_slots,
         )
         self.speculator = Speculator(args, self.max_model_len) if args.speculative != "none" else None
         self.scheduler = Scheduler(
@@ -149,6 +159,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=args.enforce_eager,
             channel=self.tp.channel if self.tp else None,
+            num_state_slots=self.num_state_slots,
         )
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
@@ -457,6 +468,19 @@ class LLMEngine:
             **self.metrics.summary(),
         }
 
+    def _recurrent_info(self) -> dict | None:
+        """A linear-attention model's state slots: how many sequences hold one at once, and their bytes."""
+        if not self.num_state_slots:
+            return None
+        per_slot = state_bytes_per_slot(self.runner.model.config, self.dtype)
+        return {
+            "linear_layers": self.config.layer_types.count(LINEAR),
+            "slots": self.num_state_slots,
+            "bytes_per_slot": per_slot,
+            "bytes": per_slot * self.num_state_slots,
+            "prefix_cache": False,
+        }
+
     def info(self) -> dict:
         return {
             "model": self.model_name,
@@ -487,6 +511,7 @@ class LLMEngine:
             "threads": torch.get_num_threads(),
             "weight_bytes": self.weight_bytes,
             "experts": describe_experts(self.runner.model, self.weight_bytes),
+            "recurrent_state": self._recurrent_info(),
             "file_types": {name: {"tensors": n, "bytes": b} for name, (n, b) in self.file_types.items()},
             "tensor_parallel": self.tp.info(torch.get_num_threads(), self.weight_bytes) if self.tp else None,
         }
@@ -500,6 +525,11 @@ def _continues(output: RequestOutput, draft: list[int], depth: int, token: int) 
 def _check_speculative(args: EngineArgs, model: CausalLM) -> None:
     """Drafts leave every output the same bits only where a row's logits do not depend on the rows beside it."""
     backend = model.attention_backend
+    if args.speculative != "none" and model.config.has_recurrent_state:
+        raise EngineArgsError(
+            "speculative decoding is not supported for models with linear-attention layers (their recurrent "
+            "state would need a copy per draft): use --speculative none"
+        )
     if args.speculative != "none" and not (
         isinstance(backend, NativeAttentionBackend) and backend.batch_invariant
     ):

@@ -16,6 +16,7 @@ from kvd.model.huge_pages import return_freed_heap
 from kvd.model.layers.attention import build_attention_metadata, host_to_device
 from kvd.model.layers.attention.graph_decode import GraphDecodeBackend
 from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.layers.recurrent_state import allocate_state
 
 
 class MaxModelLenError(ValueError):
@@ -24,7 +25,8 @@ class MaxModelLenError(ValueError):
 
 class ModelRunner:
     """Owns the KV pool (num_blocks for the block manager, then one null block that CUDA-graph padding rows
-    read) and, on CUDA, the compiled hot paths and the decode graphs.
+    read), the recurrent state slots of a model with linear-attention layers (num_state_slots, handed out by the
+    block manager) and, on CUDA, the compiled hot paths and the decode graphs.
 
     With tensor parallelism every rank has one, over its shard and its own pool: rank 0's sends each step and
     each logits projection through `channel` to the others, whose loop (kvd.distributed.worker) calls
@@ -42,6 +44,7 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool,
         channel: StepChannel | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if max_model_len > config.max_position_embeddings:
             raise MaxModelLenError(
@@ -58,17 +61,22 @@ class ModelRunner:
         return_freed_heap()
         self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device, model.kv_groups)
         model.bind_kv_cache(self.kv_caches)
+        self.recurrent = model.config.has_recurrent_state
+        self.states = allocate_state(model.config, num_state_slots, dtype, device)
+        model.bind_recurrent_state(self.states)
         self.graphs: DecodeGraphRunner | None = None
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly
         self.num_eager_steps = 0
         # Sharded models run eagerly: the all-reduces between layers are not captured in graphs here; so do
         # models with sliding-window layers (the graphs' decode metadata has no sliding part yet) and mixtures of
-        # experts (their grouped launches need no host sync, but capturing them is untested: no GPU at hand).
+        # experts (their grouped launches need no host sync, but capturing them is untested: no GPU at hand), and
+        # models with recurrent state (their torch path on CUDA loops on the host).
         eager = (
             enforce_eager
             or model.shard.sharded
             or model.config.attention_window is not None
             or model.config.moe is not None
+            or self.recurrent
         )
         if device.type == "cuda" and not eager:
             compile_hot_paths(model)
@@ -87,7 +95,14 @@ class ModelRunner:
         rows are computed exactly as decode steps would compute them, with batch invariance bit for bit. A
         step of decode rows replayed from a CUDA graph gives one row per token, as an eager step does."""
         null = self.null_block
-        inputs = StepInputs([], [], [], [], [[] for _ in range(1, self.model.kv_groups.num_groups)])
+        inputs = StepInputs(
+            [],
+            [],
+            [],
+            [],
+            [[] for _ in range(1, self.model.kv_groups.num_groups)],
+            [] if self.recurrent else None,
+        )
         starts: list[int] = []
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
@@ -99,6 +114,10 @@ class ModelRunner:
             ]
             rows = [(seq.token_ids[start : start + chunk.num_new_tokens], start + chunk.num_new_tokens)]
             rows += [([token], start + chunk.num_new_tokens + 1 + i) for i, token in enumerate(chunk.draft)]
+            if inputs.state_slots is not None:
+                # A state moves on with each row of its sequence: drafts would need it forked (refused at start).
+                assert not chunk.draft, "drafts for a model with recurrent state"
+                inputs.state_slots.append(seq.state_slot)
             for ids, context_len in rows:
                 inputs.input_ids.extend(ids)
                 inputs.query_lens.append(len(ids))
@@ -125,6 +144,7 @@ class ModelRunner:
             backend=self.model.attention_backend,
             kv_groups=self.model.kv_groups,
             group_tables=inputs.group_tables,
+            state_slots=inputs.state_slots,
         )
         return self.model(
             host_to_device(inputs.input_ids, torch.long, self.device),

@@ -10,6 +10,7 @@ from kvd.engine.errors import RequestRejectedError
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+from kvd.model.layers.recurrent_state import state_bytes_per_slot
 
 
 def kv_pool_blocks(
@@ -18,10 +19,11 @@ def kv_pool_blocks(
     kv_dtype: torch.dtype,
     max_model_len: int,
     baseline: DeviceMemory | None,
+    num_state_slots: int = 0,
 ) -> int:
     """Blocks of `args.block_size` tokens in this rank's pool. `max_model_len`: the model's cap of the
     setting, the longest sequence the profile runs; `baseline`: the CUDA device's memory before the model
-    loaded (None off CUDA)."""
+    loaded (None off CUDA); `num_state_slots`: recurrent state slots taken from the same budget first."""
     per_block = kv_cache_bytes_per_block(model.config, args.block_size, kv_dtype)
     budget = args.kv_cache_memory
     if budget is None and args.tensor_parallel_size > 1 and baseline is not None:
@@ -43,10 +45,17 @@ def kv_pool_blocks(
     elif budget is None:
         # The ranks of one host share its memory: each takes its part of the fraction.
         budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
-    num_blocks = budget // per_block
+    state_bytes = num_state_slots * state_bytes_per_slot(model.config, next(model.parameters()).dtype)
+    num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 2:
         raise RequestRejectedError(
-            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
+            f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes"
+            + (
+                f" beside {num_state_slots} recurrent state slots ({state_bytes} bytes)"
+                if state_bytes
+                else ""
+            )
+            + "; "
             "raise kv_cache_memory (on CUDA: gpu_memory_utilization, or free the device memory that "
             "another engine or process holds)"
         )

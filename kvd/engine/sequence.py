@@ -43,6 +43,8 @@ class Sequence:
         # One table per KV group (kvd.model.layers.kv_cache.KVGroups); a sliding group's starts with RELEASED.
         self.block_tables: list[list[int]] = [[]]
         self.num_released: list[int] = [0]  # per group: the leading RELEASED entries of its table
+        # Its recurrent state's slot while allocated, in a model with linear-attention layers (else None).
+        self.state_slot: int | None = None
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.seq_id = next(_seq_ids)

@@ -13,7 +13,9 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # The MLP's gate activation (config.json's hidden_act, or Gemma's hidden_activation) -> kvd.model.layers.activation.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SLIDING, FULL = "sliding_attention", "full_attention"  # layer_types' values
+# layer_types' values: attention over a window, over the whole context, or a linear-attention layer with a recurrent
+# state instead of K/V (kvd.model.layers.gated_delta).
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -77,6 +79,31 @@ def read_moe(hf_config: dict[str, Any], intermediate_key: str, **variant: Any) -
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The shape of a model's Gated DeltaNet layers (the layers layer_types marks LINEAR; Qwen3.5, Qwen3-Next): value
+    heads share key heads in groups, as grouped-query attention shares K/V heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the causal convolution's width over q, k and v before the recurrence
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The channels the convolution runs over: q's, k's and v's."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class Layout:
     """The optional pieces of the shared decoder that one family's config turns on (kvd.model.families)."""
 
@@ -103,6 +130,9 @@ class Layout:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     moe: MoE | None = None  # None: every MLP is dense
+    # The query projection's second half gates the attention output by its sigmoid, head by head (Qwen3.5).
+    attention_output_gate: bool = False
+    linear_attention: LinearAttention | None = None  # the LINEAR layers' shape, where layer_types has any
 
 
 @dataclass(frozen=True)
@@ -145,6 +175,8 @@ class ModelConfig:
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
     moe: MoE | None = None  # see Layout
+    attention_output_gate: bool = False  # this and the next: see Layout
+    linear_attention: LinearAttention | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -154,6 +186,11 @@ class ModelConfig:
     def attention_window(self) -> int | None:
         """The window of the sliding-window layers; None when every layer attends over the whole context."""
         return self.sliding_window if SLIDING in self.layer_types else None
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """Some layers keep a recurrent state per sequence beside (or instead of) K/V (LINEAR layers)."""
+        return LINEAR in self.layer_types
 
     @property
     def eos_token_id(self) -> int | None:
@@ -255,20 +292,22 @@ class ModelConfig:
             attention_multiplier=layout.attention_multiplier,
             logits_scaling=layout.logits_scaling,
             moe=layout.moe,
+            attention_output_gate=layout.attention_output_gate,
+            linear_attention=layout.linear_attention,
         )
 
 
 def _layer_types(layout: Layout, num_layers: int) -> tuple[str, ...]:
-    if layout.sliding_window is None:
-        return (FULL,) * num_layers
+    """Each layer's kind; without a window, the layers a config marks SLIDING attend over everything."""
     if layout.layer_types is None:
-        return (SLIDING,) * num_layers
+        return (FULL if layout.sliding_window is None else SLIDING,) * num_layers
+    kinds = {SLIDING, FULL} | ({LINEAR} if layout.linear_attention is not None else set())
     types = tuple(layout.layer_types)
-    if len(types) != num_layers or not set(types) <= {SLIDING, FULL}:
+    if len(types) != num_layers or not set(types) <= kinds:
         raise UnsupportedModelError(
-            f"layer_types must name {num_layers} layers, each {SLIDING!r} or {FULL!r}; got {list(types)}"
+            f"layer_types must name {num_layers} layers, each one of {sorted(kinds)}; got {list(types)}"
         )
-    return types
+    return tuple(FULL if t == SLIDING and layout.sliding_window is None else t for t in types)
 
 
 def _model_type(d: dict[str, Any]) -> str:

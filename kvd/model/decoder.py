@@ -13,15 +13,17 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce, gather_vocab
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
-from kvd.model.config import SLIDING, Layout, ModelConfig
+from kvd.model.config import LINEAR, SLIDING, Layout, ModelConfig
 from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, AttentionMetadataError
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
+from kvd.model.layers.gated_delta import GatedDeltaNet
 from kvd.model.layers.kv_cache import kv_groups, pool_row
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.mlp import GatedMLP
 from kvd.model.layers.moe import SparseMoE
 from kvd.model.layers.norm import RMSNorm
+from kvd.model.layers.recurrent_state import LayerState
 from kvd.model.layers.rotary import RotaryEmbedding, RotaryRows, apply_rotary
 from kvd.model.native_decode import NativeDecoder
 
@@ -46,7 +48,8 @@ class KVCacheNotBoundError(RuntimeError):
 class SelfAttention(nn.Module):
     """With tensor parallelism: this rank's heads and KV heads (config is the rank's slice); o is
     row-parallel, so its partial sums are all-reduced. A sliding layer (`window`) attends over its last
-    `window` tokens, given its KV group's metadata (CausalLM.kv_groups)."""
+    `window` tokens, given its KV group's metadata (CausalLM.kv_groups). With config.attention_output_gate the
+    query projection holds, head by head, the query and then a gate whose sigmoid scales the head's output."""
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None
@@ -59,8 +62,10 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.backend = backend
+        self.output_gate = config.attention_output_gate
+        q_size = config.q_size * (2 if self.output_gate else 1)
         self.qkv_proj = Linear(
-            config.hidden_size, [config.q_size, config.kv_size, config.kv_size], bias=config.attention_bias
+            config.hidden_size, [q_size, config.kv_size, config.kv_size], bias=config.attention_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm_all_heads = config.qk_norm_all_heads
@@ -78,6 +83,13 @@ class SelfAttention(nn.Module):
             raise KVCacheNotBoundError("call model.bind_kv_cache(allocate_kv_cache(...)) before forward")
         tokens = x.shape[0]
         q, k, v = self.qkv_proj.forward_shards(x)
+        gate = None
+        if self.output_gate:
+            heads = q.view(tokens, -1, 2 * self.head_dim)
+            q, gate = (
+                heads[..., : self.head_dim].contiguous(),
+                heads[..., self.head_dim :].reshape(tokens, -1),
+            )
         if self.q_norm is not None and self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(tokens, -1, self.head_dim) for t in (q, k, v))
@@ -87,8 +99,10 @@ class SelfAttention(nn.Module):
         # float32 whatever the model's dtype (the weights' values, as transformers holds them): every backend adds
         # them to float32 scores.
         sinks = None if self.sinks is None else self.sinks.float()
-        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, sinks)
-        return all_reduce(self.o_proj(out.reshape(tokens, -1)), self.shard)
+        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, sinks).reshape(tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return all_reduce(self.o_proj(out), self.shard)
 
 
 class MLP(GatedMLP):
@@ -107,14 +121,17 @@ class MLP(GatedMLP):
 class DecoderLayer(nn.Module):
     """input_layernorm before attention, post_attention_layernorm before the MLP (Hugging Face Llama's names;
     neither without config.input_norms), and with config.output_norms an RMSNorm on each sublayer's output
-    (Gemma's sandwich, OLMo 2's post-norms)."""
+    (Gemma's sandwich, OLMo 2's post-norms). A linear-attention layer (LINEAR) has linear_attn in self_attn's
+    place."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard, index: int) -> None:
         super().__init__()
-        window = config.sliding_window if config.layer_types[index] == SLIDING else None
+        kind = config.layer_types[index]
+        window = config.sliding_window if kind == SLIDING else None
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.input_norms else None
         self.input_layernorm, self.post_attention_layernorm = norm, copy.deepcopy(norm)
-        self.self_attn = SelfAttention(config, backend, shard, window)
+        self.self_attn = None if kind == LINEAR else SelfAttention(config, backend, shard, window)
+        self.linear_attn = GatedDeltaNet(config) if kind == LINEAR else None
         sparse = config.moe is not None and index not in config.moe.dense_layers
         self.mlp = SparseMoE(config, shard) if sparse else MLP(config, shard)
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
@@ -130,7 +147,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
         hidden, residual = _add_and_norm(hidden, residual, self.input_layernorm)
-        hidden = self._output(self.self_attn(hidden, rope, attn), self.attn_output_norm)
+        mixed = (
+            self.linear_attn(hidden, attn.recurrent)
+            if self.self_attn is None
+            else self.self_attn(hidden, rope, attn)
+        )
+        hidden = self._output(mixed, self.attn_output_norm)
         hidden, residual = _add_and_norm(hidden, residual, self.post_attention_layernorm)
         return self._output(self.mlp(hidden), self.mlp_output_norm), residual
 
@@ -242,7 +264,9 @@ class CausalLM(nn.Module):
     def layer_rotaries(self) -> list[RotaryEmbedding]:
         """Each layer's rotary table: the sliding layers' own where the model has one (Gemma 3)."""
         return [
-            self.sliding_rotary if self.sliding_rotary is not None and layer.self_attn.window else self.rotary
+            self.sliding_rotary
+            if self.sliding_rotary is not None and layer.self_attn is not None and layer.self_attn.window
+            else self.rotary
             for layer in self.model.layers
         ]
 
@@ -289,10 +313,11 @@ class CausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
-        """Give each layer its pool tensor [2, num_blocks, block_size, kv_heads, head_dim]."""
-        layers = self.model.layers
+        """Give each layer that keeps K/V (KVGroups.pooled_layers) its pool tensor [2, num_blocks, block_size,
+        kv_heads, head_dim]."""
+        layers = [self.model.layers[i] for i in self.kv_groups.pooled_layers]
         if len(kv_caches) != len(layers):
-            raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(layers)} layers")
+            raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(layers)} attention layers")
         heads = self.config.num_key_value_heads
         for layer, cache in zip(layers, kv_caches, strict=True):
             row = pool_row(self.config, cache.dtype)
@@ -303,6 +328,14 @@ class CausalLM(nn.Module):
                 )
             layer.self_attn.kv_cache = cache
         self._native_decoder = None
+
+    def bind_recurrent_state(self, states: list[LayerState]) -> None:
+        """Give each linear-attention layer its state slots (kvd.model.layers.recurrent_state.allocate_state)."""
+        layers = [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+        if len(states) != len(layers):
+            raise ValueError(f"got {len(states)} recurrent states for {len(layers)} linear-attention layers")
+        for layer, state in zip(layers, states, strict=True):
+            layer.state = state
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], offset_norms: bool = True

@@ -4,7 +4,10 @@ values of the model's dtype, or in an int8 pool head_dim codes and their scale (
 A model whose sliding-window layers sit beside full-attention ones keeps its layers' K/V in groups (KVGroups),
 each with its own block table: a sliding group holds only the blocks its window still needs. Every group has
 the same number of layers, so that one block of the pool serves any group: the layers at the same place in
-their groups share one tensor, and a block id given to one group is that block in each of its layers."""
+their groups share one tensor, and a block id given to one group is that block in each of its layers.
+
+Linear-attention layers keep no K/V (kvd.model.layers.recurrent_state holds their state): they are in no group's
+pool (NO_POOL)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.config import SLIDING, ModelConfig
+from kvd.model.config import LINEAR, SLIDING, ModelConfig
 from kvd.model.huge_pages import pool_zeros
+
+NO_POOL = -1  # KVGroups.layer_slot of a layer without K/V
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,9 @@ class KVGroups:
     its window (kvd.engine.block_manager)."""
 
     layer_group: tuple[int, ...]  # per layer: its group
-    layer_slot: tuple[int, ...]  # per layer: its place in the group, i.e. the pool tensor it shares
+    layer_slot: tuple[
+        int, ...
+    ]  # per layer: its place in the group, i.e. the pool tensor it shares; or NO_POOL
     windows: tuple[int | None, ...]  # per group: its layers' attention window, None for full attention
 
     @property
@@ -37,6 +44,11 @@ class KVGroups:
         return max(self.layer_slot) + 1
 
     @property
+    def pooled_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V in the pool, in order."""
+        return tuple(i for i, slot in enumerate(self.layer_slot) if slot != NO_POOL)
+
+    @property
     def release_windows(self) -> tuple[int | None, ...]:
         """Per group, the window behind which it frees blocks: None for group 0, which keeps them all (the
         prefix cache names content by group 0's blocks; every layer of a model that only slides is in it)."""
@@ -45,7 +57,7 @@ class KVGroups:
     def describe(self) -> list[dict]:
         """Per group, its layers and the window behind which it frees blocks (for info)."""
         return [
-            {"layers": self.layer_group.count(g), "window": window}
+            {"layers": sum(self.layer_group[i] == g for i in self.pooled_layers), "window": window}
             for g, window in enumerate(self.release_windows)
         ]
 
@@ -58,17 +70,20 @@ class KVGroups:
 
 
 def kv_groups(config: ModelConfig) -> KVGroups:
-    """One group of every layer, unless full and sliding layers mix: then groups of gcd(#full, #sliding) layers
-    in layer order, the full groups first."""
+    """One group of every attention layer, unless full and sliding layers mix: then groups of gcd(#full, #sliding)
+    layers in layer order, the full groups first. Linear-attention layers sit in group 0 with NO_POOL."""
     n = config.num_hidden_layers
     window = config.attention_window
-    sliding = [i for i in range(n) if window is not None and config.layer_types[i] == SLIDING]
-    full = [i for i in range(n) if i not in set(sliding)]
+    attending = [i for i in range(n) if config.layer_types[i] != LINEAR]
+    sliding = [i for i in attending if window is not None and config.layer_types[i] == SLIDING]
+    full = [i for i in attending if i not in set(sliding)]
+    layer_group, layer_slot = [0] * n, [NO_POOL] * n
     if not sliding or not full:
-        return KVGroups((0,) * n, tuple(range(n)), (window,))
+        for slot, layer in enumerate(attending):
+            layer_slot[layer] = slot
+        return KVGroups(tuple(layer_group), tuple(layer_slot), (window,))
     size = math.gcd(len(full), len(sliding))
-    layer_group, layer_slot = [0] * n, [0] * n
-    for g, start in enumerate(range(0, n, size)):
+    for g, start in enumerate(range(0, len(attending), size)):
         for slot, layer in enumerate((full + sliding)[start : start + size]):
             layer_group[layer], layer_slot[layer] = g, slot
     windows = (None,) * (len(full) // size) + (window,) * (len(sliding) // size)
@@ -94,12 +109,13 @@ def allocate_kv_cache(
     device: torch.device | str,
     groups: KVGroups | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed tensor per layer (zeroed: attention weights of 0 times stale NaN would still give NaN). With
-    `groups` the layers at one place in their groups share theirs, so each group needs block tables of its own;
-    without, any block table serves every layer."""
+    """One zeroed tensor per layer that keeps K/V (KVGroups.pooled_layers; zeroed: attention weights of 0 times stale
+    NaN would still give NaN). With `groups` the layers at one place in their groups share theirs, so each group
+    needs block tables of its own; without, any block table serves every layer."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
     shape = (2, num_blocks, block_size, config.num_key_value_heads, pool_row(config, dtype))
-    slots = groups.layer_slot if groups is not None else range(config.num_hidden_layers)
+    pooled = kv_groups(config).pooled_layers
+    slots = [groups.layer_slot[i] for i in pooled] if groups is not None else range(len(pooled))
     tensors = {s: pool_zeros(shape, dtype, torch.device(device)) for s in sorted(set(slots))}
     return [tensors[s] for s in slots]

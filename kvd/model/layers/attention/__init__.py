@@ -18,6 +18,7 @@ from kvd.model.layers.attention.attention_base import (
 )
 from kvd.model.layers.attention.torch_attention import TorchAttentionBackend
 from kvd.model.layers.kv_cache import KVGroups
+from kvd.model.layers.recurrent_state import RecurrentStep
 
 __all__ = [
     "AttentionBackend",
@@ -38,6 +39,7 @@ def build_attention_metadata(
     slot_mapping: list[int] | None = None,
     kv_groups: KVGroups | None = None,
     group_tables: list[list[list[int]]] | None = None,
+    state_slots: list[int] | None = None,
 ) -> AttentionMetadata:
     """Metadata for one step, built once and shared by every layer.
 
@@ -61,6 +63,8 @@ def build_attention_metadata(
         for t, window in zip(tables, groups.windows, strict=True)
     ]
     metadata[0].other_groups = tuple(metadata[1:])
+    if state_slots is not None:
+        metadata[0].recurrent = RecurrentStep.build(query_lens, context_lens, state_slots)
     return metadata[0]
 
 

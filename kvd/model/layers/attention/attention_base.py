@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from kvd.model.layers.recurrent_state import RecurrentStep
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -75,6 +78,8 @@ class AttentionMetadata:
     window: int | None = None  # each token sees only its context's last `window` tokens (a sliding layer)
     # This is KV group 0's metadata; these the same step's for groups 1.. (build_attention_metadata).
     other_groups: tuple[AttentionMetadata, ...] = ()
+    # The step as linear-attention layers read it (their state slots); None in a model without them.
+    recurrent: RecurrentStep | None = None
 
     @property
     def num_seqs(self) -> int:
