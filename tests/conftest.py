@@ -258,6 +258,12 @@ class PagedRunner:
         self.tables[seq] = self.tables[source][:num_blocks]
         self.lens[seq] = num_tokens
 
+    def _recurrent_rows(self, seq: str):
+        from kvd.distributed.step import RecurrentRows
+
+        slot = self.state_slots.setdefault(seq, len(self.state_slots))
+        return RecurrentRows(slot, slot if self.lens.get(seq, 0) else -1)
+
     @torch.inference_mode()
     def step(self, chunks: list[tuple[str, list[int]]], all_logits: bool = False) -> torch.Tensor:
         """Run one flat batch; float32 logits of each chunk's last token [S, V] (or of every row, [T, V])."""
@@ -282,9 +288,7 @@ class PagedRunner:
             device="cpu",
             backend=self.model.attention_backend,
             kv_groups=self.model.kv_groups,
-            state_slots=[self.state_slots.setdefault(s, len(self.state_slots)) for s, _ in chunks]
-            if self.recurrent
-            else None,
+            recurrent=[self._recurrent_rows(s) for s, _ in chunks] if self.recurrent else None,
         )
         for seq, tokens in chunks:
             self.lens[seq] = self.lens.get(seq, 0) + len(tokens)

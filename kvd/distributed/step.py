@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,18 @@ class Command(IntEnum):
     STOP = 4  # leave the loop and exit
 
 
+class RecurrentRows(NamedTuple):
+    """A sequence's recurrent state in one step (kvd.model.layers.recurrent_state): its slot; where its state
+    starts from (-1: zeros, a fresh sequence; its own slot: where the last step left it; another slot: a
+    checkpoint to resume from); and the row of its rows after which to copy the state into snapshot_slot (-1:
+    none)."""
+
+    slot: int
+    source: int
+    snapshot_row: int = -1
+    snapshot_slot: int = -1
+
+
 @dataclass
 class StepInputs:
     """One flat varlen batch: sequence s computes query_lens[s] tokens ending at context_lens[s]."""
@@ -42,20 +55,22 @@ class StepInputs:
     context_lens: list[int]
     block_tables: list[list[int]]  # KV group 0's, one per sequence
     group_tables: list[list[list[int]]] = field(default_factory=list)  # groups 1..'s, [group][sequence]
-    state_slots: list[int] | None = None  # per sequence its recurrent state's slot (linear-attention models)
+    # Linear-attention models: per sequence its recurrent state's rows (RecurrentRows: slot, source, snapshot).
+    recurrent: list[RecurrentRows] | None = None
 
     @property
     def positions(self) -> list[int]:
         return [p for q, c in zip(self.query_lens, self.context_lens, strict=True) for p in range(c - q, c)]
 
     def encode(self, block_size: int) -> list[int]:
-        """[S, groups after 0, whether state slots follow, then per sequence: query, context; then the state
-        slots; then per group and sequence: blocks, its blocks...; then the token ids]."""
-        slots = self.state_slots
-        out = [len(self.query_lens), len(self.group_tables), int(slots is not None)]
+        """[S, groups after 0, whether recurrent rows follow, then per sequence: query, context; then per sequence
+        its RecurrentRows; then per group and sequence: blocks, its blocks...; then the token ids]."""
+        rows = self.recurrent
+        out = [len(self.query_lens), len(self.group_tables), int(rows is not None)]
         for q, c in zip(self.query_lens, self.context_lens, strict=True):
             out += [q, c]
-        out += slots or []
+        for r in rows or []:
+            out += [r.slot, r.source, r.snapshot_row, r.snapshot_slot]
         for tables in (self.block_tables, *self.group_tables):
             for c, table in zip(self.context_lens, tables, strict=True):
                 used = table[: -(-c // block_size)]  # only the blocks the context covers
@@ -64,11 +79,13 @@ class StepInputs:
 
     @classmethod
     def decode(cls, ints: list[int]) -> StepInputs:
-        num_seqs, num_other, has_slots = ints[0], ints[1], ints[2]
+        num_seqs, num_other, has_rows = ints[0], ints[1], ints[2]
         queries, contexts = ints[3 : 3 + 2 * num_seqs : 2], ints[4 : 4 + 2 * num_seqs : 2]
         i = 3 + 2 * num_seqs
-        slots = ints[i : i + num_seqs] if has_slots else None
-        i += num_seqs if has_slots else 0
+        rows = None
+        if has_rows:
+            rows = [RecurrentRows(*ints[j : j + 4]) for j in range(i, i + 4 * num_seqs, 4)]
+            i += 4 * num_seqs
         groups = []
         for _ in range(1 + num_other):
             tables = []
@@ -76,7 +93,7 @@ class StepInputs:
                 tables.append(ints[i + 1 : i + 1 + ints[i]])
                 i += 1 + ints[i]
             groups.append(tables)
-        return cls(ints[i:], queries, contexts, groups[0], groups[1:], slots)
+        return cls(ints[i:], queries, contexts, groups[0], groups[1:], rows)
 
 
 def _broadcast(ints: torch.Tensor, device: torch.device) -> torch.Tensor:

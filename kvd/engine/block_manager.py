@@ -18,6 +18,11 @@ pool. Group 0 keeps every block and names content as above; another group's bloc
 content id of group 0's block at the same place. A group with a window frees (RELEASED) the blocks wholly behind
 the window of the next token to compute, and gets blocks chunk by chunk; a prefix hit needs group 0's blocks
 and, in each other group, the blocks its window still reads at the hit's end.
+
+Recurrent state (models with linear-attention layers, kvd.engine.state_slots): each allocated sequence holds a
+live state slot; a prefix hit reaches only as far as the last hit block that holds a checkpoint of the state
+there, which the sequence's first step copies into its own slot. A step that passes a checkpoint position
+snapshots the state there (`plan_snapshot`), and the block the snapshot ends at keeps it once registered.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from itertools import count
 from xxhash import xxh3_64_intdigest
 
 from kvd.engine.sequence import RELEASED, Sequence
+from kvd.engine.state_slots import Snapshot, StateSlots
 
 HashFn = Callable[[bytes, int], int]
 """hash_fn(token_bytes, parent_hash): a full block's hash from its token ids (little-endian int64) and its
@@ -94,6 +100,8 @@ class Block:
     parent_key: int | str | None = None
     # Identity of the content: equal uids mean identical K/V (same tokens after the same prefix).
     uid: int = -1
+    # A registered group-0 block's checkpoint slot: the recurrent state after its last token (StateSlots).
+    checkpoint: int | None = None
 
 
 @dataclass(frozen=True)
@@ -133,12 +141,11 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         hash_fn: HashFn | None = None,
         group_windows: tuple[int | None, ...] = (None,),
-        num_state_slots: int = 0,
+        states: StateSlots | None = None,
     ) -> None:
         """group_windows: per KV group, the window behind which it frees blocks (KVGroups.release_windows);
-        group 0's is None. num_state_slots: for a model with linear-attention layers, the recurrent state slots
-        (kvd.model.layers.recurrent_state), one per allocated sequence; such a sequence reads no cached prefix,
-        since its state cannot be rebuilt from the prefix's blocks."""
+        group 0's is None. states: for a model with linear-attention layers, its recurrent state slots; a hit
+        then reaches only as far as a checkpoint (none without checkpoint slots)."""
         if not group_windows or group_windows[0] is not None:
             raise ValueError(
                 f"group_windows[0] must be None (group 0 keeps every block), got {group_windows}"
@@ -164,8 +171,11 @@ class BlockManager:
         self._cached: list[dict[int, Block]] = [{} for _ in group_windows]
         self._seqs: dict[int, Sequence] = {}  # id(seq) -> each allocated sequence
         self._uids = count()
-        self.num_state_slots = num_state_slots
-        self._free_state_slots = list(range(num_state_slots - 1, -1, -1))  # a stack: slot 0 first
+        if states is not None and states.interval % block_size:
+            raise ValueError(
+                f"the state checkpoint interval ({states.interval} tokens) must be whole blocks of {block_size}"
+            )
+        self.states = states
         self._pack_block = struct.Struct(f"<{block_size}q").pack
         self._queried_tokens = 0
         self._hit_tokens = 0
@@ -182,7 +192,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """Whether `allocate(seq, max_new_tokens)` would succeed: cached prefix blocks in use cost nothing."""
         self._check_block_size(seq)
-        if self.num_state_slots and not self._free_state_slots:
+        if self.states is not None and not self.states.has_live:
             return False
         free = self.num_free_blocks
         if free >= seq.num_blocks * self.num_groups:  # never needs more, so skip the lookup
@@ -193,7 +203,7 @@ class BlockManager:
         """The most tokens, up to `most`, of seq's first chunk that `allocate(seq, n)` has blocks for now; 0 when
         it cannot be admitted. Only a windowed group takes fewer blocks for a shorter chunk."""
         self._check_block_size(seq)
-        if self.num_state_slots and not self._free_state_slots:
+        if self.states is not None and not self.states.has_live:
             return 0
         if self.num_free_blocks >= seq.num_blocks * self.num_groups:  # never needs more
             return most
@@ -226,13 +236,15 @@ class BlockManager:
                 f"allocate: {len(seq)} tokens need {needed} free blocks but {self.num_free_blocks} are free; "
                 "check can_allocate(seq) first, or free other sequences"
             )
-        if self.num_state_slots:
-            if not self._free_state_slots:
+        if self.states is not None:
+            seq.state_slot = self.states.take_live()
+            if seq.state_slot is None:
                 raise NoFreeStateSlotsError(
-                    f"allocate: all {self.num_state_slots} recurrent state slots are held; check "
+                    f"allocate: all {self.states.num_live} recurrent state slots are held; check "
                     "can_allocate(seq) first, or free other sequences"
                 )
-            seq.state_slot = self._free_state_slots.pop()
+            if hits and hits[0]:
+                seq.restore_slot = self.states.pin(hits[0][-1])
         group_hits = hits or [[] for _ in self.group_windows]
         num_hit = len(group_hits[0])
         seq.block_tables = [[] for _ in self.group_windows]
@@ -279,8 +291,41 @@ class BlockManager:
                 )
             if num_full and self.blocks[table[num_full - 1]].hash is None:
                 self._hash_blocks(seq, num_full)
+        if seq.restore_slot is not None:  # the step that read the checkpoint has run
+            self.states.unpin(seq.restore_slot)
+            seq.restore_slot = None
+        if seq.snapshot is not None and seq.snapshot.tokens <= seq.num_computed_tokens:
+            self._keep_snapshot(seq)
         if self.windowed:
             self._release_behind_windows(seq)
+
+    def plan_snapshot(self, seq: Sequence, num_new_tokens: int) -> Snapshot | None:
+        """For a step computing the sequence's next `num_new_tokens` tokens: the checkpoint position it passes
+        last and the slot to copy the state into there, or None (no position, prefix caching off, no slot).
+        `cache_computed_blocks` then gives the slot to the block that ends there."""
+        states = self.states
+        if states is None or not states.num_checkpoints or not self.enable_prefix_caching:
+            return None
+        start = seq.num_computed_tokens
+        tokens = states.boundary(start, start + num_new_tokens)
+        if tokens is None or seq.snapshot is not None:
+            return None
+        slot = states.take_checkpoint()
+        if slot is None:
+            return None
+        seq.snapshot = Snapshot(tokens, slot)
+        return seq.snapshot
+
+    def _keep_snapshot(self, seq: Sequence) -> None:
+        """Hang the sequence's snapshot on the registered block of the same content it ends at, unless that block
+        has one already (the same state: computed twice)."""
+        snapshot, seq.snapshot = seq.snapshot, None
+        block = self.blocks[seq.block_table[snapshot.tokens // self.block_size - 1]]
+        registered = self._cached[0].get(block.hash) if block.hash is not None else None
+        if registered is None or registered.uid != block.uid or registered.checkpoint is not None:
+            self.states.give_checkpoint(snapshot.slot)
+        else:
+            self.states.attach(registered, snapshot.slot)
 
     def can_append(self, seq: Sequence, num_new_tokens: int | None = None, num_lookahead: int = 0) -> bool:
         """Whether `may_append(seq, num_new_tokens, num_lookahead)` would succeed."""
@@ -370,8 +415,14 @@ class BlockManager:
         seq.num_released = [0]
         seq.num_cached_tokens = seq.num_computed_tokens = 0
         if seq.state_slot is not None:
-            self._free_state_slots.append(seq.state_slot)
+            self.states.give_live(seq.state_slot)
             seq.state_slot = None
+        if seq.restore_slot is not None:
+            self.states.unpin(seq.restore_slot)
+            seq.restore_slot = None
+        if seq.snapshot is not None:  # its step never ran
+            self.states.give_checkpoint(seq.snapshot.slot)
+            seq.snapshot = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; refused (False) while any block is in use."""
@@ -379,6 +430,8 @@ class BlockManager:
             return False
         for block in self._cached_free.values():
             block.hash = block.token_bytes = block.parent_key = None
+            if block.checkpoint is not None:
+                self.states.detach(block)
             self._free_ids.append(block.block_id)
         self._cached_free.clear()
         for cached in self._cached:
@@ -468,22 +521,31 @@ class BlockManager:
                 self._cached_free[block_id] = block
             else:
                 block.hash = block.token_bytes = block.parent_key = None
+                if block.checkpoint is not None:
+                    self.states.detach(block)
                 self._free_ids.append(block_id)
 
     def _root_hash(self, cache_salt: str | None) -> int:
         return ROOT_HASH if cache_salt is None else self.hash_fn(cache_salt.encode(), ROOT_HASH)
 
     def _hits(self, seq: Sequence) -> list[list[Block]] | None:
-        """The cached prefix `seq` may start from (_find_all_hits); None without prefix caching, and for a
-        sequence with a recurrent state."""
-        if not self.enable_prefix_caching or self.num_state_slots:
+        """The cached prefix `seq` may start from (_find_all_hits); None without prefix caching. With recurrent
+        state, group 0's hits end at the last that holds a checkpoint."""
+        if not self.enable_prefix_caching:
             return None
-        return self._find_all_hits(seq)
-
-    def _find_all_hits(self, seq: Sequence) -> list[list[Block]]:
-        """Per group, the cached blocks of the longest prefix that every group holds: group 0's from the first
-        block, a windowed group's from the first its window reads at the prefix's end."""
         hits = self._find_hits(seq)
+        while True:
+            if self.states is not None:
+                while hits and hits[-1].checkpoint is None:
+                    hits.pop()
+            found = self._find_all_hits(hits)
+            if self.states is None or len(found[0]) == len(hits):
+                return found
+            hits = hits[: len(found[0])]  # another group's blocks end it before a checkpoint
+
+    def _find_all_hits(self, hits: list[Block]) -> list[list[Block]]:
+        """Per group, the cached blocks of the longest prefix of group 0's `hits` that every group holds: group
+        0's from the first block, a windowed group's from the first its window reads at the prefix's end."""
         num_hit = len(hits)
         while num_hit:
             groups, missing = [hits[:num_hit]], None
@@ -559,6 +621,8 @@ class BlockManager:
                 block_id, block = popitem(last=False)
                 del cached[block.group][block.hash]
                 block.hash = block.token_bytes = block.parent_key = None
+                if block.checkpoint is not None:
+                    self.states.detach(block)
                 taken.append(block_id)
             self._evictions += num_evicted
         for block_id in taken:
@@ -648,13 +712,29 @@ class BlockManager:
             len(free_ids) + len(cached_free_ids) + num_used == self.num_blocks,
             f"free {len(free_ids)} + cached-free {len(cached_free_ids)} + used {num_used} != total",
         )
-        held = [seq.state_slot for seq in self._seqs.values()]
-        if self.num_state_slots:
-            _require(None not in held, "an allocated sequence holds no state slot")
-            slots = sorted(held + self._free_state_slots)
-            _require(slots == list(range(self.num_state_slots)), f"state slots held and free: {slots}")
-        else:
-            _require(set(held) <= {None}, "a sequence holds a state slot in a pool without them")
+        self._check_states()
+
+    def _check_states(self) -> None:
+        seqs = list(self._seqs.values())
+        if self.states is None:
+            _require(
+                all(s.state_slot is None and s.snapshot is None for s in seqs),
+                "a sequence holds a state slot in a pool without them",
+            )
+            return
+        _require(None not in [s.state_slot for s in seqs], "an allocated sequence holds no state slot")
+        for block in self.blocks:
+            if block.checkpoint is not None:
+                _require(
+                    block.group == 0 and self._cached[0].get(block.hash) is block,
+                    f"block {block.block_id} holds checkpoint {block.checkpoint} but is not registered",
+                )
+        problems = self.states.check(
+            [s.state_slot for s in seqs],
+            [s.snapshot.slot for s in seqs if s.snapshot is not None],
+            [s.restore_slot for s in seqs if s.restore_slot is not None],
+        )
+        _require(not problems, "; ".join(problems))
 
     def _check_sequence(self, seq: Sequence) -> None:
         bs, table = self.block_size, seq.block_table

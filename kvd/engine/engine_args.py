@@ -130,6 +130,20 @@ class EngineArgs:
         type=positive_int,
     )
 
+    # Models with linear-attention layers (kvd.engine.state_slots): prefix hits resume from state checkpoints.
+    state_checkpoints: int | None = setting(
+        None,
+        "models with linear-attention layers: recurrent states kept at cached blocks so that a prefix hit can "
+        "resume there; 0 = no prefix caching for them (default: as many as sequences can run, within a quarter "
+        "of the KV memory)",
+    )
+    state_checkpoint_interval: int = setting(
+        4,
+        "models with linear-attention layers: a state checkpoint every this many blocks; a hit recomputes at "
+        "most this many blocks' tokens (%(default)s)",
+        type=positive_int,
+    )
+
     pooling: str = setting(
         "auto",
         "how embed requests pool the final hidden states: auto (the checkpoint's choice), mean or last "
@@ -195,6 +209,14 @@ class EngineArgs:
         if self.pooling not in POOLINGS:
             raise EngineArgsError(f"pooling must be auto, mean or last, got {self.pooling!r}")
         self._check_speculative()
+        checkpoints = self.state_checkpoints
+        if checkpoints is not None and (
+            isinstance(checkpoints, bool) or not isinstance(checkpoints, int) or checkpoints < 0
+        ):
+            raise EngineArgsError(f"state_checkpoints must be a whole number >= 0, got {checkpoints!r}")
+        interval = self.state_checkpoint_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise EngineArgsError(f"state_checkpoint_interval must be a whole number >= 1, got {interval!r}")
         if self.block_size is not None and self.block_size < 1:
             raise EngineArgsError(f"block_size must be >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

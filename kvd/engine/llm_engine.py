@@ -27,13 +27,14 @@ from kvd.engine.metrics import EngineMetrics
 from kvd.engine.model_runner import ModelRunner
 from kvd.engine.output_processor import OutputProcessor
 from kvd.engine.outputs import EngineStepOutput, RequestOutput
-from kvd.engine.pool_sizing import kv_pool_blocks
+from kvd.engine.pool_sizing import PoolPlan, plan_pool
 from kvd.engine.pooling import EmbeddingState, choose_pooling
 from kvd.engine.prompt_logprobs import PromptLogprobs
 from kvd.engine.sampler import SamplingRow, sample
 from kvd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvd.engine.sequence import Sequence
 from kvd.engine.speculative import Speculator
+from kvd.engine.state_slots import StateSlots
 from kvd.kernels.native_build import native_isa
 from kvd.model.config import LINEAR
 from kvd.model.decoder import CausalLM
@@ -41,7 +42,6 @@ from kvd.model.layers.attention.native_attention import NativeAttentionBackend
 from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.moe import describe_experts
-from kvd.model.layers.recurrent_state import state_bytes_per_slot
 from kvd.parallel.group import fingerprint, weight_bytes
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
@@ -100,11 +100,8 @@ class LLMEngine:
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
-        # A model with linear-attention layers: a recurrent state slot for each sequence that can run.
-        self.num_state_slots = args.max_num_seqs if loaded.config.has_recurrent_state else 0
-        self.num_blocks = kv_pool_blocks(
-            args, loaded.model, self.kv_dtype, max_model_len, baseline, self.num_state_slots
-        )
+        self.pool = plan_pool(args, loaded.model, self.kv_dtype, max_model_len, baseline)
+        self.num_blocks = self.pool.num_blocks
         groups = loaded.model.kv_groups
         pool_tokens = groups.max_tokens(self.num_blocks, args.block_size)
         if pool_tokens < 1:
@@ -119,7 +116,7 @@ class LLMEngine:
             args.block_size,
             args.enable_prefix_caching,
             group_windows=groups.release_windows,
-            num_state_slots=self.num_state_slots,
+            states=_state_slots(self.pool, args),
         )
         self.speculator = Speculator(args, self.max_model_len) if args.speculative != "none" else None
         self.scheduler = Scheduler(
@@ -159,7 +156,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enforce_eager=args.enforce_eager,
             channel=self.tp.channel if self.tp else None,
-            num_state_slots=self.num_state_slots,
+            num_state_slots=self.pool.num_live_states + self.pool.num_checkpoints,
         )
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
@@ -470,15 +467,17 @@ class LLMEngine:
 
     def _recurrent_info(self) -> dict | None:
         """A linear-attention model's state slots: how many sequences hold one at once, and their bytes."""
-        if not self.num_state_slots:
+        pool, states = self.pool, self.block_manager.states
+        if states is None:
             return None
-        per_slot = state_bytes_per_slot(self.runner.model.config, self.dtype)
         return {
             "linear_layers": self.config.layer_types.count(LINEAR),
-            "slots": self.num_state_slots,
-            "bytes_per_slot": per_slot,
-            "bytes": per_slot * self.num_state_slots,
-            "prefix_cache": False,
+            "slots": pool.num_live_states,
+            "checkpoints": pool.num_checkpoints,
+            "checkpoints_held": states.num_held,
+            "checkpoint_interval_tokens": states.interval,
+            "bytes_per_slot": pool.state_bytes,
+            "bytes": pool.state_bytes * (pool.num_live_states + pool.num_checkpoints),
         }
 
     def info(self) -> dict:
@@ -520,6 +519,14 @@ class LLMEngine:
 def _continues(output: RequestOutput, draft: list[int], depth: int, token: int) -> bool:
     """The row after `depth` stands: the request goes on and the token sampled at `depth` is the draft's."""
     return not output.finished and depth < len(draft) and draft[depth] == token
+
+
+def _state_slots(pool: PoolPlan, args: EngineArgs) -> StateSlots | None:
+    """A linear-attention model's state slots for the block manager, checkpoints every interval's blocks."""
+    if not pool.num_live_states:
+        return None
+    interval = args.state_checkpoint_interval * args.block_size
+    return StateSlots(pool.num_live_states, pool.num_checkpoints, interval)
 
 
 def _check_speculative(args: EngineArgs, model: CausalLM) -> None:

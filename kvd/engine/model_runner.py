@@ -6,9 +6,10 @@ import contextlib
 
 import torch
 
-from kvd.distributed.step import Command, StepChannel, StepInputs
+from kvd.distributed.step import Command, RecurrentRows, StepChannel, StepInputs
 from kvd.engine.cuda_graphs import DecodeGraphRunner
 from kvd.engine.scheduler import ScheduledChunk
+from kvd.engine.sequence import Sequence
 from kvd.model.compile import compile_hot_paths
 from kvd.model.config import ModelConfig
 from kvd.model.decoder import CausalLM
@@ -114,10 +115,8 @@ class ModelRunner:
             ]
             rows = [(seq.token_ids[start : start + chunk.num_new_tokens], start + chunk.num_new_tokens)]
             rows += [([token], start + chunk.num_new_tokens + 1 + i) for i, token in enumerate(chunk.draft)]
-            if inputs.state_slots is not None:
-                # A state moves on with each row of its sequence: drafts would need it forked (refused at start).
-                assert not chunk.draft, "drafts for a model with recurrent state"
-                inputs.state_slots.append(seq.state_slot)
+            if inputs.recurrent is not None:
+                inputs.recurrent.append(_recurrent_rows(seq, start))
             for ids, context_len in rows:
                 inputs.input_ids.extend(ids)
                 inputs.query_lens.append(len(ids))
@@ -144,7 +143,7 @@ class ModelRunner:
             backend=self.model.attention_backend,
             kv_groups=self.model.kv_groups,
             group_tables=inputs.group_tables,
-            state_slots=inputs.state_slots,
+            recurrent=inputs.recurrent,
         )
         return self.model(
             host_to_device(inputs.input_ids, torch.long, self.device),
@@ -173,3 +172,14 @@ class ModelRunner:
             and all(q == 1 for q in inputs.query_lens)
             and self.graphs.can_run(len(inputs.query_lens))
         )
+
+
+def _recurrent_rows(seq: Sequence, start: int) -> RecurrentRows:
+    """Where the sequence's state starts this step (zeros, a checkpoint after a prefix hit, or its own slot) and
+    the snapshot the block manager planned (kvd.engine.state_slots). One row group a sequence: drafts, which
+    would fork the state, are refused for these models."""
+    source = -1 if start == 0 else seq.restore_slot if seq.restore_slot is not None else seq.state_slot
+    snapshot = seq.snapshot
+    if snapshot is None:
+        return RecurrentRows(seq.state_slot, source)
+    return RecurrentRows(seq.state_slot, source, snapshot.tokens - start - 1, snapshot.slot)

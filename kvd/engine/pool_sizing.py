@@ -1,7 +1,10 @@
 """How many blocks the KV pool gets: an explicit budget, else on CUDA what the memory profile leaves (measured
-by gpu_memory.py), else on a CPU a share of the host's available memory."""
+by gpu_memory.py), else on a CPU a share of the host's available memory. A model with linear-attention layers
+takes its recurrent state slots from the same budget first."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,17 +16,26 @@ from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.recurrent_state import state_bytes_per_slot
 
 
-def kv_pool_blocks(
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    # A linear-attention model's recurrent state slots (kvd.engine.state_slots): one per sequence that runs at
+    # once (at most max_num_seqs), and checkpoints; each takes state_bytes.
+    num_live_states: int = 0
+    num_checkpoints: int = 0
+    state_bytes: int = 0
+
+
+def plan_pool(
     args: EngineArgs,
     model: CausalLM,
     kv_dtype: torch.dtype,
     max_model_len: int,
     baseline: DeviceMemory | None,
-    num_state_slots: int = 0,
-) -> int:
-    """Blocks of `args.block_size` tokens in this rank's pool. `max_model_len`: the model's cap of the
-    setting, the longest sequence the profile runs; `baseline`: the CUDA device's memory before the model
-    loaded (None off CUDA); `num_state_slots`: recurrent state slots taken from the same budget first."""
+) -> PoolPlan:
+    """This rank's pool: blocks of `args.block_size` tokens and the state slots. `max_model_len`: the model's
+    cap of the setting, the longest sequence the profile runs; `baseline`: the CUDA device's memory before the
+    model loaded (None off CUDA). Live states and checkpoints take at most a quarter of the budget each."""
     per_block = kv_cache_bytes_per_block(model.config, args.block_size, kv_dtype)
     budget = args.kv_cache_memory
     if budget is None and args.tensor_parallel_size > 1 and baseline is not None:
@@ -45,7 +57,14 @@ def kv_pool_blocks(
     elif budget is None:
         # The ranks of one host share its memory: each takes its part of the fraction.
         budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
-    state_bytes = num_state_slots * state_bytes_per_slot(model.config, next(model.parameters()).dtype)
+    per_state = state_bytes_per_slot(model.config, next(model.parameters()).dtype)
+    live = checkpoints = 0
+    if per_state:
+        quarter = budget // 4 // per_state
+        live = min(args.max_num_seqs, max(1, quarter))
+        checkpoints = min(live, quarter) if args.state_checkpoints is None else args.state_checkpoints
+    num_state_slots = live + checkpoints
+    state_bytes = num_state_slots * per_state
     num_blocks = (budget - state_bytes) // per_block
     if num_blocks < 2:
         raise RequestRejectedError(
@@ -59,7 +78,7 @@ def kv_pool_blocks(
             "raise kv_cache_memory (on CUDA: gpu_memory_utilization, or free the device memory that "
             "another engine or process holds)"
         )
-    return num_blocks
+    return PoolPlan(num_blocks, live, checkpoints, per_state)
 
 
 def _available_memory_bytes() -> int:

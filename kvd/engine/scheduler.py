@@ -70,6 +70,9 @@ class Scheduler:
         budget -= self._schedule_running_prefills(out, budget)
         budget -= self._admit_waiting(out, budget)
         self._schedule_drafts(out, budget)
+        if self.block_manager.states is not None:  # recurrent state: snapshots at checkpoint positions
+            for chunk in out.chunks:
+                self.block_manager.plan_snapshot(chunk.seq, chunk.num_new_tokens)
         return out
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from enum import Enum
 
+from kvd.engine.state_slots import Snapshot
+
 _seq_ids = itertools.count()
 
 RELEASED = -1
@@ -43,8 +45,11 @@ class Sequence:
         # One table per KV group (kvd.model.layers.kv_cache.KVGroups); a sliding group's starts with RELEASED.
         self.block_tables: list[list[int]] = [[]]
         self.num_released: list[int] = [0]  # per group: the leading RELEASED entries of its table
-        # Its recurrent state's slot while allocated, in a model with linear-attention layers (else None).
+        # Its recurrent state's slot while allocated, in a model with linear-attention layers (else None); the
+        # checkpoint its next step resumes from after a prefix hit; the snapshot that step takes (block manager).
         self.state_slot: int | None = None
+        self.restore_slot: int | None = None
+        self.snapshot: Snapshot | None = None
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.seq_id = next(_seq_ids)

@@ -214,19 +214,23 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
                       int64_t num_groups, const int32_t* lens, int nthreads);
 
 // A Gated DeltaNet layer (linear attention; Qwen3.5) over S sequences' rows of one step: sequence s owns rows
-// starts[s] .. starts[s + 1] (starts[0] = 0) and state slot slots[s] (distinct). qkv [T, C] (C = 2 Hk dk + Hv dv:
+// starts[s] .. starts[s + 1] (starts[0] = 0) and state slot slots[s]; its state starts from slot sources[s] (-1:
+// zeros; slots[s]: as the last step left it; another slot: a checkpoint, copied). qkv [T, C] (C = 2 Hk dk + Hv dv:
 // q's Hk heads, k's, then v's Hv heads) is the input projection, a and b [T, Hv] the decay's and the update's
 // projections, all in the dtype (bf16 or float32). The causal convolution (conv_weight [C, K], K <= 17) reads
 // each channel's last K - 1 inputs from conv_state [num_slots, K - 1, C] (dtype) and leaves the sequence's last
 // ones there; its SiLU output is rounded to the dtype. Then per value head h (sharing key head h / (Hv / Hk)),
 // token after token: q and k L2-normalized (q also by 1 / sqrt(dk)), the state [dk, dv] of
 // state [num_slots, Hv, dk, dv] (float32) decayed by exp(-exp(A_log[h]) softplus(a + dt_bias[h])), updated by
-// k (sigmoid(b) (v - S^T k))^T, and out [T, Hv dv] (dtype) = S^T q. fresh[s]: the sequence's window and state start
-// from zeros. KVD_BAD_INDEX for a slot out of range or taken twice, starts that go back, or K out of range.
+// k (sigmoid(b) (v - S^T k))^T, and out [T, Hv dv] (dtype) = S^T q. snap_rows[s] >= 0: after that row of the
+// sequence's, its window and state are copied into slot snap_slots[s] too. KVD_BAD_INDEX, before any write, for a
+// slot out of range, a slot written twice (live or snapshot), a source another sequence writes, a snapshot row
+// outside its rows, starts that go back, or K out of range.
 int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* conv_weight, const float* A_log,
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
-                    const int64_t* slots, const int32_t* fresh, int64_t S, int64_t Hk, int64_t Hv, int64_t dk,
-                    int64_t dv, int64_t K, int bf16, void* out, int nthreads);
+                    const int64_t* slots, const int64_t* sources, const int64_t* snap_rows,
+                    const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
+                    int bf16, void* out, int nthreads);
 // cffi: end
 
 #endif

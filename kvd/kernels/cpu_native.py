@@ -638,17 +638,17 @@ def gated_delta(
     conv_state: torch.Tensor,
     state: torch.Tensor,
     starts: torch.Tensor,
-    slots: torch.Tensor,
-    fresh: torch.Tensor,
+    step: tuple[torch.Tensor, ...],
     key_heads: int,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer's convolution and recurrence (kvd_gated_delta): out [T, value_heads x value_head_dim]
-    in qkv's dtype, each sequence's window in conv_state and state in state updated in place."""
+    in qkv's dtype; the sequences' windows in conv_state and states in state updated in place. step: per sequence
+    its slot, source, snapshot row and snapshot slot (int64 [S] each)."""
     bf16 = _is_bf16(qkv)
     rows, channels = qkv.shape
     num_slots, heads, key_dim, value_dim = state.shape
     kernel = conv_weight.shape[1]
-    seqs = slots.shape[0]
+    seqs = starts.shape[0] - 1
     for name, t, shape in (
         ("qkv", qkv, (rows, channels)),
         ("a", a, (rows, heads)),
@@ -664,18 +664,19 @@ def gated_delta(
     ):
         _check_tensor(t, name, torch.float32, shape)
     _check_tensor(starts, "starts", torch.int64, (seqs + 1,))
-    _check_tensor(slots, "slots", torch.int64, (seqs,))
-    _check_tensor(fresh, "fresh", torch.int32, (seqs,))
+    for name, t in zip(("slots", "sources", "snapshot rows", "snapshot slots"), step, strict=True):
+        _check_tensor(t, name, torch.int64, (seqs,))
     if int(starts[-1]) != rows or channels != 2 * key_heads * key_dim + heads * value_dim:
         raise NativeKernelError(
             f"gated delta: {rows} rows of {channels} channels do not match the step's {int(starts[-1])} rows or "
             f"{key_heads} key heads and {heads} value heads of {key_dim} x {value_dim}"
         )
     out = torch.empty(rows, heads * value_dim, dtype=qkv.dtype)
+    slots, sources, snap_rows, snap_slots = (_ptr(t) for t in step)
     status = library().kvd_gated_delta(
         _ptr(qkv), _ptr(a), _ptr(b), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias), _ptr(conv_state), _ptr(state),
-        num_slots, _ptr(starts), _ptr(slots), _ptr(fresh), seqs, key_heads, heads, key_dim, value_dim, kernel, bf16,
-        _ptr(out), _threads(),
+        num_slots, _ptr(starts), slots, sources, snap_rows, snap_slots, seqs, key_heads, heads, key_dim, value_dim,
+        kernel, bf16, _ptr(out), _threads(),
     )  # fmt: skip
     _check(status, "gated delta")
     return out

@@ -2,9 +2,11 @@
 q, k and v, then per value head a state matrix that decays, is corrected toward each token's value (the delta
 rule) and answers each query; the output RMS-normed and gated by SiLU(z) per head.
 
-On the CPU one native kernel (kvd_gated_delta) runs the convolution and the recurrence; elsewhere the same
-arithmetic runs here in torch, sequence by sequence and token by token. Either way a sequence's rows are computed
-alone in one order, so a step's batch, its chunking and the other sequences never change them."""
+On the CPU one native kernel (kvd_gated_delta) runs the convolution and the recurrence, each sequence's rows alone
+in one order: a step's batch, its chunking and the other sequences never change their bits. Elsewhere the same
+arithmetic runs here in torch, sequence by sequence and token by token (on a CPU without the native kernels,
+torch's vectorized exp and sigmoid round a tensor's tail differently from its body, so there only to within
+rounding)."""
 
 from __future__ import annotations
 
@@ -79,8 +81,8 @@ class GatedDeltaNet(nn.Module):
         if cpu_native.supports(qkv) and self.state.state.is_cpu:
             core = cpu_native.gated_delta(
                 qkv.contiguous(), a.contiguous(), b.contiguous(), weight.contiguous(), self.A_log.float(),
-                self.dt_bias.float(), self.state.conv, self.state.state, step.starts_t, step.slots_t,
-                step.fresh_t, shape.num_key_heads,
+                self.dt_bias.float(), self.state.conv, self.state.state, step.starts_t,
+                (step.slots_t, step.sources_t, step.snapshot_rows_t, step.snapshot_slots_t), shape.num_key_heads,
             )  # fmt: skip
         else:
             core = _gated_delta_torch(qkv, a, b, weight, self.A_log.float(), self.dt_bias.float(), self, step)
@@ -106,20 +108,23 @@ def _gated_delta_torch(
     out = qkv.new_empty(qkv.shape[0], shape.value_dim)
     decay = torch.exp(-A_log.exp() * F.softplus(a.float() + dt_bias))
     beta = b.sigmoid().float()
-    for first, end, slot, fresh in zip(step.starts, step.starts[1:], step.slots, step.fresh, strict=True):
-        rows = end - first
-        past = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
+    for first, end, rows_of in zip(step.starts[:-1], step.starts[1:], step.rows, strict=True):
+        rows, slot, source = end - first, rows_of.slot, rows_of.source
+        past = torch.zeros_like(state.conv[slot]) if source < 0 else state.conv[source].clone()
         window = torch.cat((past, qkv[first:end]))
         acc = window[:rows].float() * weight[:, 0]
         for j in range(1, kernel):
             acc = acc + window[j : j + rows].float() * weight[:, j]
         state.conv[slot] = window[rows:]
+        snap = rows_of.snapshot_row
+        if snap >= 0:
+            state.conv[rows_of.snapshot_slot] = window[snap + 1 : snap + kernel]
         mixed = F.silu(acc.to(dtype)).float()
         q, k, v = mixed.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
         q = q.reshape(rows, shape.num_key_heads, -1).repeat_interleave(group, dim=1)
         k = k.reshape(rows, shape.num_key_heads, -1).repeat_interleave(group, dim=1)
         v = v.reshape(rows, shape.num_value_heads, -1)
-        s = torch.zeros_like(state.state[slot]) if fresh else state.state[slot].clone()
+        s = torch.zeros_like(state.state[slot]) if source < 0 else state.state[source].clone()
         for t in range(rows):
             qt = q[t] * torch.rsqrt((q[t] * q[t]).sum(-1, keepdim=True) + 1e-6) / shape.key_head_dim**0.5
             kt = k[t] * torch.rsqrt((k[t] * k[t]).sum(-1, keepdim=True) + 1e-6)
@@ -128,5 +133,7 @@ def _gated_delta_torch(
             delta = (v[t] - memory) * beta[first + t, :, None]
             s = s + kt[:, :, None] * delta[:, None, :]
             out[first + t] = (s * qt[:, :, None]).sum(-2).reshape(-1).to(dtype)
+            if t == snap:
+                state.state[rows_of.snapshot_slot] = s
         state.state[slot] = s
     return out

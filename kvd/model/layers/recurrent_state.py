@@ -1,9 +1,9 @@
 """The recurrent state of linear-attention layers: per sequence a slot, per layer and slot the causal
 convolution's window and the Gated DeltaNet's state matrices (kvd.model.layers.gated_delta).
 
-A slot belongs to one running sequence (kvd.engine.block_manager hands them out with its blocks); a sequence's
-first rows start its state from zeros, every later step carries it on. Unlike K/V a state cannot be rebuilt
-from blocks of a prefix, so a step names for each sequence whether its state is fresh."""
+A slot belongs to one running sequence, or holds a checkpoint (kvd.engine.state_slots); a sequence's first rows
+start its state from zeros or from a checkpoint, every later step carries it on. Unlike K/V a state cannot be
+rebuilt from blocks of a prefix, so a step names for each sequence where its state starts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvd.distributed.step import RecurrentRows
 from kvd.model.config import LINEAR, LinearAttention, ModelConfig
 
 
@@ -27,33 +28,28 @@ class LayerState:
 @dataclass
 class RecurrentStep:
     """A step's rows as the linear-attention layers read them: sequence s owns rows starts[s]:starts[s + 1] and
-    state slot slots[s], which starts from zeros when fresh[s] (the sequence's first computed token is in the
-    step)."""
+    state slot rows[s].slot, its state starting from rows[s].source (kvd.distributed.step.RecurrentRows); the
+    tensors are the same on the host for the native kernel (int64)."""
 
     starts: list[int]
-    slots: list[int]
-    fresh: list[bool]
-    # The same as tensors on the host, for the native kernel: int64 [S + 1], int64 [S], int32 [S].
-    starts_t: torch.Tensor
-    slots_t: torch.Tensor
-    fresh_t: torch.Tensor
+    rows: list[RecurrentRows]
+    starts_t: torch.Tensor  # [S + 1]
+    slots_t: torch.Tensor  # [S], and the next three likewise: RecurrentRows' fields
+    sources_t: torch.Tensor
+    snapshot_rows_t: torch.Tensor
+    snapshot_slots_t: torch.Tensor
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], slots: list[int]) -> RecurrentStep:
-        if len(slots) != len(query_lens):
-            raise ValueError(f"got {len(slots)} state slots for {len(query_lens)} sequences")
+    def build(cls, query_lens: list[int], rows: list[RecurrentRows]) -> RecurrentStep:
+        if len(rows) != len(query_lens):
+            raise ValueError(f"got the recurrent rows of {len(rows)} sequences for {len(query_lens)}")
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        fresh = [c == n for n, c in zip(query_lens, context_lens, strict=True)]
-        return cls(
-            starts,
-            list(slots),
-            fresh,
-            torch.tensor(starts, dtype=torch.int64),
-            torch.tensor(slots, dtype=torch.int64),
-            torch.tensor(fresh, dtype=torch.int32),
-        )
+        columns = [torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True)] if rows else []
+        empty = torch.zeros(0, dtype=torch.int64)
+        slots, sources, snapshot_rows, snapshot_slots = columns or [empty] * 4
+        return cls(starts, list(rows), torch.tensor(starts), slots, sources, snapshot_rows, snapshot_slots)
 
 
 def linear_layers(config: ModelConfig) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kvd.distributed.step import RecurrentRows
 from kvd.model.layers.attention.attention_base import (
     AttentionBackend,
     AttentionMetadata,
@@ -39,7 +40,7 @@ def build_attention_metadata(
     slot_mapping: list[int] | None = None,
     kv_groups: KVGroups | None = None,
     group_tables: list[list[list[int]]] | None = None,
-    state_slots: list[int] | None = None,
+    recurrent: list[RecurrentRows] | None = None,
 ) -> AttentionMetadata:
     """Metadata for one step, built once and shared by every layer.
 
@@ -63,8 +64,8 @@ def build_attention_metadata(
         for t, window in zip(tables, groups.windows, strict=True)
     ]
     metadata[0].other_groups = tuple(metadata[1:])
-    if state_slots is not None:
-        metadata[0].recurrent = RecurrentStep.build(query_lens, context_lens, state_slots)
+    if recurrent is not None:
+        metadata[0].recurrent = RecurrentStep.build(query_lens, recurrent)
     return metadata[0]
 
 
