@@ -53,7 +53,13 @@ MODES = [
     ("bfloat16", "int8", "gpt_oss", "auto"),
     ("bfloat16", "none", "mixtral", "int8"),
     ("float32", "int8", "qwen2_moe", "auto"),  # a shared expert beside the routed ones
+    # Linear attention (Gated DeltaNet) beside gated full attention: recurrent state slots, prefix hits from
+    # state checkpoints.
+    ("float32", "int4", "qwen3_5", "auto"),
+    ("bfloat16", "int8", "qwen3_5", "int8"),
 ]
+# Models with recurrent state refuse drafts (a draft would fork the state): those paths are not theirs.
+RECURRENT = {"qwen3_5"}
 
 
 SPECULATIVE = {"speculative": "ngram", "speculative_tokens": 4, "speculative_max_seqs": 8, "max_num_seqs": 32}
@@ -110,10 +116,12 @@ def test_every_scheduling_path_gives_the_same_logits(
         "speculative": SPECULATIVE,
         "speculative, preempted": SPECULATIVE | {"kv_cache_memory": None, "num_blocks": 14},
     }
+    if family in RECURRENT:
+        paths = {path: engine for path, engine in paths.items() if not path.startswith("speculative")}
     for path, engine in paths.items():
         if "num_blocks" in engine:
             pool_dtype = "int8" if kv_cache_dtype == "int8" else dtype
-            blocks = {"kv_cache_memory": _pool_bytes(folder, pool_dtype, engine["num_blocks"])}
+            blocks = {"kv_cache_memory": _pool_bytes(folder, pool_dtype, engine["num_blocks"], dtype)}
             engine = {k: v for k, v in engine.items() if k != "num_blocks"} | blocks
         with monkeypatch.context() as patch:
             if path.startswith("speculative"):
@@ -146,15 +154,23 @@ def _drafts_from(outputs: list[list[int]]):
     return propose
 
 
-def _pool_bytes(folder, dtype: str, num_blocks: int) -> int:
-    """A KV pool of num_blocks 16-token blocks for the tiny model (small enough to force preemptions)."""
+def _pool_bytes(folder, dtype: str, num_blocks: int, model_dtype: str) -> int:
+    """A KV pool of about num_blocks 16-token blocks for the tiny model (small enough to force preemptions), and
+    room for a recurrent state per sequence where the model has one."""
     import json
 
     from kvd.model.config import ModelConfig
     from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
+    from kvd.model.layers.recurrent_state import state_bytes_per_slot
 
     config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    return num_blocks * kv_cache_bytes_per_block(config, 16, getattr(torch, dtype))
+    per_state = state_bytes_per_slot(config, getattr(torch, model_dtype))
+    pool = num_blocks * kv_cache_bytes_per_block(config, 16, getattr(torch, dtype))
+    # The engine gives live states up to half the budget (no checkpoints: prefix caching is off here).
+    for live in range(8, 0, -1):
+        if not per_state or (pool + live * per_state) // 2 // per_state >= live:
+            return pool + live * per_state
+    return pool + per_state
 
 
 def test_switched_off_it_says_so(tiny_checkpoint):

@@ -13,8 +13,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from xxhash import xxh3_64_intdigest
 
-from kvd.engine.block_manager import BlockManager, DoubleFreeError, HashFn, NoFreeBlocksError
+from kvd.engine.block_manager import (
+    BlockManager,
+    DoubleFreeError,
+    HashFn,
+    NoFreeBlocksError,
+    NoFreeStateSlotsError,
+)
 from kvd.engine.sequence import Sequence
+from kvd.engine.state_slots import StateSlots
 
 BS = 4
 NUM_BLOCKS = 16
@@ -39,10 +46,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(self.num_blocks, BS, hash_fn=self.hash_fn, group_windows=self.group_windows)
+        self.bm = BlockManager(
+            self.num_blocks, BS, hash_fn=self.hash_fn, group_windows=self.group_windows, states=self.states()
+        )
         self.running: list[Sequence] = []
         self.stopped: list[Sequence] = []  # preempted or finished: their blocks are freed
         self.content: dict[int, tuple] = {}  # block id -> (group, salt, token prefix) computed into it
+
+    def states(self) -> StateSlots | None:
+        return None
 
     def _holds(self, seq: Sequence, g: int, i: int) -> tuple:
         return (g, seq.cache_salt, tuple(seq.token_ids[: (i + 1) * BS]))
@@ -55,7 +67,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _admit(self, seq: Sequence, first_chunk: int | None = None) -> None:
         before = self.bm.usage()
         if not self.bm.can_allocate(seq, first_chunk):
-            with pytest.raises(NoFreeBlocksError):
+            with pytest.raises((NoFreeBlocksError, NoFreeStateSlotsError)):
                 self.bm.allocate(seq, first_chunk)
             assert seq.block_table == [] and self.bm.usage() == before
             return
@@ -175,6 +187,42 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(block.ref_count == 0 for block in self.bm.blocks)
 
 
+class RecurrentStateMachine(BlockManagerMachine):
+    """A model with linear-attention layers: 3 live state slots, 2 checkpoints every 2 blocks. The machine keeps
+    what each slot's state was computed from (salt and token prefix) as the runner would write it, and checks
+    that a hit resumes from a checkpoint of exactly the prefix it skips."""
+
+    def states(self) -> StateSlots:
+        self.state: dict[int, tuple] = {}  # slot -> (salt, tokens) its state holds
+        return StateSlots(3, 2, 2 * BS)
+
+    def _admit(self, seq: Sequence, first_chunk: int | None = None) -> None:
+        super()._admit(seq, first_chunk)
+        if seq.state_slot is None:
+            return
+        if seq.num_cached_tokens:
+            assert self.state[seq.restore_slot] == (
+                seq.cache_salt,
+                tuple(seq.token_ids[: seq.num_cached_tokens]),
+            )
+        else:
+            assert seq.restore_slot is None
+
+    def _compute(self, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        snapshot = self.bm.plan_snapshot(seq, num_tokens)
+        if snapshot is not None:
+            assert start < snapshot.tokens <= start + num_tokens and snapshot.tokens % (2 * BS) == 0
+            self.state[snapshot.slot] = (seq.cache_salt, tuple(seq.token_ids[: snapshot.tokens]))
+        self.state[seq.state_slot] = (seq.cache_salt, tuple(seq.token_ids[: start + num_tokens]))
+        super()._compute(seq, num_tokens)
+        assert seq.restore_slot is None and seq.snapshot is None
+
+    def teardown(self):
+        super().teardown()
+        assert self.bm.states.has_live and len(self.bm.states._free_live) == 3
+
+
 class CollidingHashMachine(BlockManagerMachine):
     """Three hash values in all: nearly every lookup collides, and token plus parent checks must catch it."""
 
@@ -196,3 +244,5 @@ TestBlockManagerPropertiesWithCollisions = CollidingHashMachine.TestCase
 TestBlockManagerPropertiesWithCollisions.settings = SETTINGS
 TestBlockManagerPropertiesWithKVGroups = GroupedMachine.TestCase
 TestBlockManagerPropertiesWithKVGroups.settings = SETTINGS
+TestBlockManagerPropertiesWithRecurrentState = RecurrentStateMachine.TestCase
+TestBlockManagerPropertiesWithRecurrentState.settings = SETTINGS

@@ -119,12 +119,14 @@ def test_a_sequence_gets_the_same_bits_alone_batched_and_chunked(native, dtype):
     lengths = [7, 19, 1]
     seqs = [inputs(n, dtype, 10 + i) for i, n in enumerate(lengths)]
     w = weights()
-    alone = [run(native, x, w, empty_state(dtype), fresh([n], [0])) for x, n in zip(seqs, lengths)]
+    alone = [
+        run(native, x, w, empty_state(dtype), fresh([n], [0])) for x, n in zip(seqs, lengths, strict=True)
+    ]
     state = empty_state(dtype)
     batch = {k: torch.cat([x[k] for x in seqs]) for k in ("qkv", "a", "b")}
     batched = run(native, batch, w, state, fresh(lengths, [4, 1, 3]))
     assert same(batched, torch.cat(alone))
-    for i, (x, n) in enumerate(zip(seqs, lengths)):
+    for i, (x, n) in enumerate(zip(seqs, lengths, strict=True)):
         state, done, parts = empty_state(dtype), 0, []
         for size in (1, 5, n):
             size = min(size, n - done)

@@ -135,7 +135,7 @@ class EngineArgs:
         None,
         "models with linear-attention layers: recurrent states kept at cached blocks so that a prefix hit can "
         "resume there; 0 = no prefix caching for them (default: as many as sequences can run, within a quarter "
-        "of the KV memory)",
+        "of the KV cache memory)",
     )
     state_checkpoint_interval: int = setting(
         4,

@@ -100,7 +100,7 @@ class LLMEngine:
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
-        self.pool = plan_pool(args, loaded.model, self.kv_dtype, max_model_len, baseline)
+        self.pool = plan_pool(args, loaded.model, self.kv_dtype, self.dtype, max_model_len, baseline)
         self.num_blocks = self.pool.num_blocks
         groups = loaded.model.kv_groups
         pool_tokens = groups.max_tokens(self.num_blocks, args.block_size)
@@ -157,6 +157,7 @@ class LLMEngine:
             enforce_eager=args.enforce_eager,
             channel=self.tp.channel if self.tp else None,
             num_state_slots=self.pool.num_live_states + self.pool.num_checkpoints,
+            state_dtype=self.dtype,
         )
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)

@@ -46,6 +46,7 @@ class ModelRunner:
         enforce_eager: bool,
         channel: StepChannel | None = None,
         num_state_slots: int = 0,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         if max_model_len > config.max_position_embeddings:
             raise MaxModelLenError(
@@ -63,7 +64,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(config, num_blocks + 1, block_size, dtype, device, model.kv_groups)
         model.bind_kv_cache(self.kv_caches)
         self.recurrent = model.config.has_recurrent_state
-        self.states = allocate_state(model.config, num_state_slots, dtype, device)
+        # The convolution windows hold the model's activations (state_dtype; the KV pool's dtype may be int8).
+        self.states = allocate_state(model.config, num_state_slots, state_dtype or dtype, device)
         model.bind_recurrent_state(self.states)
         self.graphs: DecodeGraphRunner | None = None
         self.num_graph_steps = 0  # steps replayed from a CUDA graph; the others ran eagerly

@@ -30,12 +30,14 @@ def plan_pool(
     args: EngineArgs,
     model: CausalLM,
     kv_dtype: torch.dtype,
+    dtype: torch.dtype,
     max_model_len: int,
     baseline: DeviceMemory | None,
 ) -> PoolPlan:
     """This rank's pool: blocks of `args.block_size` tokens and the state slots. `max_model_len`: the model's
-    cap of the setting, the longest sequence the profile runs; `baseline`: the CUDA device's memory before the
-    model loaded (None off CUDA). Live states and checkpoints take at most a quarter of the budget each."""
+    cap of the setting, the longest sequence the profile runs; `dtype`: the model's (its states' windows); `baseline`: the CUDA device's memory before the
+    model loaded (None off CUDA). Live states take at most half the budget (a hybrid model's sequence keeps
+    K/V for a quarter of its layers only), checkpoints a quarter unless args.state_checkpoints says how many."""
     per_block = kv_cache_bytes_per_block(model.config, args.block_size, kv_dtype)
     budget = args.kv_cache_memory
     if budget is None and args.tensor_parallel_size > 1 and baseline is not None:
@@ -57,12 +59,13 @@ def plan_pool(
     elif budget is None:
         # The ranks of one host share its memory: each takes its part of the fraction.
         budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
-    per_state = state_bytes_per_slot(model.config, next(model.parameters()).dtype)
+    per_state = state_bytes_per_slot(model.config, dtype)
     live = checkpoints = 0
     if per_state:
         quarter = budget // 4 // per_state
-        live = min(args.max_num_seqs, max(1, quarter))
+        live = min(args.max_num_seqs, max(1, budget // 2 // per_state))
         checkpoints = min(live, quarter) if args.state_checkpoints is None else args.state_checkpoints
+        checkpoints *= args.enable_prefix_caching  # only prefix hits read them
     num_state_slots = live + checkpoints
     state_bytes = num_state_slots * per_state
     num_blocks = (budget - state_bytes) // per_block
