@@ -220,7 +220,7 @@ class RecurrentStateMachine(BlockManagerMachine):
 
     def teardown(self):
         super().teardown()
-        assert self.bm.states.has_live and len(self.bm.states._free_live) == 3
+        assert self.bm.states.num_free_live == 3
 
 
 class CollidingHashMachine(BlockManagerMachine):

@@ -13,7 +13,7 @@ from kvd import LLM, SamplingParams
 PROMPT = [(7 * i + 3) % 250 for i in range(30)]  # longer than the tiny Gemma 3's 8-token window
 
 
-@pytest.mark.parametrize("family", ["granite", "gemma3", "olmo2", "phi3", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["granite", "gemma3", "olmo2", "phi3", "qwen3_moe", "gpt_oss", "qwen3_5"])
 def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
     folder = tiny_checkpoint(family)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -30,6 +30,8 @@ def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
                 [None, 8] if family in ("gemma3", "gpt_oss") else [None]
             )  # Gemma 3's and gpt-oss's sliding layer: a group
             assert (info["experts"] is not None) == family.endswith(("moe", "oss"))
+            # Qwen3.5's linear-attention layers: state slots and checkpoints beside the pool.
+            assert (info["recurrent_state"] is not None) == (family == "qwen3_5")
             got = client.generate(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
             assert got.token_ids == expected
             streamed = [

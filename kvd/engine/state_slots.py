@@ -48,6 +48,10 @@ class StateSlots:
         return bool(self._free_live)
 
     @property
+    def num_free_live(self) -> int:
+        return len(self._free_live)
+
+    @property
     def num_held(self) -> int:
         return len(self._held)
 

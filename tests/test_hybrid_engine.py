@@ -1,0 +1,123 @@
+"""A hybrid model (Qwen3.5: Gated DeltaNet layers beside full attention) in the engine: state slots and
+checkpoints in info, prefix hits that resume from a checkpoint with the same tokens, what it refuses, and no
+slot or block left behind after many mixed requests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvd import LLM, SamplingParams
+from kvd.distributed.shard import Shard, ShardingError, ShardPlan
+from kvd.engine.engine_args import EngineArgs, EngineArgsError
+from kvd.kernels import cpu_native
+from kvd.model.config import ModelConfig, UnsupportedModelError
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native kernels need a C compiler")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+INTERVAL = 2  # blocks of 16 tokens between checkpoints in these tests
+
+
+def _llm(folder, **engine) -> LLM:
+    settings = {"dtype": "float32", "kv_cache_memory": "16M", "max_num_seqs": 4} | engine
+    return LLM(str(folder), state_checkpoint_interval=INTERVAL, **settings)
+
+
+def _tokens(llm: LLM, prompt: list[int]) -> list[int]:
+    return llm.generate([prompt], GREEDY, use_tqdm=False)[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_5")
+
+
+def test_info_names_the_state_slots_and_checkpoints(folder):
+    info = _llm(folder).engine.info()
+    state = info["recurrent_state"]
+    assert state["linear_layers"] == 3 and state["slots"] == 4 and state["checkpoints"] == 4
+    assert state["checkpoint_interval_tokens"] == INTERVAL * info["block_size"]
+    assert state["bytes"] == 8 * state["bytes_per_slot"] > 0
+    assert [g["layers"] for g in info["kv_groups"]] == [1]  # the one full-attention layer keeps K/V
+
+
+def test_a_later_turn_resumes_from_a_checkpoint_with_the_same_tokens(folder):
+    """Turn 2 repeats turn 1 and its answer: the hit reaches the last checkpoint at or before their end (whole
+    intervals of 32 tokens), the rest is recomputed, and every token is the uncached run's."""
+    turn1 = [(5 * i + 1) % 250 for i in range(45)]
+    uncached = _llm(folder, enable_prefix_caching=False)
+    answer = _tokens(uncached, turn1)
+    turn2 = turn1 + answer + [9, 8, 7]  # 58 tokens: checkpoints at 32 (turn 1's prefill) and none at 64 yet
+    want = _tokens(uncached, turn2)
+    llm = _llm(folder)
+    assert _tokens(llm, turn1) == answer
+    assert _tokens(llm, turn2) == want
+    stats = llm.engine.stats()["prefix_cache"]
+    assert stats["hit_tokens"] == 32  # between two checkpoint positions (32 and 64): resumed from 32
+    assert llm.engine.info()["recurrent_state"]["checkpoints_held"] >= 1
+    llm.engine.block_manager.check_invariants()
+
+
+def test_without_checkpoints_no_prefix_is_read(folder):
+    prompt = list(range(3, 80))
+    llm = _llm(folder, state_checkpoints=0)
+    first = _tokens(llm, prompt)
+    assert _tokens(llm, prompt) == first
+    assert llm.engine.stats()["prefix_cache"]["hit_tokens"] == 0
+    assert llm.engine.info()["recurrent_state"]["checkpoints"] == 0
+
+
+def test_many_mixed_requests_leave_no_slot_or_block_behind(folder):
+    """1,000 requests of mixed lengths, sharing prefixes, through 4 state slots and a small pool (preemptions):
+    afterwards every live slot and block is free again and the checkpoints are all the cache holds."""
+    shared = list(range(10, 60))
+    prompts = [(shared[: (7 * i) % 50] + [(3 * i + j) % 250 for j in range(1 + i % 23)]) for i in range(1000)]
+    params = [SamplingParams(temperature=0.0, max_tokens=1 + i % 5, ignore_eos=True) for i in range(1000)]
+    llm = _llm(
+        folder, kv_cache_memory=100_000, max_num_seqs=4
+    )  # 5 blocks beside 4 live states, 2 checkpoints
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [p.max_tokens for p in params]
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.usage().used_blocks == 0
+    assert bm.states.num_free_live == bm.states.num_live
+    assert llm.engine.stats()["prefix_cache"]["hit_tokens"] > 0
+    assert llm.engine.stats()["num_preemptions"] > 0
+
+
+def test_speculative_decoding_is_refused_by_name(folder):
+    with pytest.raises(EngineArgsError, match="linear-attention layers"):
+        LLM(str(folder), dtype="float32", kv_cache_memory="16M", speculative="ngram")
+
+
+def test_tensor_parallel_is_refused_before_any_weight_loads(folder):
+    config = ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    with pytest.raises(ShardingError, match="linear-attention layers"):
+        ShardPlan(config, Shard(0, 2)).local_config()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"), [(-1, "state_checkpoints"), (1.5, "state_checkpoints"), (True, "state_checkpoints")]
+)
+def test_bad_checkpoint_settings_are_refused_naming_the_field(value, message):
+    with pytest.raises(EngineArgsError, match=message):
+        EngineArgs(model="x", state_checkpoints=value)
+    with pytest.raises(EngineArgsError, match="state_checkpoint_interval"):
+        EngineArgs(model="x", state_checkpoint_interval=0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+        ({"linear_conv_kernel_dim": 40}, "linear_conv_kernel_dim"),
+        ({"layer_types": ["linear_attention"] * 4}, "no full_attention layer"),
+    ],
+)
+def test_configs_kvd_cannot_run_are_refused_naming_the_field(folder, overrides, message):
+    config = json.loads((folder / "config.json").read_text()) | overrides
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelConfig.from_hf_dict(config)
