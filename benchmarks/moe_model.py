@@ -15,15 +15,12 @@ Q6_K down and output; MXFP4_MOE: MXFP4 experts). Prints the files' paths; run be
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 from pathlib import Path
 
-import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
-from benchmarks.host import bundled_gguf
+from benchmarks.random_gguf import finish, matrices, tokenizer_writer, write_and_quantize
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,11 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def write_f32(args: argparse.Namespace, path: Path) -> None:
-    source = gguf.GGUFReader(bundled_gguf())
-    tokenizer = [f for f in source.fields.values() if f.name.startswith("tokenizer.")]
-    vocab = len(next(f for f in tokenizer if f.name == "tokenizer.ggml.tokens").contents())
+    writer, vocab = tokenizer_writer(path, "qwen3moe")
     head_dim = args.hidden // args.heads
-    writer = gguf.GGUFWriter(path, "qwen3moe")
     writer.add_name(f"random-moe-{args.experts}x{args.top_k}")
     writer.add_context_length(4096)
     writer.add_embedding_length(args.hidden)
@@ -61,15 +55,7 @@ def write_f32(args: argparse.Namespace, path: Path) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for field in tokenizer:  # the bundled model's, each value in its own GGUF type
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type)
-    rng = np.random.default_rng(args.seed)
-
-    def matrix(*shape: int, scale: float = 1.0) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * scale / np.sqrt(shape[-1])).astype(np.float32)
-
+    matrix = matrices(args.seed)
     ones = np.ones(args.hidden, np.float32)
     q, kv, h, w, e = (
         args.heads * head_dim,
@@ -94,28 +80,12 @@ def write_f32(args: argparse.Namespace, path: Path) -> None:
         writer.add_tensor(f"blk.{i}.ffn_gate_exps.weight", matrix(e, w, h))
         writer.add_tensor(f"blk.{i}.ffn_up_exps.weight", matrix(e, w, h))
         writer.add_tensor(f"blk.{i}.ffn_down_exps.weight", matrix(e, h, w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=True)
-    writer.close()
+    finish(writer)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    f32 = args.out / "random-moe-f32.gguf"
-    if not f32.exists():
-        write_f32(args, f32)
-    print(f32)
-    quantize = Path(os.environ.get("LLAMA_CPP_BIN", "")) / "llama-quantize"
-    if not quantize.is_file():
-        print("no $LLAMA_CPP_BIN/llama-quantize: only the F32 file was written")
-        return
-    for kind in args.types.split(","):
-        target = args.out / f"random-moe-{kind.lower()}.gguf"
-        if not target.exists():
-            subprocess.run([str(quantize), str(f32), str(target), kind], check=True, capture_output=True)
-        print(target)
+    write_and_quantize(args.out, "random-moe", args.types, lambda path: write_f32(args, path))
 
 
 if __name__ == "__main__":

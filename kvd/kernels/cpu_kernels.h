@@ -219,7 +219,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
 // q's Hk heads, k's, then v's Hv heads) is the input projection, a and b [T, Hv] the decay's and the update's
 // projections, all in the dtype (bf16 or float32). The causal convolution (conv_weight [C, K], K <= 17) reads
 // each channel's last K - 1 inputs from conv_state [num_slots, K - 1, C] (dtype) and leaves the sequence's last
-// ones there; its SiLU output is rounded to the dtype. Then per value head h (sharing key head h / (Hv / Hk)),
+// ones there; its SiLU output is rounded to the dtype. Then per value head h (sharing key head h / (Hv / Hk), or
+// with tiled h % Hk),
 // token after token: q and k L2-normalized (q also by 1 / sqrt(dk)), the state [dk, dv] of
 // state [num_slots, Hv, dk, dv] (float32) decayed by exp(-exp(A_log[h]) softplus(a + dt_bias[h])), updated by
 // k (sigmoid(b) (v - S^T k))^T, and out [T, Hv dv] (dtype) = S^T q. snap_rows[s] >= 0: after that row of the
@@ -230,7 +231,7 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
                     const int64_t* slots, const int64_t* sources, const int64_t* snap_rows,
                     const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
-                    int bf16, void* out, int nthreads);
+                    int tiled, int bf16, void* out, int nthreads);
 // cffi: end
 
 #endif

@@ -640,10 +640,12 @@ def gated_delta(
     starts: torch.Tensor,
     step: tuple[torch.Tensor, ...],
     key_heads: int,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """A Gated DeltaNet layer's convolution and recurrence (kvd_gated_delta): out [T, value_heads x value_head_dim]
     in qkv's dtype; the sequences' windows in conv_state and states in state updated in place. step: per sequence
-    its slot, source, snapshot row and snapshot slot (int64 [S] each)."""
+    its slot, source, snapshot row and snapshot slot (int64 [S] each); tiled: value head h reads key head
+    h % key_heads (else h // (value heads per key head))."""
     bf16 = _is_bf16(qkv)
     rows, channels = qkv.shape
     num_slots, heads, key_dim, value_dim = state.shape
@@ -676,7 +678,7 @@ def gated_delta(
     status = library().kvd_gated_delta(
         _ptr(qkv), _ptr(a), _ptr(b), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias), _ptr(conv_state), _ptr(state),
         num_slots, _ptr(starts), slots, sources, snap_rows, snap_slots, seqs, key_heads, heads, key_dim, value_dim,
-        kernel, bf16, _ptr(out), _threads(),
+        kernel, int(tiled), bf16, _ptr(out), _threads(),
     )  # fmt: skip
     _check(status, "gated delta")
     return out

@@ -145,7 +145,7 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
                     const int64_t* slots, const int64_t* sources, const int64_t* snap_rows,
                     const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
-                    int bf16, void* out, int nthreads) {
+                    int tiled, int bf16, void* out, int nthreads) {
     if (K < 1 || K > 17 || Hk < 1 || Hv % Hk || starts[0] != 0 ||
         !check_step(num_slots, starts, slots, sources, snap_rows, snap_slots, S))
         return KVD_BAD_INDEX;
@@ -181,8 +181,8 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
                 memset(own, 0, (size_t)state_size * sizeof(float));
             else if (sources[s] != slots[s])
                 memcpy(own, state + (sources[s] * Hv + h) * state_size, (size_t)state_size * sizeof(float));
-            const head_inputs in = {mixed, a, b, C, key_dim, h / (Hv / Hk), h, Hv, dk, dv, expf(A_log[h]),
-                                    dt_bias[h], bf16};
+            const int64_t kh = tiled ? h % Hk : h / (Hv / Hk);
+            const head_inputs in = {mixed, a, b, C, key_dim, kh, h, Hv, dk, dv, expf(A_log[h]), dt_bias[h], bf16};
             float* snap = snap_rows[s] < 0 ? NULL : state + (snap_slots[s] * Hv + h) * state_size;
             delta_head(&in, own, starts[s], starts[s + 1] - starts[s], snap_rows[s], snap, out, scratch);
         }

@@ -81,13 +81,15 @@ def read_moe(hf_config: dict[str, Any], intermediate_key: str, **variant: Any) -
 @dataclass(frozen=True)
 class LinearAttention:
     """The shape of a model's Gated DeltaNet layers (the layers layer_types marks LINEAR; Qwen3.5, Qwen3-Next): value
-    heads share key heads in groups, as grouped-query attention shares K/V heads."""
+    heads share key heads, as grouped-query attention shares K/V heads: value head h reads key head h // (value
+    heads per key head), or with tiled_value_heads (llama.cpp's files reorder them so) key head h % key heads."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int  # the causal convolution's width over q, k and v before the recurrence
+    tiled_value_heads: bool = False
 
     @property
     def key_dim(self) -> int:

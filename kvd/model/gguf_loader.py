@@ -93,12 +93,25 @@ _ARCH_LAYER_TENSORS = {
     },
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as Phi-3's checkpoints
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
+    # Qwen3.5's Gated DeltaNet layers (ssm_a holds -exp(A_log); see _linear_attention_tensor).
+    "qwen35": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_qkv": "linear_attn.in_proj_qkv",
+        "attn_gate": "linear_attn.in_proj_z",
+        "ssm_beta": "linear_attn.in_proj_b",
+        "ssm_alpha": "linear_attn.in_proj_a",
+        "ssm_out": "linear_attn.out_proj",
+        "ssm_norm": "linear_attn.norm",
+        "ssm_conv1d": "linear_attn.conv1d",
+        "ssm_dt": "linear_attn.dt_bias",
+        "ssm_a": "linear_attn.A_log",
+    },
 }
 # Layer tensors whose Hugging Face name has no .weight (a parameter of the module itself).
-_BARE_TENSORS = {"self_attn.sinks"}
-# llama.cpp stores Gemma's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight alone):
-# as kvd's model holds them, so they load as they are (norms_hold_offset).
-_NORM_SHIFTED = ("gemma3",)
+_BARE_TENSORS = {"self_attn.sinks", "linear_attn.dt_bias", "linear_attn.A_log"}
+# llama.cpp stores Gemma's and Qwen3.5's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight
+# alone): as kvd's model holds them, so they load as they are (norms_hold_offset).
+_NORM_SHIFTED = ("gemma3", "qwen35")
 # Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # Llama 3.1+ rope scaling: llama.cpp keeps only the per-frequency factors (tensor rope_freqs.weight).
@@ -311,9 +324,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
     names = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+    # blk.N.kind.weight, or blk.N.kind for a bare parameter (Qwen3.5's ssm_a)
+    if len(parts) in (3, 4) and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         name = f"model.layers.{parts[1]}.{names[parts[2]]}"
-        return name if names[parts[2]] in _BARE_TENSORS else f"{name}.{parts[3]}"
+        return name if names[parts[2]] in _BARE_TENSORS else f"{name}.{parts[3]}" if len(parts) == 4 else None
     return None
 
 
@@ -366,6 +380,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         config |= _gemma3_config(file, config)
     if arch == "phi3":
         config |= _phi3_config(file, config)
+    if arch == "qwen35":
+        config |= _qwen35_config(file, config)
     if arch == "granite":  # llama.cpp's names for Granite's multipliers
         config |= {
             "embedding_multiplier": key("embedding_scale", 1.0),
@@ -433,6 +449,46 @@ def _gemma3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": md.get("gemma3.final_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
     }
+
+
+def _qwen35_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's Gated DeltaNet shape from llama.cpp's ssm keys, which layers are recurrent, and the rotated share
+    of each head. llama.cpp's converter reorders the value heads to tiled order (value head h reads key head
+    h % key heads), and kvd runs them in that order (value_heads_tiled)."""
+    md, layers = file.metadata, config["num_hidden_layers"]
+
+    def key(name: str) -> Any:
+        if f"qwen35.{name}" not in md:
+            raise GGUFError(f"{file.path}: qwen35 metadata lacks qwen35.{name}")
+        return md[f"qwen35.{name}"]
+
+    value_heads = key("ssm.time_step_rank")
+    recurrent = md.get("qwen35.attention.recurrent_layers")
+    if recurrent is None:
+        interval = md.get("qwen35.full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+    rotated = md.get("qwen35.rope.dimension_count", config["head_dim"])
+    return {
+        "linear_conv_kernel_dim": key("ssm.conv_kernel"),
+        "linear_key_head_dim": key("ssm.state_size"),
+        "linear_num_key_heads": key("ssm.group_count"),
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": key("ssm.inner_size") // value_heads,
+        "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        "partial_rotary_factor": rotated / config["head_dim"],
+        "attention_bias": False,
+        "value_heads_tiled": True,
+    }
+
+
+def linear_attention_tensor(hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Gated DeltaNet tensor as Hugging Face holds it from llama.cpp's form: A_log from ssm_a (-exp(A_log)), the
+    convolution's filters [channels, 1, kernel] from [channels, kernel]; the others as they are."""
+    if hf_name.endswith(".A_log"):
+        return torch.log(-tensor)
+    if hf_name.endswith(".conv1d.weight") and tensor.dim() == 2:
+        return tensor.unsqueeze(1)
+    return tensor
 
 
 def _phi3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
@@ -562,7 +618,7 @@ def iter_gguf_weights(
         kind = name.split(".")[2] if name.startswith("blk.") else None
         if permuted and kind in heads:
             tensor = unpermute_qk(tensor, heads[kind])
-        yield hf_name, tensor
+        yield hf_name, linear_attention_tensor(hf_name, tensor)
 
 
 def norms_hold_offset(file: GGUFFile) -> bool:

@@ -37,6 +37,12 @@ _LINEARS = {
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
+    # A Gated DeltaNet layer's (Qwen3.5): in place of self_attn's
+    "linear_attn.in_proj_qkv": ("attn_qkv",),
+    "linear_attn.in_proj_z": ("attn_gate",),
+    "linear_attn.in_proj_b": ("ssm_beta",),
+    "linear_attn.in_proj_a": ("ssm_alpha",),
+    "linear_attn.out_proj": ("ssm_out",),
 }
 
 
@@ -74,6 +80,11 @@ _HF_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
 }
 
 
@@ -189,10 +200,13 @@ def install(
         for path, kinds in (_LINEARS | (_SHARED_EXPERT if shared else {})).items():
             if experts is not None and path in ("mlp.gate_up_proj", "mlp.down_proj"):
                 continue
-            parent, attr = layer.get_submodule(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1]
+            owner, attr = path.rsplit(".", 1)
+            if getattr(layer, owner.split(".")[0]) is None:
+                continue  # a linear-attention layer has no self_attn, an attention layer no linear_attn
+            parent = layer.get_submodule(owner)
             linear = getattr(parent, attr)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
-            fused = fused_file_tensor(file.architecture, path)
+            fused = fused_file_tensor(file.architecture, path) if len(kinds) > 1 else None
             if fused is None:
                 names, rows = [f"blk.{i}.{kind}.weight" for kind in kinds], None
             else:  # one file tensor holds the whole model's parts, stacked by rows (each rank then cuts its own)

@@ -43,6 +43,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 
 

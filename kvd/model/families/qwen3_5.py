@@ -18,6 +18,8 @@ def linear_attention(hf_config: dict[str, Any]) -> LinearAttention:
         key_head_dim=int(hf_config.get("linear_key_head_dim", 128)),
         value_head_dim=int(hf_config.get("linear_value_head_dim", 128)),
         conv_kernel=int(hf_config.get("linear_conv_kernel_dim", 4)),
+        # kvd's own key: a GGUF file's value heads in llama.cpp's tiled order (kvd.model.gguf_loader)
+        tiled_value_heads=bool(hf_config.get("value_heads_tiled", False)),
     )
     if shape.num_value_heads % shape.num_key_heads:
         raise UnsupportedModelError(

@@ -83,6 +83,7 @@ class GatedDeltaNet(nn.Module):
                 qkv.contiguous(), a.contiguous(), b.contiguous(), weight.contiguous(), self.A_log.float(),
                 self.dt_bias.float(), self.state.conv, self.state.state, step.starts_t,
                 (step.slots_t, step.sources_t, step.snapshot_rows_t, step.snapshot_slots_t), shape.num_key_heads,
+                shape.tiled_value_heads,
             )  # fmt: skip
         else:
             core = _gated_delta_torch(qkv, a, b, weight, self.A_log.float(), self.dt_bias.float(), self, step)
@@ -121,8 +122,7 @@ def _gated_delta_torch(
             state.conv[rows_of.snapshot_slot] = window[snap + 1 : snap + kernel]
         mixed = F.silu(acc.to(dtype)).float()
         q, k, v = mixed.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-        q = q.reshape(rows, shape.num_key_heads, -1).repeat_interleave(group, dim=1)
-        k = k.reshape(rows, shape.num_key_heads, -1).repeat_interleave(group, dim=1)
+        q, k = (_per_value_head(t.reshape(rows, shape.num_key_heads, -1), group, shape) for t in (q, k))
         v = v.reshape(rows, shape.num_value_heads, -1)
         s = torch.zeros_like(state.state[slot]) if source < 0 else state.state[source].clone()
         for t in range(rows):
@@ -137,3 +137,8 @@ def _gated_delta_torch(
                 state.state[rows_of.snapshot_slot] = s
         state.state[slot] = s
     return out
+
+
+def _per_value_head(x: torch.Tensor, group: int, shape: LinearAttention) -> torch.Tensor:
+    """Key heads [rows, key_heads, dim] repeated for the value heads that read them (LinearAttention's orders)."""
+    return x.repeat(1, group, 1) if shape.tiled_value_heads else x.repeat_interleave(group, dim=1)
