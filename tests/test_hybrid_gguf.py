@@ -55,7 +55,7 @@ def test_the_file_reads_as_the_checkpoint_with_tiled_value_heads(hf_and_file, pa
 def test_its_matrices_run_in_their_file_types(hf_and_file, paged_runner):
     """Q8_0 in_proj_qkv, ssm_out, ffn_up and the gated q projection run natively; the logits follow the
     dequantized model's: only the activations' int8 rounding separates them."""
-    _, path, quantized = hf_and_file
+    _, _, quantized = hf_and_file
     native = load_model(str(quantized), dtype="float32", quantization="gguf")
     layer = native.model.model.layers[0].linear_attn
     assert [(s.kind, s.bits) for s in layer.in_proj_qkv.specs] == [("blocks", 8)]
