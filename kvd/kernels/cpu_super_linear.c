@@ -528,6 +528,78 @@ static void row_outputs(const kvd_weight* w, int64_t n, int64_t m0, int64_t m1, 
     for (int64_t m = m0; m < m1; m++) store_f(y, m * w->n + n, acc[m - m0] + (w->bias ? w->bias[n] : 0.f), y_bf16);
 }
 
+#if KVD_AVX2 && !DIRECT_SUPER
+// ---- AVX2: eight weight rows at a time ---------------------------------------------------------------------------
+//
+// A work item unpacks a super-block of 8 weight rows together, loads each activation vector once for all 8, and
+// reduces the 8 rows' integer sums together (a tree of horizontal adds) before the float steps, which run on the 8
+// outputs side by side: the same exact integers and the same fma per output as row_outputs, so the same bits.
+#define ROWS8 8
+
+// Lane r = the sum of v[r]'s lanes (int32, exact in any order).
+static inline __m256i reduce8(const __m256i* v) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The 8 rows' sumi (as super_dot's) against activation codes a; `signed_codes` a constant at each call.
+static inline __attribute__((always_inline)) __m256i sums8(int signed_codes, const prepared_block* p, const int8_t* a) {
+    __m256i tot[ROWS8];
+    for (int r = 0; r < ROWS8; r++) tot[r] = _mm256_setzero_si256();
+    for (int c = 0; c < SB / 32; c++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(a + 32 * c));
+        for (int r = 0; r < ROWS8; r++) {
+            const __m256i w = _mm256_load_si256((const __m256i*)(p[r].u.codes + 32 * c));
+            const __m256i prod = signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+                                              : _mm256_maddubs_epi16(w, x);
+            tot[r] = _mm256_add_epi32(tot[r], _mm256_madd_epi16(prod, p[r].lanes.sc[c]));
+        }
+    }
+    return reduce8(tot);
+}
+
+// Outputs n0 .. n0 + 7 for activation rows m0 .. m1 - 1 (at most ROW_CHUNK).
+static void rows8_outputs(const kvd_weight* w, int64_t n0, int64_t m0, int64_t m1, const int8_t* q, const float* dx,
+                          const int16_t* bsum, void* y, int y_bf16) {
+    const int64_t K = w->k, nb = K / SB, tb = type_bytes(w->ggml);
+    const uint8_t* rows = (const uint8_t*)w->qs + n0 * nb * tb;
+    const int signed_codes = w->ggml == KVD_GGML_IQ4_XS;
+    __m256 acc[ROW_CHUNK];
+    prepared_block p[ROWS8];
+    _Alignas(32) float da[ROWS8], db[ROWS8];
+    for (int64_t m = m0; m < m1; m++) acc[m - m0] = _mm256_setzero_ps();
+    const uint8_t* next = n0 + 2 * ROWS8 <= w->n ? rows + ROWS8 * nb * tb : NULL;  // the next group's rows
+    for (int64_t s = 0; s < nb; s++) {
+        for (int r = 0; r < ROWS8; r++) {
+            if (next)  // its block s on its way while this one computes (decode is bound by memory's latency)
+                for (int64_t line = 0; line < tb; line += 64) _mm_prefetch((const char*)next + (r * nb + s) * tb + line, _MM_HINT_T0);
+            prepare_block(w->ggml, rows + (r * nb + s) * tb, &p[r]);
+            da[r] = p[r].da, db[r] = p[r].db;
+        }
+        const __m256 da8 = _mm256_load_ps(da), db8 = _mm256_load_ps(db);
+        for (int64_t m = m0; m < m1; m++) {
+            const int8_t* a = q + m * K + s * SB;
+            const __m256i sumi = signed_codes ? sums8(1, p, a) : sums8(0, p, a);
+            const __m256i bs = _mm256_loadu_si256((const __m256i*)(bsum + (m * nb + s) * SUBS));
+            __m256i mins[ROWS8];
+            for (int r = 0; r < ROWS8; r++) mins[r] = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)p[r].u.min), bs);
+            const __m256i summ = reduce8(mins);
+            const __m256 d = _mm256_set1_ps(dx[m * nb + s]);
+            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(da8, d), acc[m - m0]);
+            acc[m - m0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), summ)),
+                                          _mm256_mul_ps(db8, d), part);
+        }
+    }
+    for (int64_t m = m0; m < m1; m++) {
+        _Alignas(32) float out[ROWS8];
+        _mm256_store_ps(out, acc[m - m0]);
+        for (int r = 0; r < ROWS8; r++)
+            store_f(y, m * w->n + n0 + r, out[r] + (w->bias ? w->bias[n0 + r] : 0.f), y_bf16);
+    }
+}
+#endif
+
 #if DIRECT_SUPER && defined(__AVX512VNNI__)
 // ---- many activation rows: AVX-512 VNNI outer products over 16 weight rows ------------------------------------
 //
@@ -783,6 +855,13 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
         if ((M >= SUPER_VNNI_MIN_ROWS || w->tiles) && w->n >= OUT16) {
             failed = vnni_super(w, M, q, dx, bsum, y, y_bf16, nthreads);
             first = w->n / OUT16 * OUT16;
+        }
+#elif KVD_AVX2
+        first = w->n / ROWS8 * ROWS8;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t item = 0; item < first / ROWS8 * chunks; item++) {
+            const int64_t n0 = item / chunks * ROWS8, m0 = item % chunks * ROW_CHUNK;
+            rows8_outputs(w, n0, m0, m0 + ROW_CHUNK < M ? m0 + ROW_CHUNK : M, q, dx, bsum, y, y_bf16);
         }
 #endif
         // Row-major items: a thread's consecutive items read consecutive weight rows.
