@@ -13,34 +13,46 @@ static inline float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 // torch's softplus: log(1 + e^x), x itself above 20.
 static inline float softplusf(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// Channel c of a sequence's rows first .. first + rows - 1: out = silu(sum_j w[j] x[t - K + 1 + j]) rounded to
-// the dtype (as a convolution in the dtype and its SiLU round), the inputs before the first row read from `from`
-// (zeros when NULL), and `window` then holding the last K - 1 inputs; after row first + snap_row, `snap` holds the
-// window as it was then.
-static void conv_channel(const void* qkv, int64_t C, int64_t c, const float* w, int64_t K, const void* from,
-                         void* window, int64_t first, int64_t rows, int64_t snap_row, void* snap, float* mixed,
-                         int bf16) {
-    float past[16];  // K - 1 inputs before the row being computed, oldest first (K <= 17, checked by the caller)
-    for (int64_t j = 0; j < K - 1; j++)
-        past[j] = from ? load_f(from, j * C + c, bf16) : 0.f;
+// Channels c0 .. c0 + width - 1 (width <= CONV_BLOCK) of a sequence's rows first .. first + rows - 1, row after
+// row: out = silu(sum_j w[j] x[t - K + 1 + j]) rounded to the dtype (as a convolution in the dtype and its SiLU
+// round), the inputs before the first row read from `from` (zeros when NULL), and `window` then holding the last
+// K - 1 inputs; after row first + snap_row, `snap` holds the window as it was then. Each channel's sum in order of
+// j, whatever the block: blocks of channels read whole rows of qkv.
+enum { CONV_BLOCK = 64 };
+
+static void conv_block(const void* qkv, int64_t C, int64_t c0, int64_t width, const float* weight, int64_t K,
+                       const void* from, void* window, int64_t first, int64_t rows, int64_t snap_row, void* snap,
+                       float* mixed, int bf16) {
+    float past[16][CONV_BLOCK];  // a ring of the last K - 1 inputs, the oldest at row `oldest` (K <= 17)
+    float w[17][CONV_BLOCK];     // the block's filters, tap by tap
+    float acc[CONV_BLOCK];
+    const int64_t taps = K - 1;
+    for (int64_t c = 0; c < width; c++)
+        for (int64_t j = 0; j < K; j++) w[j][c] = weight[(c0 + c) * K + j];
+    for (int64_t j = 0; j < taps; j++)
+        for (int64_t c = 0; c < width; c++) past[j][c] = from ? load_f(from, j * C + c0 + c, bf16) : 0.f;
+    int64_t oldest = 0;
     for (int64_t t = 0; t < rows; t++) {
-        const float x = load_f(qkv, (first + t) * C + c, bf16);
-        float acc = 0.f;
-        for (int64_t j = 0; j < K - 1; j++)
-            acc += w[j] * past[j];
-        acc += w[K - 1] * x;
-        const float v = round_dtype(acc, bf16);
-        mixed[(first + t) * C + c] = round_dtype(v / (1.f + expf(-v)), bf16);
-        for (int64_t j = 0; j + 1 < K - 1; j++)
-            past[j] = past[j + 1];
-        if (K > 1)
-            past[K - 2] = x;
+        const int64_t row = (first + t) * C + c0;
+        for (int64_t c = 0; c < width; c++) acc[c] = 0.f;
+        for (int64_t j = 0; j < taps; j++) {
+            const float* p = past[(oldest + j) % taps];
+            for (int64_t c = 0; c < width; c++) acc[c] += w[j][c] * p[c];
+        }
+        for (int64_t c = 0; c < width; c++) {
+            const float v = round_dtype(acc[c] + w[K - 1][c] * load_f(qkv, row + c, bf16), bf16);
+            mixed[row + c] = round_dtype(v / (1.f + expf(-v)), bf16);
+        }
+        if (taps) {  // this row's inputs replace the oldest
+            for (int64_t c = 0; c < width; c++) past[oldest][c] = load_f(qkv, row + c, bf16);
+            oldest = (oldest + 1) % taps;
+        }
         if (t == snap_row)
-            for (int64_t j = 0; j < K - 1; j++)
-                store_f(snap, j * C + c, past[j], bf16);
+            for (int64_t j = 0; j < taps; j++)
+                for (int64_t c = 0; c < width; c++) store_f(snap, j * C + c0 + c, past[(oldest + j) % taps][c], bf16);
     }
-    for (int64_t j = 0; j < K - 1; j++)
-        store_f(window, j * C + c, past[j], bf16);
+    for (int64_t j = 0; j < taps; j++)
+        for (int64_t c = 0; c < width; c++) store_f(window, j * C + c0 + c, past[(oldest + j) % taps][c], bf16);
 }
 
 // 1 / sqrt(sum x^2 + 1e-6) over n values, in order (transformers' l2norm: x times the inverse root).
@@ -49,6 +61,38 @@ static inline float inverse_norm(const float* x, int64_t n) {
     for (int64_t i = 0; i < n; i++)
         ss += x[i] * x[i];
     return 1.f / sqrtf(ss + 1e-6f);
+}
+
+// Columns j .. j + width - 1 of a head's state S [dk, dv] (at S) through one token: decay and k's prediction of v,
+// the update, then the answer to q (into out[0 .. width)). Each column's arithmetic, in order of the rows i, is the
+// whole matrix's, so tiles of columns (TILE, which stay in registers between the two passes) give the same bits.
+enum { TILE = 32 };
+
+// m and dl: width floats of scratch each. The decayed state is computed in both passes rather than stored by the
+// first: the same products, one store fewer.
+static inline __attribute__((always_inline)) void delta_tile(float* restrict S, int64_t dk, int64_t dv, int64_t width,
+                                                             float decay, float beta, const float* restrict k,
+                                                             const float* restrict q, const float* restrict v,
+                                                             float* restrict out, float* restrict m,
+                                                             float* restrict dl) {
+    for (int64_t j = 0; j < width; j++) m[j] = 0.f;
+    for (int64_t i = 0; i < dk; i++) {
+        const float* restrict Si = S + i * dv;
+        const float ki = k[i];
+        for (int64_t j = 0; j < width; j++) m[j] += (Si[j] * decay) * ki;
+    }
+    for (int64_t j = 0; j < width; j++) {
+        dl[j] = (v[j] - m[j]) * beta;
+        out[j] = 0.f;
+    }
+    for (int64_t i = 0; i < dk; i++) {
+        float* restrict Si = S + i * dv;
+        const float ki = k[i], qi = q[i];
+        for (int64_t j = 0; j < width; j++) {
+            Si[j] = Si[j] * decay + ki * dl[j];
+            out[j] += Si[j] * qi;
+        }
+    }
 }
 
 // A value head's shape and inputs: key head kh of its q and k, its v, decay and update gate.
@@ -68,8 +112,8 @@ static void delta_head(const head_inputs* in, float* S, int64_t first, int64_t r
     const int64_t dk = in->dk, dv = in->dv;
     float* q = scratch;
     float* k = q + dk;
-    float* mem = k + dk;
-    float* delta = mem + dv;
+    float* mem = k + dk;  // the head's output row
+    float* delta = mem + dv;  // 2 dv: the untiled pass's scratch
     const float scale = 1.f / sqrtf((float)dk);
     for (int64_t t = first; t < first + rows; t++) {
         const float* row = in->mixed + t * in->C;
@@ -84,25 +128,13 @@ static void delta_head(const head_inputs* in, float* S, int64_t first, int64_t r
         const float a = load_f(in->a, t * in->Hv + in->h, in->bf16);
         const float decay = expf(-in->A * softplusf(a + in->dt_bias));
         const float beta = round_dtype(sigmoidf(load_f(in->b, t * in->Hv + in->h, in->bf16)), in->bf16);
-        for (int64_t j = 0; j < dv; j++)
-            mem[j] = 0.f;
-        for (int64_t i = 0; i < dk; i++) {
-            float* Si = S + i * dv;
-            for (int64_t j = 0; j < dv; j++) {
-                Si[j] = Si[j] * decay;
-                mem[j] += Si[j] * k[i];
+        if (dv % TILE == 0) {
+            for (int64_t j0 = 0; j0 < dv; j0 += TILE) {
+                float m[TILE], dl[TILE];  // a constant width: the compiler keeps them in registers
+                delta_tile(S + j0, dk, dv, TILE, decay, beta, k, q, v + j0, mem + j0, m, dl);
             }
-        }
-        for (int64_t j = 0; j < dv; j++) {
-            delta[j] = (v[j] - mem[j]) * beta;
-            mem[j] = 0.f;  // now the output's sums
-        }
-        for (int64_t i = 0; i < dk; i++) {
-            float* Si = S + i * dv;
-            for (int64_t j = 0; j < dv; j++) {
-                Si[j] = Si[j] + k[i] * delta[j];
-                mem[j] += Si[j] * q[i];
-            }
+        } else {
+            delta_tile(S, dk, dv, dv, decay, beta, k, q, v, mem, delta, delta + dv);
         }
         for (int64_t j = 0; j < dv; j++)
             store_f(out, t * in->Hv * dv + in->h * dv + j, mem[j], in->bf16);
@@ -157,16 +189,18 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        const int64_t blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp for schedule(static)
-        for (int64_t sc = 0; sc < S * C; sc++) {
-            const int64_t s = sc / C, c = sc % C;
+        for (int64_t sb = 0; sb < S * blocks; sb++) {
+            const int64_t s = sb / blocks, c0 = sb % blocks * CONV_BLOCK;
             char* base = (char*)conv_state;
             const void* from = sources[s] < 0 ? NULL : base + sources[s] * window_bytes;
             void* snap = snap_rows[s] < 0 ? NULL : base + snap_slots[s] * window_bytes;
-            conv_channel(qkv, C, c, conv_weight + c * K, K, from, base + slots[s] * window_bytes, starts[s],
-                         starts[s + 1] - starts[s], snap_rows[s], snap, mixed, bf16);
+            conv_block(qkv, C, c0, C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK, conv_weight, K, from,
+                       base + slots[s] * window_bytes, starts[s], starts[s + 1] - starts[s], snap_rows[s], snap, mixed,
+                       bf16);
         }
-        float* scratch = malloc((size_t)(2 * dk + 2 * dv) * sizeof(float));
+        float* scratch = malloc((size_t)(2 * dk + 3 * dv) * sizeof(float));
         if (!scratch) {
 #pragma omp atomic write
             failed = 1;

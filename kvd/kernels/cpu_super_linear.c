@@ -160,7 +160,15 @@ static void unpack_codes(int32_t type, const uint8_t* b, uint8_t* codes) {
     }
     const int five = type == KVD_GGML_Q5_K;
     const uint8_t* qs = b + (five ? 48 : 16);
-    const __m256i hb = five ? _mm256_loadu_si256((const __m256i*)(b + 16)) : _mm256_setzero_si256();
+    if (!five) {
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
+            _mm256_store_si256((__m256i*)(codes + 64 * j), _mm256_and_si256(q, m15));
+            _mm256_store_si256((__m256i*)(codes + 64 * j + 32), _mm256_and_si256(_mm256_srli_epi16(q, 4), m15));
+        }
+        return;
+    }
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 16));
     for (int j = 0; j < 4; j++) {
         const __m256i q = _mm256_loadu_si256((const __m256i*)(qs + 32 * j));
         const __m256i lo5 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * j)), m1), 4);
@@ -496,7 +504,32 @@ typedef struct {
     float da, db;
 } prepared_block;
 
+#if KVD_AVX2
+// Q4_K and Q5_K's scales and minimums straight into their vectors: the twelve bytes as three words, sub-blocks
+// 0-3's 6 bits masked out of the first two, 4-7's low 4 bits from the third and their top 2 from the first two's
+// high bits (scale_min_k4's arithmetic, eight at once).
+static inline void prepare_k4(int32_t type, const uint8_t* b, prepared_block* p) {
+    uint32_t w[3];
+    memcpy(w, b + 4, sizeof w);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint64_t scales = (w[0] & low6) | (uint64_t)((w[2] & low4) | ((w[0] >> 6) & top2) << 4) << 32;
+    const uint64_t mins = (w[1] & low6) | (uint64_t)(((w[2] >> 4) & low4) | ((w[1] >> 6) & top2) << 4) << 32;
+    const __m128i m8 = _mm_cvtsi64_si128((int64_t)mins);
+    _mm256_store_si256((__m256i*)p->u.min, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)));  // each for 2 x 16
+    for (int c = 0; c < SB / 32; c++) p->lanes.sc[c] = _mm256_set1_epi16((int16_t)(scales >> (8 * c) & 0xff));
+    unpack_codes(type, b, p->u.codes);
+    p->u.signed_codes = 0;
+    p->u.da = p->da = half_at(b), p->u.db = p->db = half_at(b + 2);
+}
+#endif
+
 static inline void prepare_block(int32_t type, const uint8_t* b, prepared_block* p) {
+#if KVD_AVX2
+    if (type == KVD_GGML_Q4_K || type == KVD_GGML_Q5_K) {
+        prepare_k4(type, b, p);
+        return;
+    }
+#endif
     unpack_scales(type, b, &p->u);
     unpack_codes(type, b, p->u.codes);
     scale_vectors(&p->u, &p->lanes);

@@ -237,6 +237,8 @@ class GGUFLinear(nn.Module):
             self._add_part(i, layout, matrices, dtype, empty) for i, (layout, matrices) in enumerate(runs)
         ]
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self._views: list[cpu_native.LinearWeight] = []  # native_weights', for the buffers at _views_at
+        self._views_at: tuple[int, ...] | None = None
 
     def _add_part(
         self,
@@ -297,8 +299,14 @@ class GGUFLinear(nn.Module):
         return self.part_weight(0)
 
     def native_weights(self) -> list[cpu_native.LinearWeight]:
-        """Every part's view, in order (the native layer loop's multi-part projections)."""
-        return [self.part_weight(i) for i in range(len(self.specs))]
+        """Every part's view, in order (the native layer loop's multi-part projections): built again only when a
+        buffer has moved (a Python layer loop calls this for every linear of every step)."""
+        where = tuple(b.data_ptr() for b in self._buffers.values())
+        where += () if self.bias is None else (self.bias.data_ptr(),)
+        if where != self._views_at:
+            self._views = [self.part_weight(i) for i in range(len(self.specs))]
+            self._views_at = where
+        return self._views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
