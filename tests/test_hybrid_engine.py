@@ -121,3 +121,24 @@ def test_configs_kvd_cannot_run_are_refused_naming_the_field(folder, overrides, 
     config = json.loads((folder / "config.json").read_text()) | overrides
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf_dict(config)
+
+
+def test_a_released_multimodal_checkpoint_serves_its_text_model(tmp_path, folder):
+    """Qwen3.5's released checkpoints are Qwen3_5ForConditionalGeneration: text_config, the text model under
+    model.language_model, a vision tower beside it. kvd serves the text model, with the tokens its text-only twin
+    (the same weights as Qwen3_5ForCausalLM) gives."""
+    import torch
+    import transformers
+
+    text = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
+    config = transformers.Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    missing = model.model.language_model.load_state_dict(text.model.state_dict())
+    assert not missing.missing_keys
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    prompt = [(3 * i + 2) % 250 for i in range(20)]
+    assert _tokens(_llm(tmp_path), prompt) == _tokens(_llm(folder), prompt)

@@ -225,6 +225,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """From a config.json dict (transformers 4 or 5 layout); UnsupportedModelError if not covered."""
+        d = _text_part(d)
         model_type = _model_type(d)
         missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers") if k not in d]
         if missing:
@@ -310,6 +311,18 @@ def _layer_types(layout: Layout, num_layers: int) -> tuple[str, ...]:
             f"layer_types must name {num_layers} layers, each one of {sorted(kinds)}; got {list(types)}"
         )
     return tuple(FULL if t == SLIDING and layout.sliding_window is None else t for t in types)
+
+
+def _text_part(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's language model (Qwen3.5's released ForConditionalGeneration checkpoints): its
+    text_config under the checkpoint's architecture; kvd serves the text model alone."""
+    if not isinstance(d.get("text_config"), dict):
+        return d
+    text = dict(d["text_config"])
+    for key in ("architectures", "tie_word_embeddings"):
+        if key in d:
+            text[key] = d[key]
+    return text
 
 
 def _model_type(d: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (the released checkpoints' architecture)
 }
 # A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama", and
 # Mixtral as "llama" with experts (kvd.model.gguf_loader reads it so).

@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvd.model.config import FULL, LINEAR, Layout, LinearAttention, UnsupportedModelError
+import torch
+
+from kvd.model.config import FULL, LINEAR, Layout, LinearAttention, ModelConfig, UnsupportedModelError
 from kvd.model.decoder import CausalLM
+
+# A released Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) holds its text model under this prefix, beside
+# the vision tower and the multi-token-prediction layer, which kvd does not run.
+_TEXT_PREFIX = "model.language_model."
+_NOT_TEXT = ("model.visual.", "mtp.")
 
 
 def linear_attention(hf_config: dict[str, Any]) -> LinearAttention:
@@ -49,6 +56,14 @@ def hybrid_layer_types(hf_config: dict[str, Any]) -> tuple[str, ...]:
 class Qwen3_5ForCausalLM(CausalLM):
     # The DeltaNet's gated norm is a plain scale: renamed so that the (1 + weight) offset of norms passes it by.
     WEIGHT_RENAMES = ((".linear_attn.norm.weight", ".linear_attn.out_norm.scale"),)
+
+    @staticmethod
+    def checkpoint_tensors(
+        config: ModelConfig, name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
+        if name.startswith(_NOT_TEXT):
+            return []
+        return [(name.replace(_TEXT_PREFIX, "model.", 1), tensor)]
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
