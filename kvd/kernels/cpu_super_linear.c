@@ -889,7 +889,7 @@ int super_weight_linear(const kvd_weight* w, const void* x, int x_bf16, int64_t 
             failed = vnni_super(w, M, q, dx, bsum, y, y_bf16, nthreads);
             first = w->n / OUT16 * OUT16;
         }
-#elif KVD_AVX2
+#elif KVD_AVX2 && !DIRECT_SUPER
         first = w->n / ROWS8 * ROWS8;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t item = 0; item < first / ROWS8 * chunks; item++) {
