@@ -142,3 +142,23 @@ def test_a_released_multimodal_checkpoint_serves_its_text_model(tmp_path, folder
         (tmp_path / name).write_bytes((folder / name).read_bytes())
     prompt = [(3 * i + 2) % 250 for i in range(20)]
     assert _tokens(_llm(tmp_path), prompt) == _tokens(_llm(folder), prompt)
+
+
+def test_the_memory_profile_step_runs_with_state_slots(folder):
+    """The CUDA memory profile's step (it runs on any device) binds scratch state slots for the sequences of its
+    largest step, counts them in its scratch bytes, and leaves one slot bound after."""
+    from kvd.engine.gpu_memory import profile_steps, run_profile_step
+    from kvd.model.loader import load_model
+
+    model = load_model(folder, dtype="float32").model
+    shape = {"max_num_batched_tokens": 100, "max_num_seqs": 4, "max_model_len": 40}
+    steps = profile_steps(16, **shape)
+    scratch = run_profile_step(model, block_size=16, **shape)
+    per_block = 2 * 16 * model.config.num_key_value_heads * model.config.head_dim * 4  # one attention layer
+    pool = max(sum(len(t) for t in step.tables) for step in steps) * per_block
+    states = [layer.linear_attn.state for layer in model.model.layers if layer.linear_attn is not None]
+    per_slot = sum(
+        t.numel() * 4 for state in states for t in (state.conv, state.state)
+    )  # float32, one slot now
+    assert scratch == pool + max(len(step.tables) for step in steps) * per_slot
+    assert all(state.state.shape[0] == 1 for state in states)

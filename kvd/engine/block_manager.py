@@ -310,6 +310,9 @@ class BlockManager:
         tokens = states.boundary(start, start + num_new_tokens)
         if tokens is None or seq.snapshot is not None:
             return None
+        chain = self._cached_chain(seq, tokens // self.block_size)
+        if len(chain) == tokens // self.block_size and chain[-1].checkpoint is not None:
+            return None  # that state is cached already: a snapshot would only evict another checkpoint
         slot = states.take_checkpoint()
         if slot is None:
             return None
@@ -567,12 +570,15 @@ class BlockManager:
         """Group 0's verified cached blocks of the longest cached prefix, leaving the last token to compute."""
         if not seq.reads_prefix_cache:
             return []
+        # At most (len - 1) // bs blocks: the last token must be computed for the prompt to yield logits.
+        return self._cached_chain(seq, (len(seq.token_ids) - 1) // self.block_size)
+
+    def _cached_chain(self, seq: Sequence, num_blocks: int) -> list[Block]:
+        """The registered group-0 blocks that hold seq's first blocks, up to num_blocks, verified."""
         hash_fn, cached = self.hash_fn, self._cached[0]
         parent_hash = self._root_hash(seq.cache_salt)
         parent_key: int | str | None = seq.cache_salt
         hits: list[Block] = []
-        # At most (len - 1) // bs blocks: the last token must be computed for the prompt to yield logits.
-        num_blocks = (len(seq.token_ids) - 1) // self.block_size
         # Probe the first block alone: most lookups stop there, and packing a long prompt costs more.
         for first, last in ((0, min(1, num_blocks)), (1, num_blocks)):
             for token_bytes in self._pack_blocks(seq.token_ids, first, last):

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvd.distributed.step import RecurrentRows
 from kvd.engine.sampler import SamplingRow, sample
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.attention import build_attention_metadata
 from kvd.model.layers.kv_cache import allocate_kv_cache
+from kvd.model.layers.recurrent_state import allocate_state
 from kvd.model.loader import check_device
 from kvd.request.sampling_params import SamplingParams
 
@@ -101,6 +103,10 @@ def run_profile_step(
     num_blocks = max(sum(len(t) for t in step.tables) for step in steps)
     pool = allocate_kv_cache(model.config, num_blocks, block_size, param.dtype, param.device)
     model.bind_kv_cache(pool)
+    # A linear-attention model's state slots, one per sequence of the largest step (each starts from zeros).
+    slots = max(len(step.tables) for step in steps) if model.config.has_recurrent_state else 0
+    states = allocate_state(model.config, slots, param.dtype, param.device)
+    model.bind_recurrent_state(states)
     # The heaviest sampler path: a full sort (top-k/p), penalties over a long history, logprobs.
     params = SamplingParams(
         temperature=1.0, top_k=50, top_p=0.9, logprobs=20, repetition_penalty=1.1, frequency_penalty=0.5
@@ -115,6 +121,7 @@ def run_profile_step(
             param.device,
             model.attention_backend,
             kv_groups=model.kv_groups,
+            recurrent=[RecurrentRows(i, -1) for i in range(len(step.tables))] if states else None,
         )
         positions = torch.cat(
             [
@@ -127,9 +134,12 @@ def run_profile_step(
         logits = model.compute_logits(hidden[-num_rows:])
         sample(logits, [SamplingRow(params, None, history, 1) for _ in range(num_rows)])
         del attn, hidden, logits
-    scratch = sum(t.numel() * t.element_size() for t in pool)
-    # Unbind the scratch pool (a one-block pool takes its place) so that its memory can be returned.
+    tensors = [*pool, *(t for state in states for t in (state.conv, state.state))]
+    scratch = sum(t.numel() * t.element_size() for t in tensors)
+    # Unbind the scratch pool and states (a one-block pool and one slot take their place) so that their memory can
+    # be returned.
     model.bind_kv_cache(allocate_kv_cache(model.config, 1, block_size, param.dtype, param.device))
+    model.bind_recurrent_state(allocate_state(model.config, 1, param.dtype, param.device))
     return scratch
 
 

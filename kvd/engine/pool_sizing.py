@@ -4,6 +4,7 @@ takes its recurrent state slots from the same budget first."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.recurrent_state import state_bytes_per_slot
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,13 @@ def plan_pool(
         live = min(args.max_num_seqs, max(1, budget // 2 // per_state))
         checkpoints = min(live, quarter) if args.state_checkpoints is None else args.state_checkpoints
         checkpoints *= args.enable_prefix_caching  # only prefix hits read them
+        if args.enable_prefix_caching and not checkpoints and args.state_checkpoints is None:
+            logger.warning(
+                "the KV cache memory (%d bytes) leaves no room for a recurrent state checkpoint (%d bytes): no "
+                "prefix caching for this model; raise kv_cache_memory",
+                budget,
+                per_state,
+            )
     num_state_slots = live + checkpoints
     state_bytes = num_state_slots * per_state
     num_blocks = (budget - state_bytes) // per_block

@@ -89,9 +89,10 @@ class StateSlots:
         slot = holder.checkpoint
         if slot is None:
             return
+        if self._pinned[slot]:  # a sequence's next step reads it; its block is held, so never evicted
+            raise RuntimeError(f"checkpoint {slot} is detached while a sequence is to resume from it")
         holder.checkpoint = None
         del self._held[slot]
-        self._pinned.pop(slot, None)
         self._free_checkpoints.append(slot)
 
     def pin(self, holder: CheckpointHolder) -> int:
