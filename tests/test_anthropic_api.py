@@ -190,7 +190,7 @@ def test_an_output_format_is_a_json_schema(api: anthropic.Anthropic, model: str)
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, anthropic.BadRequestError, "thinking"),
         ({"extra_body": {"temperature": -1}}, anthropic.BadRequestError, "temperature"),
         ({"output_config": {"effort": "high"}}, anthropic.BadRequestError, "output_config.effort"),
-        ({"thinking": {"type": "adaptive"}}, anthropic.BadRequestError, "thinking"),
+        ({"thinking": {"type": "enabled"}}, anthropic.BadRequestError, "thinking.budget_tokens"),
         ({"stop_sequences": [""]}, anthropic.BadRequestError, "stop_sequences"),
         ({"extra_body": {"frequency": 1}}, anthropic.BadRequestError, "frequency"),
         ({"tool_choice": {"type": "any"}}, anthropic.BadRequestError, "tool_choice"),

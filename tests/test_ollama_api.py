@@ -14,6 +14,7 @@ from daemon_fixtures import DaemonProcess
 from gateway_fixtures import PERSON, daemon_fixture, kvd_fixture, model_fixture  # noqa: F401
 from packaging.version import Version
 
+from kvd.gateway.choices import Choice
 from kvd.gateway.ollama import ReplyShape
 from kvd_client import Chunk, Client, ToolCall, Usage
 
@@ -130,7 +131,9 @@ def test_tool_calls_are_in_ollamas_shape():
     (call,) = [c for line in lines for c in line.message.tool_calls or []]
     assert (call.function.name, call.function.arguments) == ("weather", {"city": "Paris"})
     assert lines[-1].done and lines[-1].done_reason == "stop" and lines[-1].eval_count == 1
-    whole = ollama.ChatResponse.model_validate(shape.whole("", final.tool_calls, [], final))
+    choice = Choice(0)
+    choice.add(final)
+    whole = ollama.ChatResponse.model_validate(shape.whole(choice, final))
     assert whole.message.tool_calls[0].function.arguments == {"city": "Paris"}
 
 

@@ -353,6 +353,17 @@ def _error(http: httpx.Client, path: str, body: dict) -> dict:
         ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", ""),
         ({"tool_choice": "required"}, "tool_choice", "tools"),
+        (
+            {"reasoning_effort": "high"},
+            "reasoning_effort",
+            "no thinking section",
+        ),  # a model that cannot think
+        (
+            {"chat_template_kwargs": {"enable_thinking": True}},
+            "chat_template_kwargs.enable_thinking",
+            "thinking",
+        ),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize", "enable_thinking"),
         ({"logit_bias": {"not-a-token": 5}}, "logit_bias", ""),
         (
             {"messages": [*HI, {"role": "tool", "content": "x", "tool_call_id": "call_9"}]},
@@ -370,7 +381,7 @@ def test_a_400_names_every_refused_field(http: httpx.Client, model: str):
     body = {
         "model": model,
         "messages": HI,
-        "reasoning_effort": "high",  # would change a reasoning model's output: refused
+        "reasoning_effort": "extreme",
         "functions": [{"name": "f"}],
         "audio": {"voice": "x"},
         "n": 0,

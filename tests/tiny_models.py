@@ -51,3 +51,28 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# A reasoning template as Qwen3.5's: the answer starts inside an open <think> section, which enable_thinking false
+# closes empty in the prompt.
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def reasoning_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with <think> and </think> as tokens of their own, and a template that reasons."""
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = REASONING_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_reasoning_llama(path: Path) -> Path:
+    """The tiny Llama with the reasoning tokenizer."""
+    save_tiny_llama(path)
+    reasoning_tokenizer().save_pretrained(path)
+    return path

@@ -30,14 +30,20 @@ def encode_chat(
     tools: list[Tool],
     tool_template: ToolTemplate,
     developer_role: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt when
-    the template has none (kvd.request.tool_render); earlier calls and results included."""
+    the template has none (kvd.request.tool_render); earlier calls and results included. `template_kwargs`:
+    the template's own variables (a reasoning model's enable_thinking)."""
     client = ClientText(tokenizer)
     messages, tools = client.mask(messages, tools)
     conversation, template_tools = render_messages(messages, tools, tool_template, developer_role)
     text = tokenizer.apply_chat_template(
-        conversation, tools=template_tools, add_generation_prompt=True, tokenize=False
+        conversation,
+        tools=template_tools,
+        add_generation_prompt=True,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
     return client.encode(text)
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
+from kvd.request.reasoning import ReasoningParser, check_reasoning, parse_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -37,9 +38,17 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
         """Complete every prompt; results come back in the prompts' order."""
-        prompts = _as_list(prompts)
+        return self._complete(_as_list(prompts), params, use_tqdm)
+
+    def _complete(
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        constraints: list | None = None,
+    ) -> list[CompletionOutput]:
         results = {i: CompletionOutput(prompt=p) for i, p in enumerate(prompts)}
-        ids = self._submit(prompts, params)
+        ids = self._submit(prompts, params, constraints)
         index = {rid: i for i, rid in enumerate(ids)}
         with tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm) as bar:
             started = time.perf_counter()
@@ -60,34 +69,57 @@ class LLM:
         tools: list[dict] | list[Tool] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
+        reasoning_budget: int | None = None,
     ) -> list[CompletionOutput]:
         """Apply the tokenizer's chat template to each conversation and generate the assistant's reply.
 
         `tools` (OpenAI's form, [{"type": "function", "function": {...}}]), `tool_choice` and
         `parallel_tool_calls` as in the protocol's chat: each output's calls are in its `tool_calls`, their text
-        is not in `text`, and "required" or a named function is enforced by a grammar."""
+        is not in `text`, and "required" or a named function is enforced by a grammar. A reasoning model's
+        thinking section is in `reasoning`, not in `text`; `think`, `reasoning_effort` and `reasoning_budget`
+        as in the protocol's chat (a grammar holds for the answer after the section)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         if tools and not isinstance(tools[0], Tool):
             tools = parse_tools(tools)
         tools = tools or []
         choice = parse_tool_choice(tool_choice, tools)
+        reasoning = parse_reasoning(think, reasoning_effort, reasoning_budget)
+        fmt = self.engine.reasoning
+        check_reasoning(reasoning, fmt)
         for conversation in conversations:
             check_history(list(conversation))
-        prompts = [self.engine.apply_chat_template(list(c), tools or None) for c in conversations]
-        if not tools or choice.mode == "none":  # as the daemon: nothing is parsed without tools to call
-            return self.generate(prompts, params, use_tqdm)
-        grammar = tool_call_grammar(tools, choice, self.engine.tool_template, parallel_tool_calls)
+        prompts = [self.engine.apply_chat_template(list(c), tools or None, reasoning) for c in conversations]
+        parsed = (
+            bool(tools) and choice.mode != "none"
+        )  # as the daemon: nothing is parsed without tools to call
+        grammar = (
+            tool_call_grammar(tools, choice, self.engine.tool_template, parallel_tool_calls)
+            if parsed
+            else None
+        )
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if grammar is not None:
             params = [replace(p, grammar=grammar) for p in params]
-        outputs = self.generate(prompts, params, use_tqdm)
-        for out in outputs:
-            parser = ToolCallParser(self.engine.tool_template, tools, grammar is not None)
-            content = parser.feed(out.text)
-            rest, out.tool_calls, out.finish_reason = parser.finish(out.finish_reason)
-            out.text = content + rest
+        constraints = [
+            self.engine.chat_constraint(self.engine.compile_grammar(p), ids, reasoning)
+            for p, ids in zip(params, prompts, strict=True)
+        ]
+        outputs = self._complete(prompts, params, use_tqdm, constraints)
+        for out, ids in zip(outputs, prompts, strict=True):
+            if fmt is not None:
+                parser = ReasoningParser(fmt, fmt.opened_by(ids))
+                thought, answer = parser.feed(out.text)
+                last, rest = parser.finish()
+                out.reasoning, out.text = thought + last, answer + rest
+            if parsed:
+                tool_parser = ToolCallParser(self.engine.tool_template, tools, grammar is not None)
+                content = tool_parser.feed(out.text)
+                rest, out.tool_calls, out.finish_reason = tool_parser.finish(out.finish_reason)
+                out.text = content + rest
         return outputs
 
     def embed(self, inputs: Prompt | Sequence[Prompt], use_tqdm: bool = True) -> list[list[float]]:
@@ -128,8 +160,12 @@ class LLM:
                 self.engine.abort(rid)
 
     def _submit(
-        self, prompts: list[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        constraints: list | None = None,
     ) -> list[int]:
+        """Queue each prompt; `constraints`: each one's compiled grammar or reasoning gate (else compiled here)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -138,9 +174,9 @@ class LLM:
             )
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = next(self._ids)
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, matcher=constraints[i] if constraints else None)
                 ids.append(rid)
         except Exception:
             for rid in ids:

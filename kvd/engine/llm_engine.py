@@ -30,6 +30,7 @@ from kvd.engine.outputs import EngineStepOutput, RequestOutput
 from kvd.engine.pool_sizing import PoolPlan, plan_pool
 from kvd.engine.pooling import EmbeddingState, choose_pooling
 from kvd.engine.prompt_logprobs import PromptLogprobs
+from kvd.engine.reasoning_gate import ReasoningGate, gate
 from kvd.engine.sampler import SamplingRow, sample
 from kvd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from kvd.engine.sequence import Sequence
@@ -43,6 +44,7 @@ from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.moe import describe_experts
 from kvd.parallel.group import fingerprint, weight_bytes
+from kvd.request.reasoning import ReasoningRequest, detect_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
 from kvd.request.tool_validate import Tool
@@ -99,6 +101,7 @@ class LLMEngine:
         self.tool_template = detect_tool_template(chat_template)
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
+        self.reasoning = detect_reasoning(self.tokenizer, chat_template)
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
         self.pool = plan_pool(args, loaded.model, self.kv_dtype, self.dtype, max_model_len, baseline)
         self.num_blocks = self.pool.num_blocks
@@ -181,12 +184,25 @@ class LLMEngine:
             return self.tokenizer(prompt)["input_ids"]
         return list(prompt)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[Tool] | None = None) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[Tool] | None = None, reasoning: ReasoningRequest | None = None
+    ) -> list[int]:
         """The prompt of a conversation: tools rendered by the model's template, or by kvd's own tool prompt
         when the template has none (kvd.request.tool_render); earlier calls and results included. Only the template
         writes control tokens: a special token's text in the client's messages or tools is tokenized as plain
-        text, so a message cannot forge a turn boundary (kvd.engine.chat_prompt)."""
-        return encode_chat(self.tokenizer, messages, tools or [], self.tool_template, self.developer_role)
+        text, so a message cannot forge a turn boundary (kvd.engine.chat_prompt). `reasoning`'s think and effort
+        go to the template as its variables."""
+        kwargs = reasoning.template_kwargs() if reasoning is not None else {}
+        return encode_chat(
+            self.tokenizer, messages, tools or [], self.tool_template, self.developer_role, kwargs
+        )
+
+    def chat_constraint(
+        self, matcher: llguidance.LLMatcher | None, prompt_ids: list[int], reasoning: ReasoningRequest
+    ) -> ReasoningGate | llguidance.LLMatcher | None:
+        """A chat's constraint on this model: where it may reason first, its grammar (`matcher`) holds for the
+        answer after the thinking section, and the section keeps to the request's budget (kvd.engine.reasoning_gate)."""
+        return gate(self.reasoning, prompt_ids, reasoning.token_budget, matcher)
 
     def add_request(
         self,
@@ -504,6 +520,7 @@ class LLMEngine:
             "pooling": self.pooling,
             "pooling_reason": self.pooling_reason,
             "structured_output": LIBRARY,
+            "reasoning": self.reasoning.info() if self.reasoning is not None else None,
             "tools": {
                 "format": self.tool_template.format.value,
                 "template": "model" if self.tool_template.native else "kvd",

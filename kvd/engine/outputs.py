@@ -69,6 +69,7 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[SampledToken | None] | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat with tools: the calls, not in `text`
+    reasoning: str = ""  # a reasoning model's chat: its thinking section, not in `text`
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text

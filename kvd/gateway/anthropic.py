@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvd.gateway.anthropic_schemas import PARAM_NAMES, CountTokensRequest, MessagesRequest
-from kvd.gateway.choices import Choice, arguments_object, merged, unless_disconnected
+from kvd.gateway.choices import Choice, arguments_object, merged, prompt_fields, unless_disconnected
 from kvd.gateway.errors import ApiError, anthropic_error, from_kvd_error, invalid_fields
 from kvd.gateway.outcome import answer
 from kvd.gateway.state import Gateway, gateway_of
@@ -36,9 +36,9 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     gateway = gateway_of(request)
     await _check(gateway, body)
-    tools = body.daemon_tools().get("tools")
+    fields = prompt_fields({**body.daemon_tools(), **body.reasoning_fields()})
     try:
-        ids = await gateway.client.tokenize(messages=body.conversation(), tools=tools)
+        ids = await gateway.client.tokenize(messages=body.conversation(), **fields)
     except KvdError as e:
         raise from_kvd_error(e, PARAM_NAMES) from None
     return {"input_tokens": len(ids)}
@@ -54,13 +54,11 @@ async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -
 async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> dict | StreamingResponse:
     await _check(gateway, body)
     messages = body.conversation()
-    shape = ReplyShape(body.model)
+    shape = ReplyShape(body.model, body.thinking is None or body.thinking.display != "omitted")
     job = (messages, body.daemon_fields())
     # A stream's message_start gives the prompt's size first (tokenize lists tools as chat does); asked before the
     # generation starts, so that nothing runs on if it fails.
-    prompt = (
-        await gateway.client.tokenize(messages=messages, tools=job[1].get("tools")) if body.stream else []
-    )
+    prompt = await gateway.client.tokenize(messages=messages, **prompt_fields(job[1])) if body.stream else []
     streams = gateway.streams(request, "chat", [job], body.user)
     chunks = merged(streams, gateway.metrics)
     if body.stream:
@@ -85,8 +83,10 @@ class ReplyShape:
     """Anthropic's bodies for one generation: the whole message, or its stream's events."""
 
     model: str
+    show_thinking: bool = True  # thinking.display "omitted": thinking blocks go out empty
     id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
-    open_block: int | None = None  # the index of the text block being streamed
+    open_block: int | None = None  # the index of the block being streamed
+    open_kind: str = ""  # its type: "thinking" or "text"
     blocks: int = 0  # content blocks started so far
 
     def message(self, content: list[dict], stop: dict, usage: dict) -> dict:
@@ -100,7 +100,9 @@ class ReplyShape:
         return {**body, **stop, "usage": usage}
 
     def whole(self, choice: Choice) -> dict:
-        content = [{"type": "text", "text": choice.text}] if choice.text or not choice.tool_calls else []
+        content = [_thinking(self._shown(choice.reasoning))] if choice.reasoning else []
+        if choice.text or not choice.tool_calls:
+            content.append({"type": "text", "text": choice.text})
         content += [_tool_use(call) for call in choice.tool_calls]
         return self.message(content, _stop(choice), _usage(choice))
 
@@ -112,24 +114,36 @@ class ReplyShape:
         )
         return [("message_start", {"type": "message_start", "message": body}), ("ping", {"type": "ping"})]
 
-    def text(self, text: str) -> list[tuple[str, dict]]:
+    def text(self, text: str, kind: str = "text") -> list[tuple[str, dict]]:
+        """The events of a piece of the answer's text, or of its thinking (`kind` "thinking")."""
         events = []
-        if self.open_block is None:
-            self.open_block, self.blocks = self.blocks, self.blocks + 1
-            block = {"type": "text", "text": ""}
+        if self.open_kind != kind:
+            events += self._close()
+            self.open_block, self.open_kind, self.blocks = self.blocks, kind, self.blocks + 1
+            block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
             events.append(("content_block_start", _block_start(self.open_block, block)))
-        delta = {"type": "text_delta", "text": text}
-        events.append(("content_block_delta", _delta(self.open_block, delta)))
+        if kind == "thinking":
+            text = self._shown(text)
+        if text or kind == "text":
+            delta = {"type": f"{kind}_delta", kind: text}
+            events.append(("content_block_delta", _delta(self.open_block, delta)))
         return events
 
+    def _close(self) -> list[tuple[str, dict]]:
+        if self.open_block is None:
+            return []
+        index, self.open_block, self.open_kind = self.open_block, None, ""
+        return [("content_block_stop", {"type": "content_block_stop", "index": index})]
+
+    def _shown(self, thinking: str) -> str:
+        return thinking if self.show_thinking else ""
+
     def finish(self, choice: Choice) -> list[tuple[str, dict]]:
-        """The last events: the open text block closed, each tool use as a block of its own, the stop reason."""
+        """The last events: the open block closed, each tool use as a block of its own, the stop reason."""
         events = []
-        if self.open_block is None and not choice.tool_calls:  # a reply with no text still has its text block
-            events += self.text("")
-        if self.open_block is not None:
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": self.open_block}))
-            self.open_block = None
+        if self.open_kind != "text" and not choice.text and not choice.tool_calls:
+            events += self.text("")  # a reply with no text still has its text block
+        events += self._close()
         for call in choice.tool_calls:
             index, self.blocks = self.blocks, self.blocks + 1
             use = _tool_use(call)
@@ -162,6 +176,11 @@ def _delta(index: int, delta: dict) -> dict:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
+def _thinking(text: str) -> dict[str, Any]:
+    # The signature lets Anthropic check a thinking block sent back; kvd drops earlier turns' thinking instead.
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": arguments_object(call)}
 
@@ -182,6 +201,9 @@ async def _events(
                 yield _event("error", anthropic_error(ApiError(503, CUT_MESSAGE, "server_error")))
                 return
             choice.add(chunk)
+            if chunk.reasoning:
+                for event in shape.text(chunk.reasoning, "thinking"):
+                    yield _event(*event)
             if chunk.text:
                 for event in shape.text(chunk.text):
                     yield _event(*event)

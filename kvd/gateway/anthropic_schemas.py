@@ -11,7 +11,14 @@ from pydantic import Field
 from kvd.gateway.schemas import Strict
 
 # The daemon's fields named as a Messages request names them, for the daemon's errors.
-PARAM_NAMES = {"stop": "stop_sequences", "user": "metadata.user_id", "json_schema": "output_config.format"}
+PARAM_NAMES = {
+    "stop": "stop_sequences",
+    "user": "metadata.user_id",
+    "json_schema": "output_config.format",
+    "think": "thinking",
+    "reasoning_budget": "thinking.budget_tokens",
+    "reasoning_effort": "output_config.effort",
+}
 
 
 class CacheControl(Strict):
@@ -182,6 +189,19 @@ class _Prompt(Strict):
                 out.append({"role": m.role, "content": text})
         return out
 
+    def reasoning_fields(self) -> dict[str, Any]:
+        """The daemon's think / reasoning_budget / reasoning_effort: thinking enabled with its budget, disabled,
+        or (adaptive) as the model's template decides; the effort as the daemon's three."""
+        fields: dict[str, Any] = {}
+        if self.thinking is not None and self.thinking.type in ("enabled", "disabled"):
+            fields["think"] = self.thinking.type == "enabled"
+            if self.thinking.budget_tokens is not None and fields["think"]:
+                fields["reasoning_budget"] = self.thinking.budget_tokens
+        effort = self.output_config.effort if self.output_config is not None else None
+        if effort is not None:
+            fields["reasoning_effort"] = {"xhigh": "high", "max": "high"}.get(effort, effort)
+        return fields
+
     def daemon_tools(self) -> dict[str, Any]:
         fields: dict[str, Any] = {}
         if self.tools:
@@ -201,10 +221,12 @@ class _Prompt(Strict):
             refused.append(
                 (where, "kvd does not continue an assistant's prefilled reply yet: end with a user turn")
             )
-        if self.thinking is not None and self.thinking.type != "disabled":
-            refused.append(("thinking", "kvd serves no thinking mode yet; leave thinking unset or disabled"))
-        if self.output_config is not None and self.output_config.effort is not None:
-            refused.append(("output_config.effort", "kvd's models have no effort setting; leave it unset"))
+        if (
+            self.thinking is not None
+            and self.thinking.type == "enabled"
+            and self.thinking.budget_tokens is None
+        ):
+            refused.append(("thinking.budget_tokens", 'thinking of type "enabled" gives budget_tokens'))
         if self.tool_choice is not None:
             if self.tool_choice.type == "tool" and not self.tool_choice.name:
                 refused.append(("tool_choice.name", 'tool_choice of type "tool" names the tool'))
@@ -266,7 +288,11 @@ class MessagesRequest(_Prompt):
     seed: int | None = None  # kvd's: a sampled reply drawn the same way each time (extra_body with the SDKs)
 
     def daemon_fields(self) -> dict[str, Any]:
-        fields: dict[str, Any] = {"max_tokens": self.max_tokens, **self.daemon_tools()}
+        fields: dict[str, Any] = {
+            "max_tokens": self.max_tokens,
+            **self.daemon_tools(),
+            **self.reasoning_fields(),
+        }
         sampling = ("temperature", "top_p", "top_k", "seed")
         for name, value in ((name, getattr(self, name)) for name in sampling):
             if value is not None:

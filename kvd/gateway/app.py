@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvd.gateway import anthropic, embeddings, ollama
 from kvd.gateway.auth import Access, Guard
 from kvd.gateway.callers import CallerClients
-from kvd.gateway.choices import Job, collect, merged, unless_disconnected
+from kvd.gateway.choices import Job, collect, merged, prompt_fields, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields, unavailable_reason
 from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
@@ -141,9 +141,7 @@ def create_app(
             jobs = [(messages, body.daemon_fields(max_tokens, j)) for j in range(body.n)]
             reply = Reply(name, True, body.num_logprobs is not None, gateway.texts, n=body.n)
             if body.continuous_usage:
-                reply.prompt_counts = await _prompt_counts(
-                    gateway.client, "chat", [messages], jobs[0][1].get("tools")
-                )
+                reply.prompt_counts = await _prompt_counts(gateway.client, "chat", [messages], jobs[0][1])
             return jobs, reply, False
 
         return await _generate(request, body, "chat", plan)
@@ -159,10 +157,12 @@ async def _text(client: AsyncClient, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else await client.detokenize(prompt)
 
 
-async def _prompt_counts(client: AsyncClient, op: str, prompts: list, tools: list | None = None) -> list[int]:
-    """Each prompt's token count as the daemon will see it (a chat's tools listed as chat lists them)."""
+async def _prompt_counts(
+    client: AsyncClient, op: str, prompts: list, fields: dict | None = None
+) -> list[int]:
+    """Each prompt's token count as the daemon will see it (a chat's tools and reasoning fields as chat's)."""
     if op == "chat":
-        return [len(await client.tokenize(messages=m, tools=tools)) for m in prompts]
+        return [len(await client.tokenize(messages=m, **prompt_fields(fields or {}))) for m in prompts]
     return [len(await _token_ids(client, p)) for p in prompts]
 
 

@@ -37,9 +37,11 @@ class Choice:
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_string: str | None = None
+    reasoning: str = ""  # a reasoning model's thinking section
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
+        self.reasoning += chunk.reasoning
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs or []
         if chunk.finished:
@@ -51,7 +53,12 @@ class Choice:
 
     def drop_generated(self) -> None:
         """Forget the output (the one token asked for so that the daemon scores the prompt)."""
-        self.text, self.token_ids, self.logprobs = "", [], []  # so the usage counts no completion token
+        self.text, self.reasoning, self.token_ids, self.logprobs = (
+            "",
+            "",
+            [],
+            [],
+        )  # no completion token counted
         self.finish_reason = "length"
 
 
@@ -63,6 +70,11 @@ def arguments_object(call: ToolCall) -> dict[str, Any]:
     except ValueError:
         return {}
     return arguments if isinstance(arguments, dict) else {}
+
+
+def prompt_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """What of a chat's daemon fields its prompt depends on, as tokenize's keywords (so a count is exact)."""
+    return {name: fields.get(name) for name in ("tools", "think", "reasoning_effort")}
 
 
 def open_streams(client: AsyncClient, op: str, jobs: Sequence[Job]) -> list[AsyncStream]:

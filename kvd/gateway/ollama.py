@@ -84,7 +84,12 @@ async def show(body: ShowRequest, request: Request) -> dict:
         "template": "",
         "details": card["details"],
         "model_info": model_info,
-        "capabilities": ["completion", "tools", "embedding"],
+        "capabilities": [
+            "completion",
+            "tools",
+            "embedding",
+            *(["thinking"] if info.get("reasoning") else []),
+        ],
         "modified_at": card["modified_at"],
     }
 
@@ -96,7 +101,9 @@ async def chat(body: ChatRequest, request: Request) -> Response:
     if not body.messages:  # Ollama's way to load a model
         return JSONResponse(_loaded(body.model, {"message": {"role": "assistant", "content": ""}}))
     fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
-    return await _generate(request, body, "chat", (body.conversation(), fields))
+    return await _generate(
+        request, body, "chat", (body.conversation(), {**fields, **body.reasoning_fields()})
+    )
 
 
 @router.post("/generate")
@@ -108,7 +115,9 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
     if body.raw:
         return await _generate(request, body, "generate", (body.prompt, fields))
-    return await _generate(request, body, "chat", (body.conversation(), fields))
+    return await _generate(
+        request, body, "chat", (body.conversation(), {**fields, **body.reasoning_fields()})
+    )
 
 
 @router.post("/embed")
@@ -204,8 +213,8 @@ class ReplyShape:
         """The NDJSON lines for one daemon chunk; the last chunk ends with the `done` line."""
         self.observe(chunk)
         lines = []
-        if chunk.text or chunk.logprobs or not chunk.finished:
-            lines.append(self._body(chunk.text, [], chunk.logprobs, False))
+        if chunk.text or chunk.reasoning or chunk.logprobs or not chunk.finished:
+            lines.append(self._body(chunk.text, [], chunk.logprobs, False, chunk.reasoning))
         if chunk.tool_calls:
             lines.append(self._body("", chunk.tool_calls, None, False))
         if chunk.finished:
@@ -216,20 +225,30 @@ class ReplyShape:
         if chunk.token_ids and self.first_token is None:
             self.first_token = time.monotonic_ns()
 
-    def whole(self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob], final: Chunk) -> dict:
-        return {**self._body(text, calls, logprobs, True), **self._stats(final)}
+    def whole(self, choice: Choice, final: Chunk) -> dict:
+        body = self._body(choice.text, choice.tool_calls, choice.logprobs, True, choice.reasoning)
+        return {**body, **self._stats(final)}
 
     def _body(
-        self, text: str, calls: list[ToolCall], logprobs: list[TokenLogprob] | None, done: bool
+        self,
+        text: str,
+        calls: list[ToolCall],
+        logprobs: list[TokenLogprob] | None,
+        done: bool,
+        thinking: str = "",
     ) -> dict:
         body: dict[str, Any] = {"model": self.model, "created_at": _timestamp()}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [_tool_call(k, c) for k, c in enumerate(calls)]
             body["message"] = message
         else:
             body["response"] = text
+            if thinking:
+                body["thinking"] = thinking
         body["done"] = done
         if self.want_logprobs and logprobs:
             body["logprobs"] = [_logprob(lp, self.texts) for lp in logprobs]
@@ -293,7 +312,7 @@ async def _reply(
         raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
     await gateway.texts.fill(choice.logprobs)
     final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
-    return shape.whole(choice.text, choice.tool_calls, choice.logprobs, final)
+    return shape.whole(choice, final)
 
 
 async def _lines(

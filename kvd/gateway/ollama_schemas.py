@@ -11,6 +11,7 @@ from kvd.gateway.schemas import Strict, ToolDef
 _OPTION_FIELDS = {"repeat_penalty": "repetition_penalty", "num_predict": "max_tokens"}
 # The daemon's fields named as an Ollama request names them, for the daemon's errors.
 PARAM_NAMES = {
+    "reasoning_effort": "think",
     **{f: f"options.{f}" for f in ("temperature", "top_k", "top_p", "min_p", "seed", "stop")},
     **{f: f"options.{f}" for f in ("presence_penalty", "frequency_penalty")},
     **{daemon: f"options.{option}" for option, daemon in _OPTION_FIELDS.items()},
@@ -66,7 +67,9 @@ class _Request(Strict):
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options | None = None
     keep_alive: float | str | None = None  # kvd keeps its one model loaded: nothing to keep alive
-    think: bool | str | None = None
+    think: bool | Literal["low", "medium", "high"] | None = (
+        None  # a reasoning model's thinking, or its effort
+    )
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
@@ -80,10 +83,14 @@ class _Request(Strict):
             fields["logprobs"] = self.top_logprobs or 0
         return fields
 
+    def reasoning_fields(self) -> dict[str, Any]:
+        """The daemon's chat fields for `think`: on or off, or an effort (which turns it on)."""
+        if isinstance(self.think, bool):
+            return {"think": self.think}
+        return {} if self.think is None else {"reasoning_effort": self.think}
+
     def refusals(self) -> list[tuple[str, str]]:
         refused = []
-        if self.think not in (None, False):
-            refused.append(("think", "kvd serves no thinking mode; leave think unset or false"))
         if self.top_logprobs and not self.logprobs:
             refused.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         return refused
@@ -185,6 +192,10 @@ class GenerateRequest(_Request):
         refused += [(name, why) for name, why in unsupported.items() if getattr(self, name)]
         if self.raw and self.system:
             refused.append(("system", "a raw prompt has no system prompt: put it in the prompt"))
+        if self.raw and self.think is not None:
+            refused.append(
+                ("think", "a raw prompt has no template to think in: write the section in the prompt")
+            )
         return refused
 
 

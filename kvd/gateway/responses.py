@@ -86,7 +86,9 @@ class Reply:
         self.generated[index] = self.generated.get(index, 0) + len(chunk.token_ids)
         if chunk.finished:
             self.finals[index] = returned_usage(chunk.usage, self.generated[index])
-        if not (chunk.text or chunk.logprobs or chunk.finished) and (index in self.started or not self.chat):
+        if not (chunk.text or chunk.reasoning or chunk.logprobs or chunk.finished) and (
+            index in self.started or not self.chat
+        ):
             return []  # tokens whose text the daemon holds back (a possible stop string or tool call)
         usage = self._running_usage(index, chunk)
         logprobs = self._logprobs(chunk.logprobs, index)
@@ -97,13 +99,12 @@ class Reply:
             added = sum(len(self.texts[lp.token_id]) for lp in chunk.logprobs or [])
             self.offsets[index] = self.offsets.get(index, 0) + added
             return [self._chunk_body(index, body, chunk.finish_reason, usage)]
+        delta = self._delta(index, chunk.text, logprobs, chunk.reasoning)
         if not chunk.tool_calls:
-            return [
-                self._chunk_body(index, self._delta(index, chunk.text, logprobs), chunk.finish_reason, usage)
-            ]
+            return [self._chunk_body(index, delta, chunk.finish_reason, usage)]
         bodies = []
-        if chunk.text or logprobs:
-            bodies.append(self._chunk_body(index, self._delta(index, chunk.text, logprobs), None, usage))
+        if chunk.text or chunk.reasoning or logprobs:
+            bodies.append(self._chunk_body(index, delta, None, usage))
         calls = [{"index": k, **tool_call_body(c)} for k, c in enumerate(chunk.tool_calls)]
         delta = self._delta(index, None, None)
         bodies.append(
@@ -121,8 +122,13 @@ class Reply:
         usages = [self.finals[i] for i in sorted(self.finals)]
         return {**self._head(self._chunk_object), "choices": [], "usage": usage_body(usages, self.n)}
 
-    def _delta(self, index: int, content: str | None, logprobs: dict | None) -> dict:
-        delta: dict = {"content": content}
+    def _delta(self, index: int, content: str | None, logprobs: dict | None, reasoning: str = "") -> dict:
+        # A reasoning model's thinking as vLLM and DeepSeek send it: reasoning_content beside the content.
+        delta: dict = (
+            {"reasoning_content": reasoning, "content": content or None}
+            if reasoning
+            else {"content": content}
+        )
         if index not in self.started:
             self.started.add(index)
             delta = {"role": "assistant", **delta}
@@ -155,6 +161,8 @@ class Reply:
     def _choice(self, choice: Choice) -> dict:
         if self.chat:
             message: dict = {"role": "assistant", "content": choice.text}
+            if choice.reasoning:
+                message["reasoning_content"] = choice.reasoning
             if choice.tool_calls:
                 message["content"] = choice.text or None
                 message["tool_calls"] = [tool_call_body(c) for c in choice.tool_calls]

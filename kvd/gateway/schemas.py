@@ -258,6 +258,10 @@ class MessageToolCall(Strict):
     function: ToolCallFunction
 
 
+# OpenAI's efforts as the daemon's (which has low, medium and high).
+EFFORTS = {"minimal": "low", "xhigh": "high"}
+
+
 class ChatMessage(Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -265,6 +269,8 @@ class ChatMessage(Strict):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     refusal: None = None  # the openai client sends back what a reply had; kvd's replies have no refusal
+    # An earlier reply's thinking, sent back by clients: left out of the prompt, as reasoning templates drop it.
+    reasoning_content: str | None = None
 
     def text(self) -> str | None:
         """The message's text; content parts must all be text (kvd serves text models)."""
@@ -289,6 +295,11 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None  # without tools it changes nothing
     # Predicted outputs only speed OpenAI's generation up; the output is the same without them.
     prediction: dict[str, Any] | None = None
+    # Reasoning models: OpenAI's effort ("none" turns thinking off), vLLM's template switch
+    # ({"enable_thinking": false}) and kvd's token budget for the thinking section.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_budget: int | None = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -306,6 +317,20 @@ class ChatCompletionRequest(_Request):
                 fields["tool_choice"] = self.tool_choice.model_dump()
             else:
                 fields["tool_choice"] = self.tool_choice
+        return {**fields, **self.reasoning_fields()}
+
+    def reasoning_fields(self) -> dict[str, Any]:
+        """The daemon's think / reasoning_effort / reasoning_budget."""
+        fields: dict[str, Any] = {}
+        if self.reasoning_budget is not None:
+            fields["reasoning_budget"] = self.reasoning_budget
+        think = (self.chat_template_kwargs or {}).get("enable_thinking")
+        if think is not None:
+            fields["think"] = think
+        if self.reasoning_effort == "none":
+            fields["think"] = False
+        elif self.reasoning_effort is not None:
+            fields["reasoning_effort"] = EFFORTS.get(self.reasoning_effort, self.reasoning_effort)
         return fields
 
     def refusals(self) -> list[tuple[str, str]]:
@@ -314,6 +339,9 @@ class ChatCompletionRequest(_Request):
             refused.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         if self.tool_choice not in (None, "none") and not self.tools:
             refused.append(("tool_choice", "tool_choice needs tools"))
+        for key in self.chat_template_kwargs or {}:
+            if key != "enable_thinking":
+                refused.append((f"chat_template_kwargs.{key}", "kvd passes enable_thinking only"))
         for i, message in enumerate(self.messages):
             try:
                 message.text()
@@ -322,4 +350,5 @@ class ChatCompletionRequest(_Request):
         return refused
 
     def param_names(self) -> dict[str, str]:
-        return {**super().param_names(), "logprobs": "top_logprobs"}
+        thinking = "reasoning_effort" if self.reasoning_effort is not None else "chat_template_kwargs.enable_thinking"
+        return {**super().param_names(), "logprobs": "top_logprobs", "think": thinking}

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import kvd
 from kvd.engine.llm_engine import RequestRejectedError
+from kvd.request.reasoning import ReasoningError, ReasoningParser, check_reasoning
 from kvd.request.sampling_params import MAX_LOGPROBS
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -210,7 +211,7 @@ class RequestHandler:
             return PromptResult(job, "input", [t for i in job.generation.embed.inputs for t in i])
         field, token_ids = self._prompt_tokens(message)
         if isinstance(message, GenerateMessage):
-            self._prepare_generation(message, job.generation, job.tenant)
+            self._prepare_generation(message, job.generation, job.tenant, token_ids)
         return PromptResult(job, field, token_ids)
 
     def _prompt_tokens(self, message: GenerateMessage | TokenizeMessage) -> tuple[str, list[int]]:
@@ -218,7 +219,13 @@ class RequestHandler:
         engine = self.state.engine
         if message.messages is not None:
             try:
-                return "messages", engine.apply_chat_template(message.messages, message.tools)
+                check_reasoning(message.reasoning, engine.reasoning)
+            except ReasoningError as e:
+                raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
+            try:
+                return "messages", engine.apply_chat_template(
+                    message.messages, message.tools, message.reasoning
+                )
             except Exception as e:  # the template is a program: whatever it raises, the input is at fault
                 raise ProtocolError(
                     BAD_REQUEST, f"the chat template rejected the messages: {e}", "messages"
@@ -229,9 +236,16 @@ class RequestHandler:
             return "prompt", engine.encode(message.prompt)
         return "prompt_token_ids", message.prompt_token_ids
 
-    def _prepare_generation(self, message: GenerateMessage, generation: Generation, tenant: str) -> None:
+    def _prepare_generation(
+        self, message: GenerateMessage, generation: Generation, tenant: str, prompt_ids: list[int]
+    ) -> None:
         engine = self.state.engine
         params, field = message.params, None
+        chat = message.messages is not None
+        if chat and engine.reasoning is not None:
+            generation.reasoning_parser = ReasoningParser(
+                engine.reasoning, engine.reasoning.opened_by(prompt_ids)
+            )
         if message.tools and message.tool_choice.mode != "none":
             grammar = tool_call_grammar(
                 message.tools, message.tool_choice, engine.tool_template, message.parallel_tool_calls
@@ -242,6 +256,8 @@ class RequestHandler:
         try:
             engine.check_params(params)
             generation.matcher = engine.compile_grammar(params, tenant)
+            if chat:
+                generation.matcher = engine.chat_constraint(generation.matcher, prompt_ids, message.reasoning)
         except RequestRejectedError as e:
             raise ProtocolError(BAD_REQUEST, str(e), field or e.field) from None
 

@@ -11,6 +11,7 @@ import msgpack
 
 # The shared request surface: SamplingParams defines the sampling fields' ranges for the offline API and the wire
 # alike, and needs only the standard library.
+from kvd.request.reasoning import ReasoningError, ReasoningRequest, parse_reasoning
 from kvd.request.sampling_params import STRUCTURED_FIELDS, SamplingParams, SamplingParamsError
 from kvd.request.tool_validate import (
     Tool,
@@ -80,12 +81,13 @@ SAMPLING_FIELDS = (
     "speculative",
 )
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+REASONING_FIELDS = ("think", "reasoning_effort", "reasoning_budget")
 _COMMON_FIELDS = ("v", "id", "op")
 OP_FIELDS: dict[str, tuple[str, ...]] = {
     "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
-    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS),
+    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS, *REASONING_FIELDS),
     "embed": ("input", "dimensions", "cache_salt"),
-    "tokenize": ("text", "messages", "tools"),
+    "tokenize": ("text", "messages", "tools", *REASONING_FIELDS),
     "detokenize": ("token_ids",),
     "abort": ("target",),
     "health": (),
@@ -128,6 +130,7 @@ class GenerateMessage(Message):
     tools: list[Tool] | None = None  # chat: the functions the model may call
     tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
     parallel_tool_calls: bool = True
+    reasoning: ReasoningRequest = field(default_factory=ReasoningRequest)  # chat: the thinking section
 
 
 @dataclass
@@ -142,6 +145,7 @@ class TokenizeMessage(Message):
     text: str | None  # exactly one of text and messages is set
     messages: list[dict[str, str]] | None
     tools: list[Tool] | None = None  # with messages: the tools chat would list in the prompt
+    reasoning: ReasoningRequest = field(default_factory=ReasoningRequest)  # with messages: as chat's
 
 
 @dataclass
@@ -300,11 +304,16 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
             raise ProtocolError(
                 BAD_REQUEST, "tools go with messages (a chat's prompt), not with text", "tools"
             )
+        given = [name for name in REASONING_FIELDS if name in fields]
+        if given and messages is None:
+            raise ProtocolError(
+                BAD_REQUEST, f"{given[0]} goes with messages (a chat's prompt), not text", given[0]
+            )
         try:
             tools = parse_tools(fields["tools"]) if fields.get("tools") is not None else []
         except ToolError as e:
             raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
-        return TokenizeMessage(request_id, op, text, messages, tools or None)
+        return TokenizeMessage(request_id, op, text, messages, tools or None, _reasoning(fields))
     if op == "detokenize":
         return DetokenizeMessage(request_id, op, _token_ids(fields, "token_ids", allow_empty=True))
     if op == "abort":
@@ -337,7 +346,17 @@ def _generate(request_id: RequestId, op: str, fields: dict) -> GenerateMessage:
     )
     if op == "chat":
         _tool_fields(message, fields)
+        message.reasoning = _reasoning(fields)
     return message
+
+
+def _reasoning(fields: dict) -> ReasoningRequest:
+    try:
+        return parse_reasoning(
+            fields.get("think"), fields.get("reasoning_effort"), fields.get("reasoning_budget")
+        )
+    except ReasoningError as e:
+        raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
 
 
 def _cache_salt(fields: dict) -> str | None:
@@ -525,8 +544,18 @@ def _type_name(value: Any) -> str:
 # Replies: one map each, always with `id` (nil when the request's id could not be read) and `type`.
 
 
-def chunk_reply(request_id: RequestId, text: str, token_ids: list[int], logprobs: list[dict] | None) -> dict:
+def chunk_reply(
+    request_id: RequestId,
+    text: str,
+    token_ids: list[int],
+    logprobs: list[dict] | None,
+    reasoning: str = "",
+) -> dict:
+    """A stream's increment: `text` is the answer's, `reasoning` the thinking section's (sent when there is
+    some)."""
     reply = {"id": request_id, "type": "chunk", "text": text, "token_ids": token_ids}
+    if reasoning:
+        reply["reasoning"] = reasoning
     if logprobs is not None:
         reply["logprobs"] = logprobs
     return reply
@@ -541,7 +570,7 @@ def final_reply(
     usage: dict[str, int],
     extra: dict[str, Any] | None = None,
 ) -> dict:
-    """The last reply of a generation; `extra`: tool_calls, prompt_logprobs where they apply."""
+    """The last reply of a generation; `extra`: reasoning, tool_calls, prompt_logprobs where they apply."""
     reply = chunk_reply(request_id, text, token_ids, logprobs)
     reply.update(type="final", finish_reason=finish_reason, usage=usage, **(extra or {}))
     return reply

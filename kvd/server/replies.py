@@ -41,17 +41,26 @@ class Replies:
         if out.prompt_logprobs is not None:
             generation.prompt_logprobs = protocol.logprobs_payload(out.prompt_logprobs)
         logprobs = protocol.logprobs_payload(out.logprobs or []) if generation.want_logprobs else None
-        text = out.new_text
+        reasoning, text = "", out.new_text
+        if generation.reasoning_parser is not None:
+            reasoning, text = generation.reasoning_parser.feed(text)
         if generation.tool_parser is not None:
             text = generation.tool_parser.feed(text)
         if generation.stream:
             if out.finished:
                 reply = self.final_reply(
-                    generation, out.finish_reason, text, out.new_token_ids, logprobs, out.stop_string
+                    generation,
+                    out.finish_reason,
+                    text,
+                    out.new_token_ids,
+                    logprobs,
+                    out.stop_string,
+                    reasoning,
                 )
             else:
-                reply = protocol.chunk_reply(generation.id, text, out.new_token_ids, logprobs)
+                reply = protocol.chunk_reply(generation.id, text, out.new_token_ids, logprobs, reasoning)
         else:
+            generation.reasoning.append(reasoning)
             generation.text.append(text)
             generation.token_ids.extend(out.new_token_ids)
             generation.logprobs.extend(logprobs or [])
@@ -118,10 +127,12 @@ class Replies:
         token_ids: list[int] | None = None,
         logprobs: list[dict] | None = None,
         stop_string: str | None = None,
+        reasoning: str = "",
     ) -> dict:
         """The final reply: a stream's last delta, or a non-streaming generation's whole output."""
         if not generation.stream:
             text, token_ids, logprobs = "".join(generation.text), generation.token_ids, generation.logprobs
+            reasoning = "".join(generation.reasoning)
         if not generation.want_logprobs:
             logprobs = None
         elif logprobs is None:
@@ -134,6 +145,12 @@ class Replies:
             generation.num_accepted_tokens,
         )
         extra = {}
+        if generation.reasoning_parser is not None:
+            last, rest = generation.reasoning_parser.finish()
+            reasoning += last
+            text += generation.tool_parser.feed(rest) if generation.tool_parser is not None else rest
+        if reasoning:
+            extra["reasoning"] = reasoning
         if generation.tool_parser is not None:
             rest, calls, reason = generation.tool_parser.finish(reason)
             text += rest

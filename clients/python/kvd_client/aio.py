@@ -29,6 +29,7 @@ from kvd_client.messages import (
     to_completion,
     to_embeddings,
     to_result,
+    tokenize_fields,
     unpack_reply,
 )
 
@@ -83,12 +84,12 @@ class AsyncClient:
         text: str | None = None,
         messages: Sequence[Message] | None = None,
         tools: Sequence[dict] | None = None,
+        think: bool | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[int]:
-        fields = {
-            "text": text,
-            "messages": None if messages is None else chat_fields(messages, {})["messages"],
-            "tools": None if tools is None else list(tools),
-        }
+        """Token ids of `text` as a prompt, or of `messages` with the chat template applied (listing `tools`,
+        with `think` and `reasoning_effort`, as chat does)."""
+        fields = tokenize_fields(text, messages, tools, think, reasoning_effort)
         return (await self._call("tokenize", fields))["token_ids"]
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:

@@ -76,6 +76,7 @@ class Chunk:
     stop_string: str | None = (
         None  # the last chunk's: the request's stop string that ended the text, if one did
     )
+    reasoning: str = ""  # a reasoning model's chat: this increment of its thinking section (not in `text`)
 
     @property
     def finished(self) -> bool:
@@ -95,6 +96,7 @@ class Completion:
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with prompt_logprobs; the first is None
     stop_string: str | None = None  # the request's stop string that ended the text, if one did
+    reasoning: str = ""  # a reasoning model's chat: its thinking section (not in `text`)
 
 
 def pack_request(op: str, request_id: RequestId, fields: dict[str, Any]) -> bytes:
@@ -153,6 +155,23 @@ def chat_fields(messages: Sequence[Message], params: dict[str, Any]) -> dict[str
     return {"messages": [dict(m) for m in messages], **params}
 
 
+def tokenize_fields(
+    text: str | None,
+    messages: Sequence[Message] | None,
+    tools: Sequence[dict] | None,
+    think: bool | None,
+    reasoning_effort: str | None,
+) -> dict[str, Any]:
+    """`tokenize`'s fields: a text, or a chat's messages with what chat would render beside them."""
+    return {
+        "text": text,
+        "messages": None if messages is None else chat_fields(messages, {})["messages"],
+        "tools": None if tools is None else list(tools),
+        "think": think,
+        "reasoning_effort": reasoning_effort,
+    }
+
+
 def embed_fields(
     input: str | Sequence[str] | Sequence[Sequence[int]], dimensions: int | None, cache_salt: str | None
 ) -> dict[str, Any]:
@@ -208,6 +227,7 @@ def to_chunk(reply: dict) -> Chunk:
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
         stop_string=reply.get("stop_string"),
+        reasoning=reply.get("reasoning", ""),
     )
 
 
@@ -225,6 +245,7 @@ def to_completion(reply: dict) -> Completion:
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
         stop_string=reply.get("stop_string"),
+        reasoning=reply.get("reasoning", ""),
     )
 
 
