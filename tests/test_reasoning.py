@@ -14,8 +14,9 @@ from tiny_models import byte_level_tokenizer, reasoning_tokenizer, save_tiny_lla
 
 import kvd
 from kvd.engine.grammar import GrammarCompiler, apply_masks
-from kvd.engine.reasoning_gate import Phase, ReasoningGate, gate
+from kvd.engine.reasoning_gate import ReasoningGate, gate
 from kvd.request.reasoning import (
+    Phase,
     ReasoningError,
     ReasoningFormat,
     ReasoningParser,

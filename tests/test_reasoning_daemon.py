@@ -42,6 +42,7 @@ def test_the_daemon_sends_the_section_apart_streamed_or_whole(kvd: Client):
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.token_ids] == whole.token_ids
     assert isinstance(json.loads(whole.text)["ok"], bool) and "</think>" not in whole.text + whole.reasoning
+    assert whole.usage.reasoning_tokens == 4 + 1  # the budget's tokens and the end marker
     off = kvd.chat(HELLO, **{**fields, "think": False})
     assert off.reasoning == "" and isinstance(json.loads(off.text)["ok"], bool)
     assert len(kvd.tokenize(messages=HELLO, think=False)) > len(kvd.tokenize(messages=HELLO))
@@ -73,6 +74,7 @@ def test_openai_reasoning_content(oai: openai.OpenAI, model: str):
     reply = oai.chat.completions.create(**fields)
     message = reply.choices[0].message
     assert message.model_extra["reasoning_content"] and isinstance(json.loads(message.content)["ok"], bool)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 5 + 1
     stream = oai.chat.completions.create(**fields, stream=True)
     deltas = [c.choices[0].delta for c in stream if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == message.reasoning_content
@@ -118,3 +120,24 @@ def test_ollama_thinking(daemon: DaemonProcess, model: str, kvd: Client):
     streamed = list(api.chat(model=model, messages=HELLO, think=True, options=options, stream=True))
     assert "".join(p.message.thinking or "" for p in streamed) == direct.reasoning
     assert "thinking" in api.show(model).capabilities
+
+
+def test_responses_reasoning_items(oai: openai.OpenAI, model: str):
+    fields = {
+        "model": model,
+        "input": "hello there",
+        "max_output_tokens": 40,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "name": "ok", "schema": OK_SCHEMA}},
+        "extra_body": {"reasoning_budget": 3},
+    }
+    reply = oai.responses.create(**fields)
+    assert [item.type for item in reply.output] == ["reasoning", "message"]
+    assert reply.output[0].content[0].text and isinstance(json.loads(reply.output_text)["ok"], bool)
+    assert reply.usage.output_tokens_details.reasoning_tokens == 3 + 1
+    events = list(oai.responses.create(**fields, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == reply.output[0].content[0].text
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+    off = oai.responses.create(**{**fields, "reasoning": {"effort": "none"}})
+    assert [item.type for item in off.output] == ["message"]

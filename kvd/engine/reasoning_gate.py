@@ -10,18 +10,11 @@ change. Its state follows the request's own tokens only: a request's output is t
 from __future__ import annotations
 
 import ctypes
-import enum
 from collections.abc import Sequence
 
 import llguidance
 
-from kvd.request.reasoning import ReasoningFormat
-
-
-class Phase(enum.Enum):
-    BEFORE = "before"  # the output may open a section with its first token
-    THINKING = "thinking"
-    ANSWER = "answer"
+from kvd.request.reasoning import Phase, ReasoningFormat, next_phase
 
 
 class ReasoningGate:
@@ -52,10 +45,9 @@ class ReasoningGate:
             _set(words, self.fmt.start_id, self.budget != 0)
 
     def consume_token(self, token: int) -> bool:
-        if self.phase is Phase.ANSWER:
-            return self.grammar.consume_token(token) if self.grammar is not None else True
-        self.phase, self.num_thinking, answered = _next(self.phase, self.num_thinking, token, self.fmt)
-        if answered and self.grammar is not None:
+        before, self.phase = self.phase, next_phase(self.fmt, self.phase, token)
+        self.num_thinking += before is Phase.THINKING and self.phase is Phase.THINKING
+        if _answers(before, self.phase) and self.grammar is not None:
             return self.grammar.consume_token(token)
         return True
 
@@ -69,16 +61,15 @@ class ReasoningGate:
         """How many of `tokens`, in order, the gate allows from here (a speculative draft's valid part)."""
         phase, count = self.phase, self.num_thinking
         for i, token in enumerate(tokens):
-            if phase is Phase.ANSWER:
-                rest = list(tokens[i:])
-                return i + (self.grammar.validate_tokens(rest) if self.grammar is not None else len(rest))
             if phase is Phase.THINKING and self._spent(count) and token != self.fmt.end_id:
                 return i
             if phase is Phase.BEFORE and token == self.fmt.start_id and self.budget == 0:
                 return i
-            phase, count, answered = _next(phase, count, token, self.fmt)
-            if answered and self.grammar is not None:
-                return i + self.grammar.validate_tokens(list(tokens[i:]))
+            before, phase = phase, next_phase(self.fmt, phase, token)
+            count += before is Phase.THINKING and phase is Phase.THINKING
+            if _answers(before, phase):
+                rest = list(tokens[i:])
+                return i + (self.grammar.validate_tokens(rest) if self.grammar is not None else len(rest))
         return len(tokens)
 
     def _spent(self, count: int | None = None) -> bool:
@@ -86,15 +77,9 @@ class ReasoningGate:
         return self.budget is not None and used >= self.budget
 
 
-def _next(phase: Phase, count: int, token: int, fmt: ReasoningFormat) -> tuple[Phase, int, bool]:
-    """(phase, tokens thought, whether `token` is the answer's) after `token`, from before or inside a section."""
-    if phase is Phase.BEFORE:
-        if token == fmt.start_id:
-            return Phase.THINKING, 0, False
-        return Phase.ANSWER, count, True
-    if token == fmt.end_id:
-        return Phase.ANSWER, count, False
-    return Phase.THINKING, count + 1, False
+def _answers(before: Phase, after: Phase) -> bool:
+    """The token that moved the phase from `before` to `after` is the answer's (not a section's end)."""
+    return after is Phase.ANSWER and before is not Phase.THINKING
 
 
 def _set(words: ctypes.Array, token: int, allowed: bool) -> None:

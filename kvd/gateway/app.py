@@ -1,4 +1,5 @@
-"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, Anthropic's /v1/messages,
+"""The FastAPI app: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings, OpenAI's /v1/responses,
+Anthropic's /v1/messages,
 Ollama's /api, /health and /metrics; /metrics needs the API key as the others do (its counters show the callers' activity)."""
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvd.gateway import anthropic, embeddings, ollama
+from kvd.gateway import anthropic, embeddings, ollama, responses_api
 from kvd.gateway.auth import Access, Guard
+from kvd.gateway.bodies import EchoedPrompt, Reply
 from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, prompt_fields, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields, unavailable_reason
@@ -23,7 +25,6 @@ from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
 from kvd.gateway.outcome import answer
-from kvd.gateway.responses import EchoedPrompt, Reply
 from kvd.gateway.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import AsyncClient, KvdError
@@ -69,6 +70,7 @@ def create_app(
     app.include_router(embeddings.router)
     app.include_router(ollama.router)
     app.include_router(anthropic.router)
+    app.include_router(responses_api.router)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

@@ -350,5 +350,9 @@ class ChatCompletionRequest(_Request):
         return refused
 
     def param_names(self) -> dict[str, str]:
-        thinking = "reasoning_effort" if self.reasoning_effort is not None else "chat_template_kwargs.enable_thinking"
+        thinking = (
+            "reasoning_effort"
+            if self.reasoning_effort is not None
+            else "chat_template_kwargs.enable_thinking"
+        )
         return {**super().param_names(), "logprobs": "top_logprobs", "think": thinking}

@@ -14,6 +14,7 @@ from kvd.gateway.choices import Job, open_streams
 from kvd.gateway.errors import ApiError
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
+from kvd.gateway.response_store import ResponseStore
 from kvd.gateway.salts import CacheSalts
 from kvd_client import AsyncClient, AsyncStream, Embeddings
 
@@ -28,6 +29,7 @@ class Gateway:
     info: dict | None = None
     started: int = 0
     salts: CacheSalts = field(default_factory=CacheSalts)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
 
     # Every generation and embedding goes to the daemon through these two, which salt it with its caller's
     # namespace (kvd.gateway.salts) and run it on its caller's connection (kvd.gateway.callers).

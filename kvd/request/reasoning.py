@@ -123,6 +123,23 @@ def check_reasoning(request: ReasoningRequest, fmt: ReasoningFormat | None) -> N
     raise ReasoningError(field, "this model's chat template has no thinking section; leave it unset")
 
 
+class Phase(enum.Enum):
+    """Where a chat's output tokens stand: before a section may open, inside one, or in the answer."""
+
+    BEFORE = "before"
+    THINKING = "thinking"
+    ANSWER = "answer"
+
+
+def next_phase(fmt: ReasoningFormat, phase: Phase, token: int) -> Phase:
+    """The phase after `token`: a section opens only with the output's first token, and ends at its end token."""
+    if phase is Phase.BEFORE:
+        return Phase.THINKING if token == fmt.start_id else Phase.ANSWER
+    if phase is Phase.THINKING and token == fmt.end_id:
+        return Phase.ANSWER
+    return phase
+
+
 class _State(enum.Enum):
     BEFORE = "before"  # the answer may open with a section
     THINKING = "thinking"
@@ -131,11 +148,13 @@ class _State(enum.Enum):
 
 
 class ReasoningParser:
-    """Splits a chat's output text into its reasoning and its answer as the text streams; the markers and the
-    whitespace around the reasoning are dropped."""
+    """Splits a chat's output text into its reasoning and its answer as the text streams (the markers and the
+    whitespace around the reasoning dropped), and counts the section's tokens, its markers included."""
 
     def __init__(self, fmt: ReasoningFormat, opened: bool) -> None:
         self.fmt = fmt
+        self.num_tokens = 0
+        self._phase = Phase.THINKING if opened else Phase.BEFORE
         self._state = _State.THINKING if opened else _State.BEFORE
         self._held = ""  # text that may still be part of a marker, or whitespace whose side is not known yet
         self._started = False  # a word of reasoning came: whitespace before it is dropped
@@ -175,6 +194,11 @@ class ReasoningParser:
                 answer.append(held)
                 self._held = ""
         return "".join(reasoning), "".join(answer)
+
+    def count(self, token_ids: Sequence[int]) -> None:
+        for token in token_ids:
+            before, self._phase = self._phase, next_phase(self.fmt, self._phase, token)
+            self.num_tokens += before is Phase.THINKING or self._phase is Phase.THINKING
 
     def finish(self) -> tuple[str, str]:
         """What is held when the output ends: an unfinished section's last reasoning, or the answer's rest."""

@@ -43,6 +43,7 @@ class Replies:
         logprobs = protocol.logprobs_payload(out.logprobs or []) if generation.want_logprobs else None
         reasoning, text = "", out.new_text
         if generation.reasoning_parser is not None:
+            generation.reasoning_parser.count(out.new_token_ids)
             reasoning, text = generation.reasoning_parser.feed(text)
         if generation.tool_parser is not None:
             text = generation.tool_parser.feed(text)
@@ -146,6 +147,7 @@ class Replies:
         )
         extra = {}
         if generation.reasoning_parser is not None:
+            usage["reasoning_tokens"] = generation.reasoning_parser.num_tokens
             last, rest = generation.reasoning_parser.finish()
             reasoning += last
             text += generation.tool_parser.feed(rest) if generation.tool_parser is not None else rest

@@ -25,6 +25,7 @@ class Usage:
     # Speculative decoding: tokens drafted for the request, and those its own tokens confirmed (0 without).
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    reasoning_tokens: int = 0  # a reasoning model's chat: of completion_tokens, those of its thinking section
 
 
 @dataclass

@@ -38,13 +38,16 @@ def usage_body(usages: Sequence[Usage], n: int = 1) -> dict:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    details = {}
     drafted = sum(u.draft_tokens for u in usages)
     if drafted:  # OpenAI's names for predicted outputs, which n-gram drafts are
         accepted = sum(u.accepted_draft_tokens for u in usages)
-        body["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": drafted - accepted,
-        }
+        details = {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": drafted - accepted}
+    reasoning = sum(u.reasoning_tokens for u in usages)
+    if reasoning:
+        details["reasoning_tokens"] = reasoning
+    if details:
+        body["completion_tokens_details"] = details
     return body
 
 
