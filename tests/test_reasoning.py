@@ -27,7 +27,8 @@ from kvd.request.reasoning import (
 )
 from kvd.request.sampling_params import SamplingParams
 
-FMT = ReasoningFormat("<think>", "</think>", 300, 301)
+WHITESPACE = 199  # "\n" in the tiny tokenizer
+FMT = ReasoningFormat("<think>", "</think>", 300, 301, frozenset({WHITESPACE}))
 OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
@@ -52,7 +53,8 @@ def _split(parser: ReasoningParser, pieces: list[str]) -> tuple[str, str]:
         ("cut off mid thought  ", True, ("cut off mid thought", "")),
         ("</think>answer", True, ("", "answer")),
         ("a </thin b </think> c", True, ("a </thin b", "c")),
-        ("<thi", False, ("", "")),  # an unfinished marker at the very end is neither
+        ("<thi", False, ("", "<thi")),  # the beginning of a marker that never came is the answer
+        ("<", False, ("", "<")),
     ],
 )
 def test_the_parser_splits_at_every_cut_as_it_does_whole(text: str, opened: bool, expected: tuple[str, str]):
@@ -76,11 +78,20 @@ def test_a_format_needs_both_markers_as_plain_tokens_and_a_template_that_closes_
     assert detect_reasoning(special, tokenizer.chat_template) is None  # left out of the decoded text
 
 
-def test_a_prompt_opens_a_section_when_its_last_marker_is_a_start():
-    assert FMT.opened_by([5, 300, 7])
-    assert not FMT.opened_by([5, 300, 7, 301, 8])
-    assert not FMT.opened_by([5, 6])
-    assert FMT.opened_by([300, 301, 300])
+def test_a_prompt_opens_a_section_only_where_the_generation_prompt_ends_with_one():
+    assert FMT.opened_by([5, 300]) and FMT.opened_by([5, 300, WHITESPACE, WHITESPACE])
+    assert not FMT.opened_by([5, 300, 7])  # a marker a client wrote inside a message
+    assert not FMT.opened_by([5, 300, WHITESPACE, 301, WHITESPACE])
+    assert not FMT.opened_by([5, 6]) and not FMT.opened_by([])
+
+
+def test_the_token_count_agrees_with_the_text_on_leading_whitespace():
+    parser = ReasoningParser(FMT, False)
+    parser.count([WHITESPACE, 300, 5, 6, 301, 7])
+    assert parser.num_tokens == 4  # the markers and what lies between them
+    answer_only = ReasoningParser(FMT, False)
+    answer_only.count([WHITESPACE, 7, 300, 5])
+    assert answer_only.num_tokens == 0  # a marker inside the answer opens nothing
 
 
 def test_reasoning_fields_are_checked_and_need_a_section():
@@ -92,10 +103,16 @@ def test_reasoning_fields_are_checked_and_need_a_section():
     with pytest.raises(ReasoningError) as e:
         parse_reasoning(None, None, -1)
     assert e.value.field == "reasoning_budget"
-    check_reasoning(ReasoningRequest(think=False), None)  # turning off what is not there is fine
-    with pytest.raises(ReasoningError) as e:
-        check_reasoning(ReasoningRequest(budget=3), None)
-    assert e.value.field == "reasoning_budget"
+    check_reasoning(ReasoningRequest(think=False), None, False)  # turning off what is not there is fine
+    check_reasoning(ReasoningRequest(effort="low"), None, True)  # gpt-oss's template reads an effort
+    for request, field in [
+        (ReasoningRequest(budget=3), "reasoning_budget"),
+        (ReasoningRequest(think=True), "think"),
+        (ReasoningRequest(effort="low"), "reasoning_effort"),
+    ]:
+        with pytest.raises(ReasoningError) as e:
+            check_reasoning(request, None, False)
+        assert e.value.field == field
     assert ReasoningRequest(think=False, budget=9).token_budget == 0
     assert ReasoningRequest(think=True, effort="high").template_kwargs() == {
         "enable_thinking": True,
@@ -131,13 +148,17 @@ def test_the_gate_holds_the_grammar_until_the_section_ends(grammars):
     thinking.consume_token(fmt.end_id)
     assert thinking.phase is Phase.ANSWER and _allowed(thinking) == plain
     assert not thinking.is_stopped()
+    eos = compiler._eos[0]
+    pending = ReasoningGate(fmt, True, None, compiler.matcher(params), [eos])
+    assert _allowed(pending) == set(range(320)) - {eos}  # the answer must come
+    assert len(_allowed(ReasoningGate(fmt, True, None, None, [eos]))) == 320  # nothing waits: it may end
     assert gate(fmt, [1, 2], None, None) is None  # nothing to hold: no gate
     assert gate(None, [1, 2], 5, None) is None
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.lists(st.sampled_from([300, 301, 91, 2, 79, 75, 26, 65, 93, 40]), max_size=12),
+    st.lists(st.sampled_from([300, 301, 91, 2, 79, 75, 26, 65, 93, 40, WHITESPACE]), max_size=12),
     st.sampled_from([None, 0, 1, 3]),
     st.booleans(),
 )

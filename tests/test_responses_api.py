@@ -165,6 +165,14 @@ def test_the_store_keeps_a_response_for_its_caller_only_and_for_a_while():
     store.put("alice", {"id": "resp_2"}, [])
     store.put("alice", {"id": "resp_3"}, [])
     assert store.get("alice", "resp_1") is None  # the oldest went first
+    shared = ResponseStore(max_responses=10, max_per_owner=2)
+    for i in range(3):
+        shared.put("mallory", {"id": f"resp_m{i}"}, [])
+    shared.put("alice", {"id": "resp_a"}, [])
+    for i in range(3, 6):
+        shared.put("mallory", {"id": f"resp_m{i}"}, [])
+    assert shared.get("alice", "resp_a") is not None  # another caller's many responses push only its own out
+    assert [shared.get("mallory", f"resp_m{i}") is not None for i in range(6)] == [False] * 4 + [True] * 2
     brief = ResponseStore(ttl_s=0)
     brief.put("alice", {"id": "resp_4"}, [])
     assert brief.get("alice", "resp_4") is None
@@ -183,6 +191,15 @@ def test_the_store_keeps_a_response_for_its_caller_only_and_for_a_while():
             "input[0].content[0]",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools[0].name"),
+        (
+            {
+                "input": [
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}
+                ]
+            },
+            "input[0].output[0]",
+        ),
         ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
         ({"temperature": -1}, "temperature"),
         ({"background": True}, "background"),

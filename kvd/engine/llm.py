@@ -88,7 +88,7 @@ class LLM:
         choice = parse_tool_choice(tool_choice, tools)
         reasoning = parse_reasoning(think, reasoning_effort, reasoning_budget)
         fmt = self.engine.reasoning
-        check_reasoning(reasoning, fmt)
+        check_reasoning(reasoning, fmt, self.engine.reads_effort)
         for conversation in conversations:
             check_history(list(conversation))
         prompts = [self.engine.apply_chat_template(list(c), tools or None, reasoning) for c in conversations]
@@ -100,8 +100,7 @@ class LLM:
             if parsed
             else None
         )
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+        params = _per_prompt(params, len(prompts))
         if grammar is not None:
             params = [replace(p, grammar=grammar) for p in params]
         constraints = [
@@ -166,12 +165,7 @@ class LLM:
         constraints: list | None = None,
     ) -> list[int]:
         """Queue each prompt; `constraints`: each one's compiled grammar or reasoning gate (else compiled here)."""
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(
-                f"got {len(params)} SamplingParams for {len(prompts)} prompts; give one or one each"
-            )
+        params = _per_prompt(params, len(prompts))
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -187,6 +181,15 @@ class LLM:
     def _drain(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished():
             yield from self.engine.step().outputs
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    """One SamplingParams for each of n prompts: the one given (or the defaults) for all, or one each."""
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one or one each")
+    return list(params)
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -102,6 +102,7 @@ class LLMEngine:
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         self.reasoning = detect_reasoning(self.tokenizer, chat_template)
+        self.reads_effort = "reasoning_effort" in (chat_template or "")  # gpt-oss's template does
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
         self.pool = plan_pool(args, loaded.model, self.kv_dtype, self.dtype, max_model_len, baseline)
         self.num_blocks = self.pool.num_blocks
@@ -202,7 +203,7 @@ class LLMEngine:
     ) -> ReasoningGate | llguidance.LLMatcher | None:
         """A chat's constraint on this model: where it may reason first, its grammar (`matcher`) holds for the
         answer after the thinking section, and the section keeps to the request's budget (kvd.engine.reasoning_gate)."""
-        return gate(self.reasoning, prompt_ids, reasoning.token_budget, matcher)
+        return gate(self.reasoning, prompt_ids, reasoning.token_budget, matcher, sorted(self.eos_token_ids))
 
     def add_request(
         self,

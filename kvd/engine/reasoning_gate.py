@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import replace
 
 import llguidance
 
@@ -19,11 +20,20 @@ from kvd.request.reasoning import Phase, ReasoningFormat, next_phase
 
 class ReasoningGate:
     def __init__(
-        self, fmt: ReasoningFormat, opened: bool, budget: int | None, grammar: llguidance.LLMatcher | None
+        self,
+        fmt: ReasoningFormat,
+        opened: bool,
+        budget: int | None,
+        grammar: llguidance.LLMatcher | None,
+        eos_ids: Sequence[int] = (),
     ) -> None:
-        self.fmt = fmt
+        # With a grammar, the answer starts at the first token that opens no section, whitespace too: the grammar
+        # takes every token of the answer.
+        self.fmt = fmt if grammar is None else replace(fmt, whitespace_ids=frozenset())
         self.budget = budget  # None: no limit; 0: no reasoning (a section may not open, an open one ends)
         self.grammar = grammar
+        # A grammar still to hold (a schema, a forced call) may not be skipped by ending inside the section.
+        self.eos_ids = tuple(eos_ids) if grammar is not None else ()
         self.phase = Phase.THINKING if opened else Phase.BEFORE
         self.num_thinking = 0  # tokens written inside the section
 
@@ -36,6 +46,8 @@ class ReasoningGate:
                 _set(words, self.fmt.end_id, True)
             else:
                 ctypes.memset(ptr, 0xFF, size)
+                for token in self.eos_ids:
+                    _set(words, token, False)
             return
         if self.grammar is not None:
             self.grammar.unsafe_compute_mask_ptr(ptr, size)
@@ -65,6 +77,8 @@ class ReasoningGate:
                 return i
             if phase is Phase.BEFORE and token == self.fmt.start_id and self.budget == 0:
                 return i
+            if phase is Phase.THINKING and token in self.eos_ids:
+                return i
             before, phase = phase, next_phase(self.fmt, phase, token)
             count += before is Phase.THINKING and phase is Phase.THINKING
             if _answers(before, phase):
@@ -78,8 +92,9 @@ class ReasoningGate:
 
 
 def _answers(before: Phase, after: Phase) -> bool:
-    """The token that moved the phase from `before` to `after` is the answer's (not a section's end)."""
-    return after is Phase.ANSWER and before is not Phase.THINKING
+    """The token that moved the phase from `before` to `after` is the answer's: neither a section's marker nor
+    inside one."""
+    return before is not Phase.THINKING and after is not Phase.THINKING
 
 
 def _set(words: ctypes.Array, token: int, allowed: bool) -> None:
@@ -94,9 +109,10 @@ def gate(
     prompt_ids: Sequence[int],
     budget: int | None,
     grammar: llguidance.LLMatcher | None,
+    eos_ids: Sequence[int] = (),
 ) -> ReasoningGate | llguidance.LLMatcher | None:
     """A chat's constraint: the grammar alone where nothing is gated (no section, or neither a grammar nor a
     budget to hold), else a gate around it."""
     if fmt is None or (grammar is None and budget is None):
         return grammar
-    return ReasoningGate(fmt, fmt.opened_by(prompt_ids), budget, grammar)
+    return ReasoningGate(fmt, fmt.opened_by(prompt_ids), budget, grammar, eos_ids)

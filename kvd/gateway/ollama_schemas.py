@@ -84,7 +84,7 @@ class _Request(Strict):
         return fields
 
     def reasoning_fields(self) -> dict[str, Any]:
-        """The daemon's chat fields for `think`: on or off, or an effort (which turns it on)."""
+        """The daemon's chat fields for `think`: on or off, or an effort (the daemon's reasoning_effort)."""
         if isinstance(self.think, bool):
             return {"think": self.think}
         return {} if self.think is None else {"reasoning_effort": self.think}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_RESPONSES = 1024
+MAX_PER_OWNER = 256  # so that one caller's responses cannot push every other caller's out
 TTL_S = 3600.0
 
 
@@ -24,13 +25,19 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, max_responses: int = MAX_RESPONSES, ttl_s: float = TTL_S) -> None:
+    def __init__(
+        self, max_responses: int = MAX_RESPONSES, ttl_s: float = TTL_S, max_per_owner: int = MAX_PER_OWNER
+    ) -> None:
         self.max_responses = max_responses
+        self.max_per_owner = max_per_owner
         self.ttl_s = ttl_s
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()  # oldest first
 
     def put(self, owner: str, body: dict[str, Any], turns: list[dict[str, Any]]) -> None:
         self._expire()
+        owned = [key for key, stored in self._responses.items() if stored.owner == owner]
+        for key in owned[: max(0, len(owned) + 1 - self.max_per_owner)]:  # the owner's oldest make room
+            del self._responses[key]
         self._responses[body["id"]] = StoredResponse(owner, body, turns, time.monotonic() + self.ttl_s)
         while len(self._responses) > self.max_responses:
             self._responses.popitem(last=False)

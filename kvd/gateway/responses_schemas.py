@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from kvd.gateway.schemas import EFFORTS, Strict
 
@@ -109,7 +109,7 @@ class TextConfig(Strict):
 
 
 class Reasoning(Strict):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -146,7 +146,14 @@ class ResponsesRequest(Strict):
     reasoning_budget: int | None = None
 
     def function_tools(self) -> list[FunctionTool]:
-        return [FunctionTool.model_validate(t) for t in self.tools or [] if t.get("type") == "function"]
+        """The function tools that are well formed (refusals() names the others)."""
+        tools = []
+        for tool in self.tools or []:
+            try:
+                tools.append(FunctionTool.model_validate(tool))
+            except ValidationError:
+                continue
+        return tools
 
     def items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         if isinstance(self.input, str):
@@ -168,8 +175,8 @@ class ResponsesRequest(Strict):
                     "function": {"name": item.name, "arguments": item.arguments},
                 }
                 last = out[-1] if out else None
-                if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
-                    last["tool_calls"].append(call)
+                if last is not None and last["role"] == "assistant":  # its text, or calls before this one
+                    last.setdefault("tool_calls", []).append(call)
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutputItem):
@@ -218,8 +225,9 @@ class ResponsesRequest(Strict):
                 continue
             try:
                 FunctionTool.model_validate(tool)
-            except ValueError as e:
-                refused.append((f"tools[{i}]", str(e).splitlines()[0]))
+            except ValidationError as e:
+                error = e.errors()[0]
+                refused.append((".".join(map(str, (f"tools[{i}]", *error["loc"]))), error["msg"]))
         if self.tool_choice not in (None, "none") and not self.function_tools():
             refused.append(("tool_choice", "tool_choice needs tools"))
         text_format = self.text.format if self.text is not None else None
@@ -228,10 +236,12 @@ class ResponsesRequest(Strict):
         if self.background:
             refused.append(("background", "kvd answers in the foreground: leave background unset"))
         for i, item in enumerate(self.items()):
+            parts, where = [], f"input[{i}]"
             if isinstance(item, MessageItem) and isinstance(item.content, list):
-                for j, part in enumerate(item.content):
-                    if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-                        refused.append(
-                            (f"input[{i}].content[{j}]", "kvd serves text models: text parts only")
-                        )
+                parts, where = item.content, f"input[{i}].content"
+            elif isinstance(item, FunctionCallOutputItem) and isinstance(item.output, list):
+                parts, where = item.output, f"input[{i}].output"
+            for j, part in enumerate(parts):
+                if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+                    refused.append((f"{where}[{j}]", "kvd serves text models: text parts only"))
         return refused

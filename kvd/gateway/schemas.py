@@ -259,7 +259,7 @@ class MessageToolCall(Strict):
 
 
 # OpenAI's efforts as the daemon's (which has low, medium and high).
-EFFORTS = {"minimal": "low", "xhigh": "high"}
+EFFORTS = {"minimal": "low", "xhigh": "high", "max": "high"}
 
 
 class ChatMessage(Strict):
@@ -297,7 +297,7 @@ class ChatCompletionRequest(_Request):
     prediction: dict[str, Any] | None = None
     # Reasoning models: OpenAI's effort ("none" turns thinking off), vLLM's template switch
     # ({"enable_thinking": false}) and kvd's token budget for the thinking section.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_budget: int | None = None
 

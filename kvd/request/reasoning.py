@@ -21,26 +21,23 @@ EFFORTS = ("low", "medium", "high")
 
 @dataclass(frozen=True)
 class ReasoningFormat:
-    """A model's thinking section: its markers and their token ids."""
+    """A model's thinking section: its markers, their token ids, and the tokens that are whitespace only (the
+    output may start with some before it opens a section)."""
 
     start: str
     end: str
     start_id: int
     end_id: int
+    whitespace_ids: frozenset[int] = frozenset()
 
     def opened_by(self, prompt_ids: Sequence[int]) -> bool:
-        """The prompt leaves a section open (templates that start the answer inside one, like Qwen3.5's): its
-        last start marker comes after its last end marker."""
-        last_start = last_end = -1
-        for i in range(len(prompt_ids) - 1, -1, -1):
-            token = prompt_ids[i]
-            if token == self.end_id and last_end < 0:
-                last_end = i
-            elif token == self.start_id and last_start < 0:
-                last_start = i
-            if last_end >= 0 or last_start >= 0:
-                break  # the nearer marker decides
-        return last_start > last_end
+        """The prompt leaves a section open (templates that start the answer inside one, like Qwen3.5's): the
+        generation prompt ends with the start marker, whitespace after it aside. A marker a client wrote in a
+        message earlier in the prompt opens nothing."""
+        for token in reversed(prompt_ids):
+            if token not in self.whitespace_ids:
+                return token == self.start_id
+        return False
 
     def info(self) -> dict[str, str]:
         return {"start": self.start, "end": self.end}
@@ -59,7 +56,9 @@ def detect_reasoning(tokenizer: Any, chat_template: str | None) -> ReasoningForm
         if len(encoded) != 1 or (added is not None and added.special):
             return None
         ids.append(encoded[0])
-    return ReasoningFormat(THINK_OPEN, THINK_CLOSE, ids[0], ids[1])
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    whitespace = frozenset(i for i, text in enumerate(texts) if text and not text.strip())
+    return ReasoningFormat(THINK_OPEN, THINK_CLOSE, ids[0], ids[1], whitespace)
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,6 @@ class ReasoningRequest:
         """The section's token limit: none when thinking is off."""
         return 0 if self.think is False else self.budget
 
-    @property
-    def asked(self) -> bool:
-        return self.think is True or self.effort is not None or self.budget is not None
-
 
 class ReasoningError(ValueError):
     """A reasoning field the model cannot honour; `field` names it."""
@@ -113,14 +108,20 @@ def parse_reasoning(think: object, effort: object, budget: object) -> ReasoningR
     return ReasoningRequest(think, effort, budget)
 
 
-def check_reasoning(request: ReasoningRequest, fmt: ReasoningFormat | None) -> None:
-    """Refuse reasoning asked of a model whose template has no thinking section (think false is allowed)."""
-    if fmt is not None or not request.asked:
+def check_reasoning(request: ReasoningRequest, fmt: ReasoningFormat | None, reads_effort: bool) -> None:
+    """Refuse reasoning asked of a model whose template has no thinking section (think false is allowed); an
+    effort needs a template that reads one (gpt-oss's) or a section (which it turns on)."""
+    if fmt is not None:
         return
-    field = (
-        "think" if request.think else "reasoning_effort" if request.effort is not None else "reasoning_budget"
-    )
-    raise ReasoningError(field, "this model's chat template has no thinking section; leave it unset")
+    why = "this model's chat template has no thinking section; leave it unset"
+    if request.think:
+        raise ReasoningError("think", why)
+    if request.budget is not None:
+        raise ReasoningError("reasoning_budget", why)
+    if request.effort is not None and not reads_effort:
+        raise ReasoningError(
+            "reasoning_effort", "this model's chat template takes no reasoning effort; leave it unset"
+        )
 
 
 class Phase(enum.Enum):
@@ -132,8 +133,11 @@ class Phase(enum.Enum):
 
 
 def next_phase(fmt: ReasoningFormat, phase: Phase, token: int) -> Phase:
-    """The phase after `token`: a section opens only with the output's first token, and ends at its end token."""
+    """The phase after `token`: a section opens only before the output's first word, and ends at its end
+    token."""
     if phase is Phase.BEFORE:
+        if token in fmt.whitespace_ids:
+            return Phase.BEFORE
         return Phase.THINKING if token == fmt.start_id else Phase.ANSWER
     if phase is Phase.THINKING and token == fmt.end_id:
         return Phase.ANSWER
@@ -205,9 +209,9 @@ class ReasoningParser:
         held, self._held = self._held, ""
         if self._state is _State.THINKING:
             return held.rstrip(), ""
-        if self._state is _State.ANSWER:
-            return "", held
-        return "", ""
+        if self._state is _State.AFTER:
+            return "", ""
+        return "", held  # the answer, or what began like a marker and ended there
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -219,7 +219,7 @@ class RequestHandler:
         engine = self.state.engine
         if message.messages is not None:
             try:
-                check_reasoning(message.reasoning, engine.reasoning)
+                check_reasoning(message.reasoning, engine.reasoning, engine.reads_effort)
             except ReasoningError as e:
                 raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
             try:

@@ -87,7 +87,7 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
     "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS, *REASONING_FIELDS),
     "embed": ("input", "dimensions", "cache_salt"),
-    "tokenize": ("text", "messages", "tools", *REASONING_FIELDS),
+    "tokenize": ("text", "messages", "tools", "think", "reasoning_effort"),
     "detokenize": ("token_ids",),
     "abort": ("target",),
     "health": (),
@@ -304,7 +304,7 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
             raise ProtocolError(
                 BAD_REQUEST, "tools go with messages (a chat's prompt), not with text", "tools"
             )
-        given = [name for name in REASONING_FIELDS if name in fields]
+        given = [name for name in ("think", "reasoning_effort") if name in fields]
         if given and messages is None:
             raise ProtocolError(
                 BAD_REQUEST, f"{given[0]} goes with messages (a chat's prompt), not text", given[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -224,7 +225,7 @@ def to_chunk(reply: dict) -> Chunk:
         token_ids=reply["token_ids"],
         logprobs=_logprobs(reply.get("logprobs")),
         finish_reason=reply["finish_reason"] if final else None,
-        usage=Usage(**reply["usage"]) if final else None,
+        usage=_usage(reply["usage"]) if final else None,
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
         stop_string=reply.get("stop_string"),
@@ -241,13 +242,19 @@ def to_completion(reply: dict) -> Completion:
         text=reply["text"],
         token_ids=reply["token_ids"],
         finish_reason=reply["finish_reason"],
-        usage=Usage(**reply["usage"]),
+        usage=_usage(reply["usage"]),
         logprobs=_logprobs(reply.get("logprobs")),
         tool_calls=_tool_calls(reply.get("tool_calls")),
         prompt_logprobs=_prompt_logprobs(reply.get("prompt_logprobs")),
         stop_string=reply.get("stop_string"),
         reasoning=reply.get("reasoning", ""),
     )
+
+
+def _usage(fields: dict) -> Usage:
+    """A final reply's usage; counts this client does not know yet (a newer daemon's) are left out."""
+    known = {f.name for f in dataclasses.fields(Usage)}
+    return Usage(**{k: v for k, v in fields.items() if k in known})
 
 
 def to_embeddings(reply: dict) -> Embeddings:
