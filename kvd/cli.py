@@ -102,7 +102,8 @@ def _serve_parser(p: argparse.ArgumentParser) -> None:
         help="a TOML file of these settings, named without dashes (systemd/kvd.toml.example); flags win",
     )
     # The settings classes make their flags (kvd.settings), so a new setting is added in one place.
-    add_flags(p.add_argument_group("model and engine"), EngineArgs)
+    # --model may be given several times: the daemon serves each (kvd.server.model_specs).
+    add_flags(p.add_argument_group("model and engine"), EngineArgs, repeated={"model"})
     daemon = p.add_argument_group("daemon")
     add_flags(daemon, ServerConfig)
     daemon.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -185,9 +186,10 @@ def _serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     try:
+        models, args.model = args.model or [], None
         engine_args = from_flags(EngineArgs, args)
         config = from_flags(ServerConfig, args)
-        serve(engine_args, config, from_flags(GatewaySettings, args))
+        serve(engine_args, config, from_flags(GatewaySettings, args), models)
     except (ListenError, ValueError, FileNotFoundError, GatewayConfigError) as e:
         # Configuration and input mistakes: one clear line, no traceback.
         print(f"kvd serve: {e}", file=sys.stderr)

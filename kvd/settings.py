@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -61,9 +61,10 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
+def add_flags(group: argparse._ActionsContainer, cls: type, repeated: Collection[str] = ()) -> None:
     """One flag per field of the settings class `cls`, defaulting to the field's default. A boolean has its
-    opposite too (--x and --no-x), so a flag can undo what a config file turned on: the last given wins."""
+    opposite too (--x and --no-x), so a flag can undo what a config file turned on: the last given wins. The
+    fields named in `repeated` take their flag several times, as a list (its reader makes one value of them)."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         flag: Flag = field.metadata["flag"]
@@ -80,8 +81,10 @@ def add_flags(group: argparse._ActionsContainer, cls: type) -> None:
                 help=f"the opposite of {name} (the default unless a config file says otherwise)",
             )
             continue
-        if _repeated(hints[field.name]):  # a tuple of strings: the flag given once per value
-            group.add_argument(*names, action="append", default=None, metavar=flag.metavar, help=flag.help)
+        if _repeated(hints[field.name]) or field.name in repeated:  # the flag given once per value
+            group.add_argument(
+                *names, action=_AppendOverDefault, default=None, metavar=flag.metavar, help=flag.help
+            )
             continue
         group.add_argument(
             *names,
@@ -120,6 +123,16 @@ def to_flags(settings: object) -> list[str]:
         else:
             args += [name, str(value)]
     return args
+
+
+class _AppendOverDefault(argparse._AppendAction):
+    """A repeatable flag whose values on the command line replace its default (a config file's list) rather
+    than add to it: flags win over the file, as for every other setting."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def opposite_flag(name: str) -> str:

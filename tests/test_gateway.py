@@ -305,10 +305,10 @@ def test_a_gateway_bug_is_a_500_in_the_apis_shape(monkeypatch: pytest.MonkeyPatc
     from kvd.gateway.app import create_app
     from kvd.gateway.state import Gateway
 
-    async def broken(self: Gateway) -> dict:
+    async def broken(self: Gateway) -> list:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(Gateway, "model_info", broken)
+    monkeypatch.setattr(Gateway, "models", broken)
     app = create_app(f"ipc://{tmp_path}/none.sock")
     # A loopback base URL: the gateway refuses TestClient's default Host, "testserver" (kvd.gateway.auth).
     with TestClient(app, base_url="http://localhost", raise_server_exceptions=False) as http:

@@ -356,7 +356,7 @@ def _error(http: httpx.Client, path: str, body: dict) -> dict:
         (
             {"reasoning_effort": "high"},
             "reasoning_effort",
-            "no thinking section",
+            "takes no reasoning effort",
         ),  # a model that cannot think
         (
             {"chat_template_kwargs": {"enable_thinking": True}},

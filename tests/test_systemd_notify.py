@@ -98,6 +98,19 @@ def test_config_file_settings_become_defaults_that_flags_override(tmp_path: Path
     assert args.listen == "ipc:///x"
 
 
+def test_a_config_file_names_one_model_or_several_and_flags_replace_them(tmp_path: Path):
+    config = tmp_path / "kvd.toml"
+    parser, serve = _serve_parser()
+    config.write_text('model = "a=/m/a"\n')
+    apply_config_file(serve, config)
+    assert parser.parse_args(["serve"]).model == ["a=/m/a"]
+    assert parser.parse_args(["serve", "--model", "b=/m/b", "--model", "c"]).model == ["b=/m/b", "c"]
+    parser, serve = _serve_parser()
+    config.write_text('model = ["a=/m/a", "b=/m/b"]\n')
+    apply_config_file(serve, config)
+    assert parser.parse_args(["serve"]).model == ["a=/m/a", "b=/m/b"]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -16,7 +16,7 @@ from kvd.gateway.anthropic_schemas import PARAM_NAMES, CountTokensRequest, Messa
 from kvd.gateway.choices import Choice, arguments_object, merged, prompt_fields, unless_disconnected
 from kvd.gateway.errors import ApiError, anthropic_error, from_kvd_error, invalid_fields
 from kvd.gateway.outcome import answer
-from kvd.gateway.state import Gateway, gateway_of
+from kvd.gateway.state import Gateway, ServedModel, gateway_of
 from kvd_client import KvdError, ToolCall
 
 CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
@@ -35,31 +35,36 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 @router.post("/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    await _check(gateway, body)
+    model = await _check(gateway, body)
     fields = prompt_fields({**body.daemon_tools(), **body.reasoning_fields()})
     try:
-        ids = await gateway.client.tokenize(messages=body.conversation(), **fields)
+        ids = await gateway.client.tokenize(messages=body.conversation(), **fields, model=model.name)
     except KvdError as e:
         raise from_kvd_error(e, PARAM_NAMES) from None
     return {"input_tokens": len(ids)}
 
 
-async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -> None:
-    await gateway.check_model(body.model)
+async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -> ServedModel:
+    model = await gateway.check_model(body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)
+    return model
 
 
 async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> dict | StreamingResponse:
-    await _check(gateway, body)
+    model = await _check(gateway, body)
     messages = body.conversation()
     shape = ReplyShape(body.model, body.thinking is None or body.thinking.display != "omitted")
     job = (messages, body.daemon_fields())
     # A stream's message_start gives the prompt's size first (tokenize lists tools as chat does); asked before the
     # generation starts, so that nothing runs on if it fails.
-    prompt = await gateway.client.tokenize(messages=messages, **prompt_fields(job[1])) if body.stream else []
-    streams = gateway.streams(request, "chat", [job], body.user)
+    prompt = (
+        await gateway.client.tokenize(messages=messages, **prompt_fields(job[1]), model=model.name)
+        if body.stream
+        else []
+    )
+    streams = gateway.streams(request, model, "chat", [job], body.user)
     chunks = merged(streams, gateway.metrics)
     if body.stream:
         first = await anext(chunks)  # errors before the first token are HTTP errors

@@ -22,11 +22,10 @@ from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, prompt_fields, unless_disconnected
 from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields, unavailable_reason
 from kvd.gateway.http_metrics import CountRequests
-from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.metrics import GatewayMetrics
 from kvd.gateway.outcome import answer
 from kvd.gateway.schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
-from kvd.gateway.state import Gateway, gateway_of
+from kvd.gateway.state import Gateway, ServedModel, gateway_of
 from kvd_client import AsyncClient, KvdError
 
 logger = logging.getLogger("kvd.gateway")
@@ -54,9 +53,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = AsyncClient(endpoint, timeout=timeout)
         callers = CallerClients(lambda: AsyncClient(endpoint, timeout=timeout), shared=client)
-        app.state.gateway = Gateway(
-            client, callers, metrics, TokenTexts(client), served_model_name, started=int(time.time())
-        )
+        app.state.gateway = Gateway(client, callers, metrics, served_model_name, started=int(time.time()))
         try:
             yield
         finally:
@@ -90,60 +87,61 @@ def create_app(
             stats = None  # kvd_daemon_up 0; the gateway's own metrics still count
         return Response(gateway.metrics.exposition(stats), media_type=CONTENT_TYPE_LATEST)
 
-    async def model_card(gateway: Gateway) -> dict:
-        info = await gateway.model_info()
+    def model_card(gateway: Gateway, model: ServedModel) -> dict:
         return {
-            "id": await gateway.model_name(),
+            "id": model.shown,
             "object": "model",
             "created": gateway.started,
             "owned_by": "kvd",
-            "max_model_len": info["max_model_len"],
+            "max_model_len": model.info["max_model_len"],
         }
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        return {"object": "list", "data": [await model_card(gateway_of(request))]}
+        gateway = gateway_of(request)
+        return {"object": "list", "data": [model_card(gateway, m) for m in await gateway.models()]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> dict:
         gateway = gateway_of(request)
-        await gateway.check_model(model)  # 404 for any other name
-        return await model_card(gateway)
+        return model_card(gateway, await gateway.check_model(model))  # 404 for a name not served
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        async def plan(gateway: Gateway, name: str) -> Plan:
+        async def plan(gateway: Gateway, model: ServedModel) -> Plan:
             prompts = body.prompts()
             echo = None
             if body.echo:
                 # Token ids, so that the prompt's log-probabilities line up with known tokens.
-                prompts = list(await asyncio.gather(*(_token_ids(gateway.client, p) for p in prompts)))
-                texts = await asyncio.gather(*(_text(gateway.client, p) for p in body.prompts()))
+                prompts = list(await asyncio.gather(*(_token_ids(gateway.client, model, p) for p in prompts)))
+                texts = await asyncio.gather(*(_text(gateway.client, model, p) for p in body.prompts()))
                 echo = [EchoedPrompt(t, ids) for t, ids in zip(texts, prompts, strict=True)]
-                await gateway.texts.fill([], [t for ids in prompts for t in ids])
+                await model.texts.fill([], [t for ids in prompts for t in ids])
             max_tokens = body.requested_max_tokens
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
             # max_tokens 0 with echo scores the prompt only: the daemon generates one token, dropped here.
             fields = [body.daemon_fields(max(max_tokens, 1), j) for j in range(body.n)]
             if echo is not None and body.logprobs is not None:
                 fields = [{**f, "prompt_logprobs": body.logprobs} for f in fields]
-            reply = Reply(name, False, body.logprobs is not None, gateway.texts, n=body.n, echo=echo)
+            reply = Reply(model.shown, False, body.logprobs is not None, model.texts, n=body.n, echo=echo)
             if body.continuous_usage:
-                reply.prompt_counts = await _prompt_counts(gateway.client, "generate", prompts)
+                reply.prompt_counts = await _prompt_counts(gateway.client, model, "generate", prompts)
             return [(p, f) for p in prompts for f in fields], reply, echo is not None and max_tokens == 0
 
         return await _generate(request, body, "generate", plan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        async def plan(gateway: Gateway, name: str) -> Plan:
+        async def plan(gateway: Gateway, model: ServedModel) -> Plan:
             # Like OpenAI's chat API: without a limit, the reply may run to the end of the context.
-            max_tokens = body.requested_max_tokens or (await gateway.model_info())["max_model_len"]
+            max_tokens = body.requested_max_tokens or model.info["max_model_len"]
             messages = body.conversation()
             jobs = [(messages, body.daemon_fields(max_tokens, j)) for j in range(body.n)]
-            reply = Reply(name, True, body.num_logprobs is not None, gateway.texts, n=body.n)
+            reply = Reply(model.shown, True, body.num_logprobs is not None, model.texts, n=body.n)
             if body.continuous_usage:
-                reply.prompt_counts = await _prompt_counts(gateway.client, "chat", [messages], jobs[0][1])
+                reply.prompt_counts = await _prompt_counts(
+                    gateway.client, model, "chat", [messages], jobs[0][1]
+                )
             return jobs, reply, False
 
         return await _generate(request, body, "chat", plan)
@@ -151,28 +149,29 @@ def create_app(
     return app
 
 
-async def _token_ids(client: AsyncClient, prompt: str | list[int]) -> list[int]:
-    return await client.tokenize(prompt) if isinstance(prompt, str) else prompt
+async def _token_ids(client: AsyncClient, model: ServedModel, prompt: str | list[int]) -> list[int]:
+    return await client.tokenize(prompt, model=model.name) if isinstance(prompt, str) else prompt
 
 
-async def _text(client: AsyncClient, prompt: str | list[int]) -> str:
-    return prompt if isinstance(prompt, str) else await client.detokenize(prompt)
+async def _text(client: AsyncClient, model: ServedModel, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else await client.detokenize(prompt, model.name)
 
 
 async def _prompt_counts(
-    client: AsyncClient, op: str, prompts: list, fields: dict | None = None
+    client: AsyncClient, model: ServedModel, op: str, prompts: list, fields: dict | None = None
 ) -> list[int]:
     """Each prompt's token count as the daemon will see it (a chat's tools and reasoning fields as chat's)."""
     if op == "chat":
-        return [len(await client.tokenize(messages=m, **prompt_fields(fields or {}))) for m in prompts]
-    return [len(await _token_ids(client, p)) for p in prompts]
+        fields = prompt_fields(fields or {})
+        return [len(await client.tokenize(messages=m, **fields, model=model.name)) for m in prompts]
+    return [len(await _token_ids(client, model, p)) for p in prompts]
 
 
 async def _generate(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
     op: str,
-    plan: Callable[[Gateway, str], Awaitable[Plan]],
+    plan: Callable[[Gateway, ServedModel], Awaitable[Plan]],
 ) -> Response:
     gateway = gateway_of(request)
     names = body.param_names()
@@ -186,16 +185,16 @@ async def _reply(
     gateway: Gateway,
     body: CompletionRequest | ChatCompletionRequest,
     op: str,
-    plan: Callable[[Gateway, str], Awaitable[Plan]],
+    plan: Callable[[Gateway, ServedModel], Awaitable[Plan]],
     names: dict[str, str],
 ) -> dict | StreamingResponse:
     """The whole reply's body, or the stream of its events."""
-    name = await gateway.check_model(body.model)
+    model = await gateway.check_model(body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)
-    jobs, reply, drop_generated = await plan(gateway, name)
-    streams = gateway.streams(request, op, jobs, body.user or body.safety_identifier)
+    jobs, reply, drop_generated = await plan(gateway, model)
+    streams = gateway.streams(request, model, op, jobs, body.user or body.safety_identifier)
     chunks = merged(streams, gateway.metrics, body.choice_field)
     if body.stream:
         # Send the first chunk's errors (a bad field, an overloaded daemon) as an HTTP error, not a stream.
@@ -208,7 +207,7 @@ async def _reply(
     if drop_generated:
         for choice in choices:
             choice.drop_generated()
-    await gateway.texts.fill([lp for c in choices for lp in [*c.logprobs, *(c.prompt_logprobs or [])]])
+    await reply.texts.fill([lp for c in choices for lp in [*c.logprobs, *(c.prompt_logprobs or [])]])
     return reply.whole(choices)
 
 
@@ -231,7 +230,7 @@ async def _events(
                 outcome = "server_error"
                 yield _event(ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut").body())
                 return
-            await gateway.texts.fill(chunk.logprobs or [])
+            await reply.texts.fill(chunk.logprobs or [])
             for body in reply.chunks(index, chunk):
                 yield _event(body)
             item = await anext(rest, None)

@@ -40,11 +40,11 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    name = await gateway.check_model(body.model)
+    model = await gateway.check_model(body.model)
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     try:
-        out = await gateway.embed(request, body.inputs(), body.dimensions, body.user)
+        out = await gateway.embed(request, model, body.inputs(), body.dimensions, body.user)
     except KvdError as e:
         raise from_kvd_error(e) from None
     data = [
@@ -52,4 +52,4 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
         for i, v in enumerate(out.embeddings)
     ]
     usage = {"prompt_tokens": out.prompt_tokens, "total_tokens": out.prompt_tokens}
-    return {"object": "list", "data": data, "model": name, "usage": usage}
+    return {"object": "list", "data": data, "model": model.shown, "usage": usage}

@@ -21,6 +21,7 @@ _DAEMON_CODES = {
     "too_large": (400, "invalid_request_error"),
     "overloaded": (429, "rate_limit_error"),
     "not_found": (404, "invalid_request_error"),
+    "model_not_found": (404, "invalid_request_error"),
     "shutting_down": (503, "server_error"),
     "internal": (500, "server_error"),
 }

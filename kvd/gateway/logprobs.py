@@ -11,8 +11,9 @@ from kvd_client import AsyncClient, TokenLogprob
 class TokenTexts:
     """The text of single tokens, asked of the daemon once per token id (the vocabulary never changes)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, model: str | None = None) -> None:
         self.client = client
+        self.model = model  # whose vocabulary
         self._texts: dict[int, str] = {}
 
     async def fill(self, logprobs: Sequence[TokenLogprob | None], token_ids: Sequence[int] = ()) -> None:
@@ -21,7 +22,7 @@ class TokenTexts:
         wanted = {lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top_logprobs}
         wanted |= set(token_ids)
         missing = sorted(wanted - self._texts.keys())
-        texts = await asyncio.gather(*(self.client.detokenize([t]) for t in missing))
+        texts = await asyncio.gather(*(self.client.detokenize([t], self.model) for t in missing))
         self._texts.update(zip(missing, texts, strict=True))
 
     def __getitem__(self, token_id: int) -> str:

@@ -27,7 +27,7 @@ from kvd.gateway.ollama_schemas import (
 )
 from kvd.gateway.outcome import answer
 from kvd.gateway.schemas import Strict
-from kvd.gateway.state import Gateway, gateway_of
+from kvd.gateway.state import Gateway, ServedModel, gateway_of
 from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
 
 # The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions): what
@@ -48,17 +48,26 @@ async def version() -> dict:
 
 @router.get("/tags")
 async def tags(request: Request) -> dict:
-    return {"models": [await _model_card(gateway_of(request))]}
+    gateway = gateway_of(request)
+    return {"models": [_model_card(gateway, m) for m in await gateway.models()]}
 
 
 @router.get("/ps")
 async def ps(request: Request) -> dict:
     gateway = gateway_of(request)
-    card = await _model_card(gateway)
-    info = await gateway.model_info()
-    # Loaded for as long as the daemon runs: no expiry in sight.
-    running = {"expires_at": "2999-12-31T23:59:59Z", "size_vram": 0, "context_length": info["max_model_len"]}
-    return {"models": [{**card, **running}]}
+    running = []
+    for model in await gateway.models():
+        # Loaded for as long as the daemon runs: no expiry in sight.
+        context = model.info["max_model_len"]
+        running.append(
+            {
+                **_model_card(gateway, model),
+                "expires_at": "2999-12-31T23:59:59Z",
+                "size_vram": 0,
+                "context_length": context,
+            }
+        )
+    return {"models": running}
 
 
 class ShowRequest(Strict):
@@ -70,9 +79,9 @@ class ShowRequest(Strict):
 @router.post("/show")
 async def show(body: ShowRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    await _check_model(gateway, body.model or body.name or "")
-    info = await gateway.model_info()
-    card = await _model_card(gateway)
+    model = await _check_model(gateway, body.model or body.name or "")
+    info = model.info
+    card = _model_card(gateway, model)
     model_info = {
         "general.architecture": "llama",
         "llama.context_length": info["max_model_len"],
@@ -97,38 +106,36 @@ async def show(body: ShowRequest, request: Request) -> dict:
 @router.post("/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    await _check(gateway, body)
+    model = await _check(gateway, body)
     if not body.messages:  # Ollama's way to load a model
         return JSONResponse(_loaded(body.model, {"message": {"role": "assistant", "content": ""}}))
-    fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
-    return await _generate(
-        request, body, "chat", (body.conversation(), {**fields, **body.reasoning_fields()})
-    )
+    fields = body.daemon_fields(model.info["max_model_len"])
+    job = (body.conversation(), {**fields, **body.reasoning_fields()})
+    return await _generate(request, model, body, "chat", job)
 
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    await _check(gateway, body)
+    model = await _check(gateway, body)
     if not body.prompt:
         return JSONResponse(_loaded(body.model, {"response": ""}))
-    fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
+    fields = body.daemon_fields(model.info["max_model_len"])
     if body.raw:
-        return await _generate(request, body, "generate", (body.prompt, fields))
-    return await _generate(
-        request, body, "chat", (body.conversation(), {**fields, **body.reasoning_fields()})
-    )
+        return await _generate(request, model, body, "generate", (body.prompt, fields))
+    job = (body.conversation(), {**fields, **body.reasoning_fields()})
+    return await _generate(request, model, body, "chat", job)
 
 
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    await _check_model(gateway, body.model)
+    model = await _check_model(gateway, body.model)
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     started = time.monotonic_ns()
     try:
-        out = await gateway.embed(request, body.input, body.dimensions)
+        out = await gateway.embed(request, model, body.input, body.dimensions)
     except KvdError as e:
         raise from_kvd_error(e) from None
     return {
@@ -143,31 +150,31 @@ async def embed(body: EmbedRequest, request: Request) -> dict:
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    await _check_model(gateway, body.model)
+    model = await _check_model(gateway, body.model)
     try:
-        out = await gateway.embed(request, [body.prompt])
+        out = await gateway.embed(request, model, [body.prompt])
     except KvdError as e:
         raise from_kvd_error(e, {"input": "prompt"}) from None
     return {"embedding": out.embeddings[0]}
 
 
-async def _check_model(gateway: Gateway, model: str) -> None:
+async def _check_model(gateway: Gateway, model: str) -> ServedModel:
     try:
-        await gateway.check_model(model, also=(TAG,))
+        return await gateway.check_model(model, also=(TAG,))
     except ApiError as e:
         raise ApiError(404, f"model {model!r} not found", e.type, "model", e.code) from None
 
 
-async def _check(gateway: Gateway, body: ChatRequest | GenerateRequest) -> None:
-    await _check_model(gateway, body.model)
+async def _check(gateway: Gateway, body: ChatRequest | GenerateRequest) -> ServedModel:
+    model = await _check_model(gateway, body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)
+    return model
 
 
-async def _model_card(gateway: Gateway) -> dict:
-    name = await gateway.model_name()
-    info = await gateway.model_info()
+def _model_card(gateway: Gateway, model: ServedModel) -> dict:
+    name, info = model.shown, model.info
     tagged = name if ":" in name else name + TAG
     quantization = info["quantization"]
     details = {
@@ -281,19 +288,26 @@ def _logprob(lp: TokenLogprob, texts: TokenTexts) -> dict:
     return {"token": texts[lp.token_id], "logprob": lp.logprob, "top_logprobs": top}
 
 
-async def _generate(request: Request, body: ChatRequest | GenerateRequest, op: str, job: Job) -> Response:
+async def _generate(
+    request: Request, model: ServedModel, body: ChatRequest | GenerateRequest, op: str, job: Job
+) -> Response:
     gateway = gateway_of(request)
     return await answer(
-        gateway.metrics, request.url.path, PARAM_NAMES, _reply(request, gateway, body, op, job)
+        gateway.metrics, request.url.path, PARAM_NAMES, _reply(request, gateway, model, body, op, job)
     )
 
 
 async def _reply(
-    request: Request, gateway: Gateway, body: ChatRequest | GenerateRequest, op: str, job: Job
+    request: Request,
+    gateway: Gateway,
+    model: ServedModel,
+    body: ChatRequest | GenerateRequest,
+    op: str,
+    job: Job,
 ) -> dict | StreamingResponse:
     """The whole reply's body, or the stream of its lines."""
-    shape = ReplyShape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), gateway.texts)
-    streams = gateway.streams(request, op, [job])
+    shape = ReplyShape(body.model, isinstance(body, ChatRequest), bool(body.logprobs), model.texts)
+    streams = gateway.streams(request, model, op, [job])
     if body.stream:
         chunks = merged(streams, gateway.metrics)
         first = await anext(chunks)  # errors before the first token are HTTP errors
@@ -310,7 +324,7 @@ async def _reply(
     choice = await unless_disconnected(request, collect())
     if choice.finish_reason == "abort":
         raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
-    await gateway.texts.fill(choice.logprobs)
+    await shape.texts.fill(choice.logprobs)
     final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
     return shape.whole(choice, final)
 
@@ -327,7 +341,7 @@ async def _lines(
                 outcome = "server_error"
                 yield _line({"error": CUT_MESSAGE})
                 return
-            await gateway.texts.fill(chunk.logprobs or [])
+            await shape.texts.fill(chunk.logprobs or [])
             for line in shape.lines(chunk):
                 yield _line(line)
             item = await anext(rest, None)

@@ -57,7 +57,7 @@ def _stored(request: Request, response_id: str, param: str):
 
 
 async def _reply(request: Request, gateway: Gateway, body: ResponsesRequest) -> dict | StreamingResponse:
-    name = await gateway.check_model(body.model)
+    model = await gateway.check_model(body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)
@@ -65,11 +65,11 @@ async def _reply(request: Request, gateway: Gateway, body: ResponsesRequest) -> 
     if body.previous_response_id is not None:
         history = _stored(request, body.previous_response_id, "previous_response_id").turns
     turns = body.turns(history)
-    fields = body.daemon_fields((await gateway.model_info())["max_model_len"])
-    shape = ResponseShape(name, body)
+    fields = body.daemon_fields(model.info["max_model_len"])
+    shape = ResponseShape(model.shown, body)
     job = (body.conversation(turns), fields)
     chunks = merged(
-        gateway.streams(request, "chat", [job], body.user or body.safety_identifier), gateway.metrics
+        gateway.streams(request, model, "chat", [job], body.user or body.safety_identifier), gateway.metrics
     )
 
     def keep(response: dict, choice: Choice) -> None:

@@ -20,56 +20,82 @@ from kvd_client import AsyncClient, AsyncStream, Embeddings
 
 
 @dataclass
+class ServedModel:
+    """A model of the daemon as the gateway's routes use it."""
+
+    name: str  # the daemon's name for it: every request for it carries it
+    shown: str  # the name clients give (--served-model-name renames the daemon's first model)
+    info: dict  # the daemon's info on it
+    texts: TokenTexts  # its tokens' texts, for log-probabilities
+
+
+@dataclass
 class Gateway:
     client: AsyncClient  # the gateway's own: info, stats, health, tokenize
     callers: CallerClients  # each caller's, for its generations and embeddings
     metrics: GatewayMetrics
-    texts: TokenTexts
     served_model_name: str | None
-    info: dict | None = None
     started: int = 0
     salts: CacheSalts = field(default_factory=CacheSalts)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
+    served: dict[str, ServedModel] = field(default_factory=dict)  # by the name clients give
 
     # Every generation and embedding goes to the daemon through these two, which salt it with its caller's
     # namespace (kvd.gateway.salts) and run it on its caller's connection (kvd.gateway.callers).
 
     def streams(
-        self, request: Request, op: str, jobs: Sequence[Job], user: str | None = None
+        self, request: Request, model: ServedModel, op: str, jobs: Sequence[Job], user: str | None = None
     ) -> list[AsyncStream]:
         caller = caller_of(request)
-        salted = [(p, {**f, "cache_salt": self.salts.salt(caller, f.get("cache_salt"))}) for p, f in jobs]
+        salted = [
+            (p, {**f, "model": model.name, "cache_salt": self.salts.salt(caller, f.get("cache_salt"))})
+            for p, f in jobs
+        ]
         return open_streams(self._client_for(request, user), op, salted)
 
     async def embed(
-        self, request: Request, input: str | list, dimensions: int | None = None, user: str | None = None
+        self,
+        request: Request,
+        model: ServedModel,
+        input: str | list,
+        dimensions: int | None = None,
+        user: str | None = None,
     ) -> Embeddings:
         salt = self.salts.salt(caller_of(request))
-        return await self._client_for(request, user).embed(input, dimensions, cache_salt=salt)
+        return await self._client_for(request, user).embed(
+            input, dimensions, cache_salt=salt, model=model.name
+        )
 
     def _client_for(self, request: Request, user: str | None) -> AsyncClient:
         return self.callers.get(connection_of(request, user))
 
-    async def model_info(self) -> dict:
-        if self.info is None:  # asked lazily: the gateway may start before the daemon
-            self.info = await self.client.info()
-        return self.info
+    async def models(self) -> list[ServedModel]:
+        """The daemon's models, asked once (lazily: the gateway may start before the daemon)."""
+        if not self.served:
+            listed = await self.client.list_models()
+            for i, entry in enumerate(listed):
+                shown = self.served_model_name if i == 0 and self.served_model_name else entry["name"]
+                texts = TokenTexts(self.client, entry["name"])
+                self.served[shown] = ServedModel(entry["name"], shown, entry["info"], texts)
+        return list(self.served.values())
 
-    async def model_name(self) -> str:
-        return self.served_model_name or (await self.model_info())["model"]
-
-    async def check_model(self, model: str, also: tuple[str, ...] = ()) -> str:
-        """The served name, if `model` (or `model` without one of the suffixes `also`) names it; else 404."""
-        name = await self.model_name()
-        if model != name and not any(model == name + suffix for suffix in also):
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; it serves {name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
-        return name
+    async def check_model(self, model: str, also: tuple[str, ...] = ()) -> ServedModel:
+        """The model `model` (or `model` without one of the suffixes `also`) names; else 404."""
+        names = (model, *(model.removesuffix(suffix) for suffix in also if model.endswith(suffix)))
+        for fresh in (False, True):  # a name not known yet: the daemon may have been restarted with others
+            if fresh:
+                self.served.clear()
+            served = {m.shown: m for m in await self.models()}
+            for name in names:
+                if name in served:
+                    return served[name]
+        raise ApiError(
+            404,
+            f"model {model!r} is not served here; it serves {', '.join(map(repr, served))}",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
 
 def gateway_of(request: Request) -> Gateway:

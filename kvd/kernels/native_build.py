@@ -1,7 +1,7 @@
 """Builds kvd's native CPU kernels (the C files beside this module) on this host, caches the library safely,
 and loads it.
 
-The C files are compiled together into one library, once per source, compiler, flags and CPU (-march=native, so
+The C files are compiled (side by side, one per core) and linked into one library, once per source, compiler, flags and CPU (-march=native, so
 AVX2/AVX-512 are used where the CPU has them), into a cache folder, then opened with cffi, whose declarations are
 read from cpu_kernels.h: the ABI is written once. A shared object runs code in this process, so one is loaded
 only from a folder and a file that no other user can change (owned by this user, not writable by group or
@@ -19,6 +19,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from pathlib import Path
 
@@ -62,15 +63,26 @@ def _cpu_flags() -> str:
 
 
 def compile_sources(compiler: str, sources: list[Path], target: Path, extra: list[str]) -> None:
-    """Builds the C files `sources` (in one compiler call) into the shared library `target` with kvd's flags and
-    then `extra`; OSError on failure."""
-    result = subprocess.run(
-        [compiler, *FLAGS, *extra, *map(str, sources), "-o", str(target), "-lm"],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise OSError(result.stderr.strip()[-2000:])
+    """Builds the C files `sources` into the shared library `target` with kvd's flags and then `extra`; OSError
+    on failure. Each file is compiled on its own, as many at once as there are cores, then linked: the same
+    objects as one compiler call makes, in a fraction of its time."""
+    flags = [*FLAGS, *extra]
+    with tempfile.TemporaryDirectory() as folder:
+        objects = [Path(folder) / f"{source.stem}.o" for source in sources]
+        commands = [
+            [compiler, *flags, "-c", str(s), "-o", str(o)] for s, o in zip(sources, objects, strict=True)
+        ]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            failed = [r for r in pool.map(_run, commands) if r.returncode != 0]
+        if not failed:
+            link = _run([compiler, *flags, *map(str, objects), "-o", str(target), "-lm"])
+            failed = [link] if link.returncode != 0 else []
+    if failed:
+        raise OSError("\n".join(r.stderr.strip() for r in failed)[-2000:])
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True)
 
 
 def source_text(files: list[Path]) -> str:

@@ -8,6 +8,7 @@ import time
 from collections import deque
 
 from kvd.server import protocol
+from kvd.server.models import ServedModel
 from kvd.server.protocol import CLIENT_TIMEOUT, INTERNAL, NOT_FOUND, SHUTTING_DOWN
 from kvd.server.replies import Replies
 from kvd.server.sessions import ClientSession, Generation
@@ -42,9 +43,14 @@ class Aborts:
                 self.abort(session, generation)
             self.state.sessions.release_if_idle(session)
 
-    def fail_all(self, message: str = "the engine failed; see the log") -> None:
+    def fail_all(
+        self, message: str = "the engine failed; see the log", model: ServedModel | None = None
+    ) -> None:
+        """Fail every generation in flight (of `model` alone, where given) with an internal error."""
         for session in self.state.sessions:
             for generation in list(session.requests.values()):
+                if model is not None and generation.model is not model:
+                    continue
                 self._forget(session, generation)
                 del session.requests[generation.id]
                 self.replies.publish_finished(session, generation, "error")
@@ -87,6 +93,6 @@ class Aborts:
         if generation.engine_ids:
             for engine_id in generation.engine_ids:
                 if self.state.in_engine.pop(engine_id, None) is not None:
-                    self.state.engine.abort(engine_id)
+                    generation.model.engine.abort(engine_id)
         elif generation in session.pending:  # else it is still being tokenized
             session.pending.remove(generation)

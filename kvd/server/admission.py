@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvd.engine.llm_engine import RequestRejectedError, RequestTooLongError
 from kvd.server import events, protocol
+from kvd.server.models import ServedModel
 from kvd.server.protocol import BAD_REQUEST, TOO_LARGE
 from kvd.server.replies import Replies
 from kvd.server.sessions import ClientSession, Generation
@@ -14,22 +15,27 @@ class Admission:
     def __init__(self, state: ServerState, replies: Replies) -> None:
         self.state = state
         self.replies = replies
-        info = state.engine.info()
-        self.max_num_seqs = info["max_num_seqs"]
-        self.block_size = info["block_size"]
 
     def admit(self) -> None:
-        """Hand queued generations to the engine, round-robin across clients, while it has room."""
+        """Hand queued generations to their models' engines, round-robin across clients, while they have room."""
+        for model in self.state.models:
+            self._admit(model)
+
+    def _admit(self, model: ServedModel) -> None:
         state = self.state
-        # The engine holds at most max_num_seqs requests, running and waiting; all of them are ours.
-        room = self.max_num_seqs - len(state.in_engine)
-        while room > 0 and (turn := state.queue.pop(self._may_admit)) is not None:
+        # An engine holds at most max_num_seqs requests, running and waiting; all of them are ours.
+        room = model.max_num_seqs - state.num_in_engine(model)
+
+        def may_admit(session: ClientSession) -> bool:
+            return session.pending[0].model is model and self._may_admit(session, model)
+
+        while room > 0 and (turn := state.queue.pop(may_admit)) is not None:
             session, generation = turn
             try:
                 self._add(generation)
             except RequestRejectedError as e:
                 for engine_id in generation.engine_ids:
-                    state.engine.abort(engine_id)
+                    model.engine.abort(engine_id)
                 generation.engine_ids = []
                 self._reject(session, generation, e)
                 continue
@@ -43,7 +49,7 @@ class Admission:
 
     def _add(self, generation: Generation) -> None:
         """The generation's engine requests: one, or one per input of an embed request."""
-        engine = self.state.engine
+        engine = generation.model.engine
         if generation.embed is None:
             engine_id = next(self.state.engine_ids)
             engine.add_request(
@@ -72,7 +78,7 @@ class Admission:
         self.replies.send(session.identity, reply)
         self.state.sessions.release_if_idle(session)
 
-    def _may_admit(self, session: ClientSession) -> bool:
+    def _may_admit(self, session: ClientSession, model: ServedModel) -> bool:
         config = self.state.config
         cap = config.max_running_per_client
         if cap is not None and session.num_in_engine >= cap:
@@ -80,16 +86,18 @@ class Admission:
         block_cap = config.max_blocks_per_client
         if block_cap is None or not session.num_in_engine:
             return True  # a client's first generation always runs, however large
-        wanted = self._num_blocks(session.pending[0].num_prompt_tokens)
-        return self._blocks_held(session) + wanted <= block_cap
+        wanted = _num_blocks(session.pending[0].num_prompt_tokens, model)
+        return _blocks_held(session) + wanted <= block_cap
 
-    def _blocks_held(self, session: ClientSession) -> int:
-        """KV blocks the client's generations in the engine hold, or will once scheduled (a waiting prompt's)."""
-        return sum(
-            self._num_blocks(g.num_prompt_tokens + g.num_output_tokens)
-            for g in session.requests.values()
-            if g.engine_ids
-        )
 
-    def _num_blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+def _blocks_held(session: ClientSession) -> int:
+    """KV blocks the client's generations in the engines hold, or will once scheduled (a waiting prompt's)."""
+    return sum(
+        _num_blocks(g.num_prompt_tokens + g.num_output_tokens, g.model)
+        for g in session.requests.values()
+        if g.engine_ids
+    )
+
+
+def _num_blocks(num_tokens: int, model: ServedModel) -> int:
+    return -(-num_tokens // model.block_size)

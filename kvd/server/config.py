@@ -35,6 +35,9 @@ class ServerConfig:
         f"also run the OpenAI-compatible HTTP gateway (kvd gateway) there, e.g. {DEFAULT_HTTP} (default: off)",
         metavar="HOST:PORT",
     )
+    models_dir: str | None = setting(
+        None, "also serve every GGUF file and model folder in this folder (named by file stem or folder name)"
+    )
     shared_prefix_cache: bool = setting(
         False, "let different users share cached prompt prefixes (trusted single-tenant hosts only)"
     )

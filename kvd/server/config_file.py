@@ -54,9 +54,11 @@ def _convert(action: argparse.Action, value: Any, where: str) -> Any:
         if not isinstance(value, bool):
             raise ConfigFileError(f"{where} must be true or false, got {value!r}")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
-    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list of strings
+    if isinstance(action, argparse._AppendAction):  # a repeatable flag: a list of strings, or one
+        if isinstance(value, str):
+            return [value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigFileError(f"{where} takes a list of strings, got {value!r}")
+            raise ConfigFileError(f"{where} takes a string or a list of strings, got {value!r}")
         return value
     if isinstance(value, (bool, dict, list)):
         raise ConfigFileError(f"{where} takes a single number or string, got {value!r}")

@@ -10,13 +10,13 @@ import time
 import zmq
 
 from kvd.distributed.errors import TensorParallelError
-from kvd.engine.llm_engine import LLMEngine
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import ServerConfig
 from kvd.server.events import EventStream
 from kvd.server.handlers import RequestHandler
 from kvd.server.isolation import peer_tenant
+from kvd.server.models import ServedModel, ServedModels
 from kvd.server.outbox import Outbox
 from kvd.server.replies import Replies
 from kvd.server.signals import signal_wakeup
@@ -42,18 +42,18 @@ STATUS_INTERVAL_S = 5.0
 class Daemon:
     def __init__(
         self,
-        engine: LLMEngine,
+        models: ServedModels,
         sock: zmq.Socket,
         config: ServerConfig,
         notifier: Notifier | None = None,
         event_socket: zmq.Socket | None = None,
         gateway: subprocess.Popen | None = None,
     ) -> None:
-        self.engine = engine
+        self.models = models
         self.socket = sock
         self.gateway = gateway  # the `--http` child, part of this daemon: watched (_check_gateway)
         self.gateway_failed = False
-        self.state = ServerState(engine, config, EventStream(event_socket))
+        self.state = ServerState(models, config, EventStream(event_socket))
         # A send can find its client lost, and aborting the client's generations sends: the outbox calls the
         # aborts, built after it, through this lambda.
         outbox = Outbox(
@@ -89,9 +89,12 @@ class Daemon:
                         else:
                             self._on_signals(wakeup.recv(64))
                     self.admission.admit()
-                    if self.engine.has_unfinished():
-                        self._step()
-                        # What the step's finished requests made room for (a client's cap), so that it runs
+                    if self._has_unfinished():
+                        # One step of each model with work, in turn: no model's steps wait on another's queue.
+                        for model in self.models:
+                            if model.engine.has_unfinished():
+                                self._step(model)
+                        # What the steps' finished requests made room for (a client's cap), so that it runs
                         # next turn instead of waiting out the idle poll.
                         self.admission.admit()
                     self._check_workers()
@@ -137,8 +140,11 @@ class Daemon:
             self.aborts.abort_all()
         return not self.state.sessions.num_requests
 
+    def _has_unfinished(self) -> bool:
+        return any(m.engine.has_unfinished() for m in self.models)
+
     def _poll_timeout_ms(self) -> int:
-        if self.engine.has_unfinished():
+        if self._has_unfinished():
             return 0
         if self.drain_deadline is not None or self.replies.outbox.has_backlog:
             return SHORT_POLL_MS
@@ -173,22 +179,23 @@ class Daemon:
             budget -= sum(map(len, payload))
             self.handler.handle(frames[0].bytes, tenant, payload, chosen_id=_chose_routing_id(frames[0]))
 
-    def _step(self) -> None:
+    def _step(self, model: ServedModel) -> None:
         try:
-            step = self.engine.step()
+            step = model.engine.step()
         except TensorParallelError as e:
             self._fail_group(e)
             return
         except Exception:
-            logger.exception("engine step failed; failing every request in flight")
-            self.aborts.fail_all()
+            logger.exception("model %s: engine step failed; failing its requests in flight", model.name)
+            self.aborts.fail_all(model=model)
             return
         self.replies.dispatch(step)
 
     def _check_workers(self) -> None:
         """A rank that died while the engine was idle fails the daemon as one that dies in a step does."""
         try:
-            self.engine.check_workers()
+            for model in self.models:
+                model.engine.check_workers()
         except TensorParallelError as e:
             self._fail_group(e)
 

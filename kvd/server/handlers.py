@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import kvd
-from kvd.engine.llm_engine import RequestRejectedError
+from kvd.engine.llm_engine import LLMEngine, RequestRejectedError
 from kvd.request.reasoning import ReasoningError, ReasoningParser, check_reasoning
 from kvd.request.sampling_params import MAX_LOGPROBS
 from kvd.request.tool_grammar import tool_call_grammar
@@ -18,14 +18,8 @@ from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import HEARTBEAT_INTERVAL_S
 from kvd.server.isolation import cache_salt, owner_tenant
-from kvd.server.prompts import (
-    PromptJob,
-    PromptMessage,
-    PromptResult,
-    PromptWorker,
-    max_prompt_bytes,
-    prompt_bytes,
-)
+from kvd.server.models import ServedModel
+from kvd.server.prompts import PromptJob, PromptMessage, PromptResult, PromptWorker, prompt_bytes
 from kvd.server.protocol import (
     BAD_REQUEST,
     INTERNAL,
@@ -56,13 +50,13 @@ class RequestHandler:
         self.admission = admission
         self.aborts = aborts
         self.prompts = PromptWorker(self._prepare)
-        self.max_prompt_bytes = max_prompt_bytes(state.engine.tokenizer, state.max_prompt_tokens)
         self._handlers: dict[str, Callable] = {
             "detokenize": self._detokenize,
             "abort": self._abort,
             "health": self._health,
             "info": self._info,
             "stats": self._stats,
+            "list_models": self._list_models,
         }
 
     def handle(self, identity: bytes, tenant: str, frames: list[bytes], chosen_id: bool = False) -> None:
@@ -87,8 +81,9 @@ class RequestHandler:
             if isinstance(message, GenerateMessage | EmbedMessage):
                 self._generate(identity, tenant, message)
             elif isinstance(message, TokenizeMessage):
-                self._check_prompt_bytes(message)
-                self.prompts.submit(PromptJob(identity, tenant, message))
+                model = self.state.models.get(message.model)
+                self._check_prompt_bytes(message, model)
+                self.prompts.submit(PromptJob(identity, tenant, message, model))
             else:
                 self._handlers[message.op](identity, tenant, message)
         except ProtocolError as e:
@@ -118,6 +113,7 @@ class RequestHandler:
         state = self.state
         if state.draining:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and takes no new requests")
+        model = state.models.get(message.model)
         session = state.sessions.get(identity)
         in_flight = session.requests if session else {}
         if message.id in in_flight:
@@ -147,22 +143,23 @@ class RequestHandler:
                 OVERLOADED,
                 f"the daemon has {state.config.max_queued} requests in flight (--max-queued); retry later",
             )
-        self._check_prompt_bytes(message)
+        self._check_prompt_bytes(message, model)
         # Reserved now, so that its id is taken and an abort finds it while the prompt is tokenized.
         if isinstance(message, EmbedMessage):
-            generation = Generation(message.id, stream=False)
+            generation = Generation(message.id, stream=False, model=model)
         else:
-            generation = Generation(message.id, message.stream, params=message.params)
+            generation = Generation(message.id, message.stream, params=message.params, model=model)
         state.sessions.open(identity, tenant).requests[message.id] = generation
-        self.prompts.submit(PromptJob(identity, tenant, message, generation))
+        self.prompts.submit(PromptJob(identity, tenant, message, model, generation))
 
-    def _check_prompt_bytes(self, message: PromptMessage) -> None:
+    @staticmethod
+    def _check_prompt_bytes(message: PromptMessage, model: ServedModel) -> None:
         """Refuse, without tokenizing it, a prompt too long to fit whatever its tokens."""
         size, field = prompt_bytes(message)
-        if self.max_prompt_bytes is not None and size > self.max_prompt_bytes:
+        if model.max_prompt_bytes is not None and size > model.max_prompt_bytes:
             raise ProtocolError(
                 TOO_LARGE,
-                f"the prompt has {size} bytes, more than {self.state.max_prompt_tokens} tokens (the limit) "
+                f"the prompt has {size} bytes, more than {model.max_prompt_tokens} tokens (the limit) "
                 "can hold; shorten it",
                 field,
             )
@@ -173,11 +170,11 @@ class RequestHandler:
         session = state.sessions.get(job.identity)
         if session is None or session.requests.get(generation.id) is not generation:
             return  # aborted, or its client lost, while it was tokenized
-        error = result.error
-        if error is None and generation.embed is None and len(result.token_ids) > state.max_prompt_tokens:
+        error, limit = result.error, job.model.max_prompt_tokens
+        if error is None and generation.embed is None and len(result.token_ids) > limit:
             error = ProtocolError(
                 TOO_LARGE,
-                f"the prompt has {len(result.token_ids)} tokens; the limit is {state.max_prompt_tokens}",
+                f"the prompt has {len(result.token_ids)} tokens; the limit is {limit}",
                 result.field,
             )
         if error is not None:
@@ -207,16 +204,18 @@ class RequestHandler:
         parser (runs on the worker thread)."""
         message = job.message
         if isinstance(message, EmbedMessage):
-            job.generation.embed = self._embed_job(message)
+            job.generation.embed = self._embed_job(message, job.model)
             return PromptResult(job, "input", [t for i in job.generation.embed.inputs for t in i])
-        field, token_ids = self._prompt_tokens(message)
+        field, token_ids = self._prompt_tokens(message, job.model.engine)
         if isinstance(message, GenerateMessage):
             self._prepare_generation(message, job.generation, job.tenant, token_ids)
         return PromptResult(job, field, token_ids)
 
-    def _prompt_tokens(self, message: GenerateMessage | TokenizeMessage) -> tuple[str, list[int]]:
+    @staticmethod
+    def _prompt_tokens(
+        message: GenerateMessage | TokenizeMessage, engine: LLMEngine
+    ) -> tuple[str, list[int]]:
         """The prompt's token ids, and the request field they came from."""
-        engine = self.state.engine
         if message.messages is not None:
             try:
                 check_reasoning(message.reasoning, engine.reasoning, engine.reads_effort)
@@ -239,7 +238,7 @@ class RequestHandler:
     def _prepare_generation(
         self, message: GenerateMessage, generation: Generation, tenant: str, prompt_ids: list[int]
     ) -> None:
-        engine = self.state.engine
+        engine = generation.model.engine
         params, field = message.params, None
         chat = message.messages is not None
         if chat and engine.reasoning is not None:
@@ -261,8 +260,9 @@ class RequestHandler:
         except RequestRejectedError as e:
             raise ProtocolError(BAD_REQUEST, str(e), field or e.field) from None
 
-    def _embed_job(self, message: EmbedMessage) -> EmbedJob:
-        engine, limit = self.state.engine, self.state.max_prompt_tokens
+    @staticmethod
+    def _embed_job(message: EmbedMessage, model: ServedModel) -> EmbedJob:
+        engine, limit = model.engine, model.max_prompt_tokens
         hidden = engine.config.hidden_size
         if message.dimensions is not None and message.dimensions > hidden:
             raise ProtocolError(
@@ -279,10 +279,11 @@ class RequestHandler:
         return EmbedJob(inputs, message.dimensions)
 
     def _detokenize(self, identity: bytes, tenant: str, message: DetokenizeMessage) -> None:
-        vocab = self.state.engine.config.vocab_size
+        engine = self.state.models.get(message.model).engine
+        vocab = engine.config.vocab_size
         if any(t >= vocab for t in message.token_ids):
             raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
-        text = self.state.engine.decode(message.token_ids)
+        text = engine.decode(message.token_ids)
         self.replies.send(identity, protocol.result_reply(message.id, {"text": text}))
 
     def _abort(self, identity: bytes, tenant: str, message: AbortMessage) -> None:
@@ -301,19 +302,21 @@ class RequestHandler:
         self.replies.send(identity, protocol.result_reply(message.id, {"status": status}))
 
     def _info(self, identity: bytes, tenant: str, message: Message) -> None:
-        config = self.state.config
-        info = self.state.engine.info()
+        config, model = self.state.config, self._described(message)
+        info = model.engine.info()
         if tenant != owner_tenant() and info.get("tensor_parallel"):
             # Where the ranks meet is the owner's business: the rendezvous is no door for other users.
             info["tensor_parallel"] = {k: v for k, v in info["tensor_parallel"].items() if k != "init"}
         info |= {
+            "model": model.name,
+            "models": [m.name for m in self.state.models],
             "kvd_version": kvd.__version__,
             "protocol_version": protocol.PROTOCOL_VERSION,
             "supported_versions": list(protocol.SUPPORTED_VERSIONS),
             "limits": {
                 "max_message_bytes": config.max_message_bytes,
-                "max_prompt_tokens": self.state.max_prompt_tokens,
-                "max_prompt_bytes": self.max_prompt_bytes,
+                "max_prompt_tokens": model.max_prompt_tokens,
+                "max_prompt_bytes": model.max_prompt_bytes,
                 "max_queued_per_client": config.max_queued_per_client,
                 "max_queued": config.max_queued,
                 "max_queued_per_tenant": config.max_queued_per_tenant,
@@ -334,7 +337,9 @@ class RequestHandler:
         state = self.state
         sessions = state.sessions
         everyone = tenant == owner_tenant()
-        stats = state.engine.stats() | {
+        model = self._described(message)
+        stats = model.engine.stats() | {
+            "model": model.name,
             "daemon": {
                 "uptime_s": time.monotonic() - state.started,
                 "num_clients": len(sessions),
@@ -344,10 +349,22 @@ class RequestHandler:
                 "draining": state.draining,
                 **vars(state.counters),
                 "clients": [
-                    client_stats(state.engine, s)
-                    for s in sessions
-                    if s.requests and (everyone or s.tenant == tenant)
+                    client_stats(s) for s in sessions if s.requests and (everyone or s.tenant == tenant)
                 ],
-            }
+            },
         }
+        if len(state.models) > 1:  # every model's engine, so that one request sees the whole daemon
+            stats["models"] = {m.name: m.engine.stats() for m in state.models}
         self.replies.send(identity, protocol.result_reply(message.id, stats))
+
+    def _described(self, message: Message) -> ServedModel:
+        """The model `info` and `stats` describe: the one named, else the first."""
+        models = self.state.models
+        return models.first if message.model is None else models.get(message.model)
+
+    def _list_models(self, identity: bytes, tenant: str, message: Message) -> None:
+        models = [
+            {"name": m.name, "loaded": True, "max_model_len": m.engine.max_model_len, "info": m.engine.info()}
+            for m in self.state.models
+        ]
+        self.replies.send(identity, protocol.result_reply(message.id, {"models": models}))

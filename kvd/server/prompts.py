@@ -10,12 +10,16 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 from kvd.server.protocol import INTERNAL, EmbedMessage, GenerateMessage, ProtocolError, TokenizeMessage
 from kvd.server.sessions import Generation
+
+if TYPE_CHECKING:
+    from kvd.server.models import ServedModel
 
 logger = logging.getLogger("kvd.server")
 
@@ -27,6 +31,7 @@ class PromptJob:
     identity: bytes
     tenant: str
     message: PromptMessage
+    model: ServedModel  # whose tokenizer and engine prepare it
     generation: Generation | None = None  # generate, chat, embed: the record reserved in its client's session
 
 

@@ -30,6 +30,7 @@ UNSUPPORTED_VERSION = "unsupported_version"
 TOO_LARGE = "too_large"
 OVERLOADED = "overloaded"
 NOT_FOUND = "not_found"
+MODEL_NOT_FOUND = "model_not_found"
 SHUTTING_DOWN = "shutting_down"
 INTERNAL = "internal"
 CLIENT_TIMEOUT = "client_timeout"
@@ -39,6 +40,7 @@ ERROR_CODES = (
     TOO_LARGE,
     OVERLOADED,
     NOT_FOUND,
+    MODEL_NOT_FOUND,
     SHUTTING_DOWN,
     INTERNAL,
     CLIENT_TIMEOUT,
@@ -53,6 +55,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_ROLE_CHARS = 64
 MAX_EMBED_INPUTS = 256
+MAX_MODEL_NAME_CHARS = 256
 # No request needs more keys in one map (logit_bias has at most 512); a bound keeps hostile maps cheap to reject.
 MAX_MAP_LEN = 512
 # Elements a malformed frame's fault search visits at most before the reply falls back to the plain message.
@@ -84,15 +87,16 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 REASONING_FIELDS = ("think", "reasoning_effort", "reasoning_budget")
 _COMMON_FIELDS = ("v", "id", "op")
 OP_FIELDS: dict[str, tuple[str, ...]] = {
-    "generate": ("prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
-    "chat": ("messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS, *REASONING_FIELDS),
-    "embed": ("input", "dimensions", "cache_salt"),
-    "tokenize": ("text", "messages", "tools", "think", "reasoning_effort"),
-    "detokenize": ("token_ids",),
+    "generate": ("model", "prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
+    "chat": ("model", "messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS, *REASONING_FIELDS),
+    "embed": ("model", "input", "dimensions", "cache_salt"),
+    "tokenize": ("model", "text", "messages", "tools", "think", "reasoning_effort"),
+    "detokenize": ("model", "token_ids"),
     "abort": ("target",),
     "health": (),
-    "info": (),
-    "stats": (),
+    "info": ("model",),
+    "stats": ("model",),
+    "list_models": (),
 }
 
 
@@ -115,6 +119,8 @@ class Message:
 
     id: RequestId
     op: str
+    # The model the request is for, by its name (list_models); None: the daemon's only model.
+    model: str | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -268,6 +274,15 @@ def _as_id(value: Any, name: str) -> RequestId:
 
 
 def _parse(msg: dict, request_id: RequestId) -> Message:
+    message = _parse_op(msg, request_id)
+    model = msg.get("model")
+    if model is not None:
+        _check_str(model, "model", MAX_MODEL_NAME_CHARS)
+        message.model = model
+    return message
+
+
+def _parse_op(msg: dict, request_id: RequestId) -> Message:
     version = msg.get("v")
     if isinstance(version, bool) or not isinstance(version, int):
         got = "is required" if version is None else f"must be an integer, got {_type_name(version)}"

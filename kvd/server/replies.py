@@ -89,7 +89,7 @@ class Replies:
         result = {
             "embeddings": job.vectors,
             "dimensions": len(job.vectors[0]),
-            "pooling": self.state.engine.pooling,
+            "pooling": generation.model.engine.pooling,
             "usage": {"prompt_tokens": generation.num_prompt_tokens},
         }
         self.send(session.identity, protocol.result_reply(generation.id, result))

@@ -7,7 +7,8 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import zmq
@@ -19,12 +20,14 @@ from kvd.gateway.settings import GatewaySettings
 from kvd.request.sampling_params import SamplingParams
 from kvd.server.config import ServerConfig
 from kvd.server.listener import ListenError, check_endpoint, close_socket, open_publisher, open_router
+from kvd.server.model_specs import ModelSpec, model_specs
 from kvd.server.systemd import Notifier
 from kvd.settings import to_flags
 from kvd_client.endpoint import Endpoint, parse_endpoint, resolve_endpoint
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
+    from kvd.server.models import ServedModels
 
 logger = logging.getLogger("kvd.server")
 
@@ -76,14 +79,27 @@ EXIT_GROUP_FAILED = 3
 EXIT_GATEWAY_FAILED = 4  # the `--http` gateway child exited on its own: likewise restarted
 
 
-def serve(engine_args: EngineArgs, config: ServerConfig, http: GatewaySettings | None = None) -> None:
-    """Run the daemon; with config.http, its gateway too (`http`: that gateway's settings)."""
+def serve(
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    http: GatewaySettings | None = None,
+    models: Sequence[str] = (),
+) -> None:
+    """Run the daemon; with config.http, its gateway too (`http`: that gateway's settings). `models`: the
+    `--model` values (kvd.server.model_specs); none: engine_args.model alone."""
     http = http or GatewaySettings()
+    specs = (
+        model_specs(models, config.models_dir)
+        if models or config.models_dir
+        else [ModelSpec(None, engine_args.model)]
+    )
+    if len(specs) > 1 and (engine_args.tensor_parallel_size > 1 or engine_args.rank > 0):
+        raise ValueError("a tensor-parallel daemon serves one model: give one --model")
     if engine_args.rank > 0:
         # Another host's rank: no socket, no engine; it runs rank 0's steps until rank 0 stops it.
         from kvd.worker.run import run_worker
 
-        raise SystemExit(run_worker(engine_args))
+        raise SystemExit(run_worker(replace(engine_args, model=specs[0].source)))
     endpoint = resolve_endpoint(config.listen)
     check_endpoint(endpoint, config)
     events_endpoint = parse_endpoint(config.events) if config.events else None
@@ -102,18 +118,23 @@ def serve(engine_args: EngineArgs, config: ServerConfig, http: GatewaySettings |
         logger.warning("listening beyond loopback: requests are neither authenticated nor encrypted")
     # Imported only now: a misconfigured daemon fails in a fraction of a second, before torch loads.
     from kvd.engine.llm_engine import LLMEngine
+    from kvd.server.models import ServedModel, ServedModels
 
     notifier = Notifier(stop_timeout_s=config.drain_timeout + STOP_MARGIN_S)
-    with extending_start_timeout(notifier):
-        engine = LLMEngine(engine_args)
+    engines: list[tuple[ModelSpec, LLMEngine]] = []
     try:
-        _serve_engine(engine, endpoint, events_endpoint, config, notifier, http)
+        for spec in specs:
+            with extending_start_timeout(notifier):
+                engines.append((spec, LLMEngine(replace(engine_args, model=spec.source))))
+        served = ServedModels([ServedModel.of(spec.name or e.model_name, e, config) for spec, e in engines])
+        _serve_models(served, endpoint, events_endpoint, config, notifier, http)
     finally:
-        engine.close()  # stops the other tensor-parallel ranks
+        for _, engine in engines:
+            engine.close()  # stops the other tensor-parallel ranks
 
 
-def _serve_engine(
-    engine: LLMEngine,
+def _serve_models(
+    models: ServedModels,
     endpoint: Endpoint,
     events_endpoint: Endpoint | None,
     config: ServerConfig,
@@ -123,7 +144,7 @@ def _serve_engine(
     from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
 
     with extending_start_timeout(notifier):
-        warm_up_s = warm_up(engine)
+        warm_up_s = sum(warm_up(m.engine) for m in models)
     # What the daemon holds for its life (model, tokenizer, pool, compiled grammars so far) leaves the cyclic
     # collector's scans, which walked it at every full collection: 2.6 % of a small model's decode step.
     gc.freeze()
@@ -134,22 +155,28 @@ def _serve_engine(
     except BaseException:
         close_socket(sock, endpoint, linger_ms=0)
         raise
-    info = engine.info()
+    for model in models:
+        info = model.engine.info()
+        logger.info(
+            "model %s (%s, %s, %s): KV pool %d blocks x %d tokens, max_model_len %d",
+            model.name,
+            info["model"],
+            info["dtype"],
+            info["device"],
+            info["num_blocks"],
+            info["block_size"],
+            info["max_model_len"],
+        )
     logger.info(
-        "kvd %s ready on %s: model %s (%s, %s), KV pool %d blocks x %d tokens, max_model_len %d, "
-        "warm-up %.2f s",
+        "kvd %s ready on %s: %d model%s, warm-up %.2f s",
         kvd.__version__,
         endpoint,
-        info["model"],
-        info["dtype"],
-        info["device"],
-        info["num_blocks"],
-        info["block_size"],
-        info["max_model_len"],
+        len(models),
+        "" if len(models) == 1 else "s",
         warm_up_s,
     )
     gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote, http) if config.http else None
-    daemon = Daemon(engine, sock, config, notifier, event_sock, gateway)
+    daemon = Daemon(models, sock, config, notifier, event_sock, gateway)
     # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
     daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")
     try:

@@ -9,12 +9,15 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvd.request.reasoning import ReasoningParser
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_parse import ToolCallParser
 from kvd.server.protocol import RequestId
+
+if TYPE_CHECKING:
+    from kvd.server.models import ServedModel
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Generation:
 
     id: RequestId  # the client's id, unique among its client's requests in flight
     stream: bool
+    model: ServedModel | None = field(default=None, kw_only=True)  # the model it is for
     num_prompt_tokens: int = 0
     params: SamplingParams = field(default_factory=SamplingParams)
     num_output_tokens: int = 0

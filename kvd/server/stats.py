@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvd.server.sessions import ClientSession
 from kvd.server.state import ServerState
 
-if TYPE_CHECKING:
-    from kvd.engine.llm_engine import LLMEngine
 
-
-def client_stats(engine: LLMEngine, session: ClientSession) -> dict:
+def client_stats(session: ClientSession) -> dict:
     return {
         "client": session.name,
         "tenant": session.tenant,
@@ -19,7 +14,7 @@ def client_stats(engine: LLMEngine, session: ClientSession) -> dict:
         "queued": len(session.pending),
         "in_engine": session.num_in_engine,
         "kv_blocks": sum(
-            engine.num_blocks_allocated(engine_id)
+            g.model.engine.num_blocks_allocated(engine_id)
             for g in session.requests.values()
             for engine_id in g.engine_ids
         ),
@@ -29,10 +24,9 @@ def client_stats(engine: LLMEngine, session: ClientSession) -> dict:
 
 
 def load_status(state: ServerState) -> str:
-    """One line of load (systemctl status shows it)."""
-    engine = state.engine
-    used = engine.kv_usage().used_blocks
-    return (
-        f"{engine.num_running} running, {engine.num_waiting} waiting, "
-        f"KV {100 * used / engine.num_blocks:.0f}% used, {len(state.sessions)} clients"
-    )
+    """One line of load (systemctl status shows it): every model's engine together."""
+    engines = [m.engine for m in state.models]
+    used = sum(e.kv_usage().used_blocks for e in engines)
+    total = sum(e.num_blocks for e in engines)
+    running, waiting = sum(e.num_running for e in engines), sum(e.num_waiting for e in engines)
+    return f"{running} running, {waiting} waiting, KV {100 * used / total:.0f}% used, {len(state.sessions)} clients"

@@ -76,8 +76,11 @@ class AsyncClient:
         input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         dimensions: int | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
     ) -> Embeddings:
-        return to_embeddings(await self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
+        return to_embeddings(
+            await self._call_reply("embed", {**embed_fields(input, dimensions, cache_salt), "model": model})
+        )
 
     async def tokenize(
         self,
@@ -86,14 +89,15 @@ class AsyncClient:
         tools: Sequence[dict] | None = None,
         think: bool | None = None,
         reasoning_effort: str | None = None,
+        model: str | None = None,
     ) -> list[int]:
         """Token ids of `text` as a prompt, or of `messages` with the chat template applied (listing `tools`,
         with `think` and `reasoning_effort`, as chat does)."""
-        fields = tokenize_fields(text, messages, tools, think, reasoning_effort)
+        fields = {**tokenize_fields(text, messages, tools, think, reasoning_effort), "model": model}
         return (await self._call("tokenize", fields))["token_ids"]
 
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        return (await self._call("detokenize", {"token_ids": list(token_ids)}))["text"]
+    async def detokenize(self, token_ids: Sequence[int], model: str | None = None) -> str:
+        return (await self._call("detokenize", {"token_ids": list(token_ids), "model": model}))["text"]
 
     async def abort(self, request_id: RequestId) -> bool:
         try:
@@ -105,11 +109,16 @@ class AsyncClient:
     async def health(self) -> dict:
         return await self._call("health", {})
 
-    async def info(self) -> dict:
-        return await self._call("info", {})
+    async def info(self, model: str | None = None) -> dict:
+        """The model's (the daemon's only one, without a name), the daemon's limits and its `models`."""
+        return await self._call("info", {"model": model})
 
-    async def stats(self) -> dict:
-        return await self._call("stats", {})
+    async def list_models(self) -> list[dict]:
+        """The models the daemon serves, each {"name", "loaded", "max_model_len", "info"}."""
+        return (await self._call("list_models", {}))["models"]
+
+    async def stats(self, model: str | None = None) -> dict:
+        return await self._call("stats", {"model": model})
 
     @property
     def in_flight(self) -> int:

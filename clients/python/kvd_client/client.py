@@ -81,10 +81,13 @@ class Client:
         input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         dimensions: int | None = None,
         cache_salt: str | None = None,
+        model: str | None = None,
     ) -> Embeddings:
         """One L2-normalised vector per input (a text, texts, one token id list, or token id lists); `dimensions`
         truncates."""
-        return to_embeddings(self._call_reply("embed", embed_fields(input, dimensions, cache_salt)))
+        return to_embeddings(
+            self._call_reply("embed", {**embed_fields(input, dimensions, cache_salt), "model": model})
+        )
 
     def tokenize(
         self,
@@ -93,14 +96,15 @@ class Client:
         tools: Sequence[dict] | None = None,
         think: bool | None = None,
         reasoning_effort: str | None = None,
+        model: str | None = None,
     ) -> list[int]:
         """Token ids of `text` as a prompt, or of `messages` with the chat template applied (listing `tools`,
         with `think` and `reasoning_effort`, as chat does)."""
-        fields = tokenize_fields(text, messages, tools, think, reasoning_effort)
+        fields = {**tokenize_fields(text, messages, tools, think, reasoning_effort), "model": model}
         return self._call("tokenize", fields)["token_ids"]
 
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        return self._call("detokenize", {"token_ids": list(token_ids)})["text"]
+    def detokenize(self, token_ids: Sequence[int], model: str | None = None) -> str:
+        return self._call("detokenize", {"token_ids": list(token_ids), "model": model})["text"]
 
     def abort(self, request_id: RequestId) -> bool:
         """Abort a request of this client; False if it is not in flight (finished or unknown)."""
@@ -114,11 +118,16 @@ class Client:
         """{"status": "ready"} once the daemon serves; "draining" while it shuts down."""
         return self._call("health", {})
 
-    def info(self) -> dict:
-        return self._call("info", {})
+    def info(self, model: str | None = None) -> dict:
+        """The model's (the daemon's only one, without a name), the daemon's limits and its `models`."""
+        return self._call("info", {"model": model})
 
-    def stats(self) -> dict:
-        return self._call("stats", {})
+    def list_models(self) -> list[dict]:
+        """The models the daemon serves, each {"name", "loaded", "max_model_len", "info"}."""
+        return self._call("list_models", {})["models"]
+
+    def stats(self, model: str | None = None) -> dict:
+        return self._call("stats", {"model": model})
 
     def close(self) -> None:
         if not self._socket.closed:

@@ -63,6 +63,12 @@ class NotFoundError(DaemonError):
     code = "not_found"
 
 
+class ModelNotFoundError(NotFoundError):
+    """The request named a model the daemon does not serve (list_models says which it does)."""
+
+    code = "model_not_found"
+
+
 class ShuttingDownError(DaemonError):
     code = "shutting_down"
 
@@ -85,6 +91,7 @@ _BY_CODE = {
         TooLargeError,
         OverloadedError,
         NotFoundError,
+        ModelNotFoundError,
         ShuttingDownError,
         InternalError,
         ClientTimeoutError,

@@ -1,0 +1,148 @@
+"""Several models in one daemon: `--model NAME=PATH` (repeatable) and `--models-dir`, each request routed by
+its `model` field to its model's engine, `list_models`, typed errors for a missing or unknown model, and the
+gateway's OpenAI and Ollama routes listing and serving every model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from daemon_fixtures import REPO, DaemonProcess, daemon_env
+from gateway_fixtures import gateway_daemon
+from tiny_models import save_tiny_reasoning_llama
+
+from kvd.server.model_specs import ModelSpec, model_specs
+from kvd_client import BadRequestError, Client, ModelNotFoundError
+
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    folder = tmp_path_factory.mktemp("models")
+    save_tiny_reasoning_llama(folder / "thinker")
+    (folder / "notes.txt").write_text("not a model")  # passed over
+    args = ("--model", f"smol={tiny_daemon_model}", "--models-dir", str(folder))
+    with gateway_daemon(None, tmp_path_factory.mktemp("multi"), *args) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def kvd(daemon: DaemonProcess) -> Iterator[Client]:
+    with daemon.client() as client:
+        yield client
+
+
+def test_each_request_goes_to_the_model_it_names(kvd: Client):
+    models = kvd.list_models()
+    assert [m["name"] for m in models] == ["smol", "thinker"] and all(m["loaded"] for m in models)
+    assert kvd.info()["models"] == ["smol", "thinker"] and kvd.info()["model"] == "smol"
+    assert kvd.info("thinker")["reasoning"] is not None and kvd.info("smol")["reasoning"] is None
+    # Two tokenizers: the same text has other ids in each.
+    assert kvd.tokenize("Hello there", model="smol") != kvd.tokenize("Hello there", model="thinker")
+    ids = kvd.tokenize("Hello there", model="thinker")
+    assert kvd.detokenize(ids, model="thinker") == "Hello there"
+    thinker = kvd.chat(HI, model="thinker", max_tokens=6, temperature=0)
+    smol = kvd.chat(HI, model="smol", max_tokens=6, temperature=0)
+    assert thinker.reasoning and not smol.reasoning  # the thinker's template opens a section
+    assert kvd.chat(HI, model="smol", max_tokens=6, temperature=0).token_ids == smol.token_ids
+    assert kvd.embed("Hello", model="thinker").dimensions == kvd.info("thinker")["hidden_size"]
+    assert set(kvd.stats()["models"]) == {"smol", "thinker"}
+
+
+def test_streams_to_two_models_run_side_by_side(daemon: DaemonProcess):
+    results: dict[str, list] = {}
+
+    def run(name: str) -> None:
+        with daemon.client() as client:
+            results[name] = list(client.stream("Once upon a time", model=name, max_tokens=24, temperature=0))
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("smol", "thinker")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    with daemon.client() as client:
+        for name in ("smol", "thinker"):
+            alone = client.generate("Once upon a time", model=name, max_tokens=24, temperature=0)
+            assert [t for c in results[name] for t in c.token_ids] == alone.token_ids
+
+
+def test_a_missing_or_unknown_model_is_a_typed_error(kvd: Client):
+    with pytest.raises(BadRequestError) as e:
+        kvd.chat(HI, max_tokens=2)
+    assert e.value.field == "model" and "smol, thinker" in e.value.message
+    with pytest.raises(ModelNotFoundError) as e:
+        kvd.generate("x", model="llama-70b", max_tokens=2)
+    assert e.value.field == "model" and "llama-70b" in e.value.message
+    with pytest.raises(ModelNotFoundError):
+        kvd.info("llama-70b")
+    with pytest.raises(BadRequestError) as e:
+        kvd.tokenize("x", model=7)
+    assert e.value.field == "model"
+    assert kvd.chat(HI, model="smol", max_tokens=2).finish_reason in ("length", "stop")  # still serving
+
+
+def test_the_gateway_lists_and_serves_every_model(daemon: DaemonProcess):
+    oai = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in oai.models.list()] == ["smol", "thinker"]
+    thinker = oai.chat.completions.create(model="thinker", messages=HI, max_tokens=6, temperature=0)
+    smol = oai.chat.completions.create(model="smol", messages=HI, max_tokens=6, temperature=0)
+    assert thinker.choices[0].message.model_extra.get("reasoning_content")
+    assert "reasoning_content" not in smol.choices[0].message.model_extra
+    assert (thinker.model, smol.model) == ("thinker", "smol")
+    with pytest.raises(openai.NotFoundError) as e:
+        oai.chat.completions.create(model="gpt-5", messages=HI, max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'smol', 'thinker'" in e.value.body["message"]
+    tags = httpx.get(f"{daemon.base_url}/api/tags", timeout=30).json()
+    assert [m["name"] for m in tags["models"]] == ["smol:latest", "thinker:latest"]
+    reply = httpx.post(
+        f"{daemon.base_url}/api/chat",
+        json={"model": "thinker:latest", "messages": HI, "stream": False, "options": {"num_predict": 4}},
+        timeout=60,
+    ).json()
+    assert reply["message"]["thinking"]
+
+
+def test_model_specs_name_sources_and_find_a_folders_models(tmp_path: Path):
+    assert model_specs(["a=/x/y", "/p/q=r", "org/model"], None) == [
+        ModelSpec("a", "/x/y"),
+        ModelSpec(None, "/p/q=r"),  # not a name before the "=": all of it is the source
+        ModelSpec(None, "org/model"),
+    ]
+    assert model_specs([], None) == [ModelSpec(None, None)]  # the bundled default
+    (tmp_path / "b.gguf").write_bytes(b"")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    assert model_specs([], str(tmp_path)) == [
+        ModelSpec("a", str(tmp_path / "a")),
+        ModelSpec("b", str(tmp_path / "b.gguf")),
+    ]
+    with pytest.raises(FileNotFoundError, match=r"no \.gguf file or model folder"):
+        model_specs([], str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        model_specs([], str(tmp_path / "nowhere"))
+
+
+def test_serve_refuses_two_models_with_tensor_parallel(tmp_path: Path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvd.cli",
+        "serve",
+        "--model",
+        "a=x",
+        "--model",
+        "b=y",
+        "--tensor-parallel-size",
+        "2",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
+    assert done.returncode == 2 and "serves one model" in done.stderr, done.stderr
