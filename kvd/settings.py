@@ -61,6 +61,30 @@ def positive_int(text: str) -> int:
     return value
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds of a duration: a number of seconds, or text like "30s", "5m", "1h", "1.5h"; negative means
+    forever (inf). ValueError when it is neither."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        unit = _DURATION_UNITS.get(text[-1])
+        try:
+            seconds = float(text[:-1] if unit else text) * (unit or 1.0)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a duration (seconds, or like 30s, 5m, 1h)") from None
+    else:
+        raise ValueError(f"{value!r} is not a duration (seconds, or like 30s, 5m, 1h)")
+    if seconds != seconds:
+        raise ValueError(f"{value!r} is not a duration")
+    return float("inf") if seconds < 0 else seconds
+
+
 def add_flags(group: argparse._ActionsContainer, cls: type, repeated: Collection[str] = ()) -> None:
     """One flag per field of the settings class `cls`, defaulting to the field's default. A boolean has its
     opposite too (--x and --no-x), so a flag can undo what a config file turned on: the last given wins. The

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,10 +16,10 @@ import openai
 import pytest
 from daemon_fixtures import REPO, DaemonProcess, daemon_env
 from gateway_fixtures import gateway_daemon
-from tiny_models import save_tiny_reasoning_llama
+from tiny_models import save_tiny_llama, save_tiny_reasoning_llama
 
 from kvd.server.model_specs import ModelSpec, model_specs
-from kvd_client import BadRequestError, Client, ModelNotFoundError
+from kvd_client import BadRequestError, Client, DaemonError, ModelNotFoundError
 
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -27,8 +28,11 @@ HI = [{"role": "user", "content": "Hi"}]
 def daemon(tiny_daemon_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     folder = tmp_path_factory.mktemp("models")
     save_tiny_reasoning_llama(folder / "thinker")
+    save_tiny_llama(folder / "plain")
+    (folder / "broken").mkdir()
+    (folder / "broken" / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
     (folder / "notes.txt").write_text("not a model")  # passed over
-    args = ("--model", f"smol={tiny_daemon_model}", "--models-dir", str(folder))
+    args = ("--model", f"smol={tiny_daemon_model}", "--models-dir", str(folder), "--max-loaded-models", "2")
     with gateway_daemon(None, tmp_path_factory.mktemp("multi"), *args) as proc:
         yield proc
 
@@ -39,10 +43,20 @@ def kvd(daemon: DaemonProcess) -> Iterator[Client]:
         yield client
 
 
+NAMES = ["smol", "broken", "plain", "thinker"]
+
+
+def _loaded(kvd: Client) -> list[str]:
+    return [m["name"] for m in kvd.list_models() if m["loaded"]]
+
+
 def test_each_request_goes_to_the_model_it_names(kvd: Client):
     models = kvd.list_models()
-    assert [m["name"] for m in models] == ["smol", "thinker"] and all(m["loaded"] for m in models)
-    assert kvd.info()["models"] == ["smol", "thinker"] and kvd.info()["model"] == "smol"
+    assert [m["name"] for m in models] == NAMES and _loaded(kvd) == ["smol"]  # the others on demand
+    assert models[0]["pinned"] and not models[3]["pinned"]
+    assert kvd.info()["models"] == NAMES and kvd.info()["model"] == "smol"
+    assert kvd.info("thinker")["loaded"] is False  # asking about a model does not load it
+    assert kvd.load("thinker")["loaded"]
     assert kvd.info("thinker")["reasoning"] is not None and kvd.info("smol")["reasoning"] is None
     # Two tokenizers: the same text has other ids in each.
     assert kvd.tokenize("Hello there", model="smol") != kvd.tokenize("Hello there", model="thinker")
@@ -53,7 +67,7 @@ def test_each_request_goes_to_the_model_it_names(kvd: Client):
     assert thinker.reasoning and not smol.reasoning  # the thinker's template opens a section
     assert kvd.chat(HI, model="smol", max_tokens=6, temperature=0).token_ids == smol.token_ids
     assert kvd.embed("Hello", model="thinker").dimensions == kvd.info("thinker")["hidden_size"]
-    assert set(kvd.stats()["models"]) == {"smol", "thinker"}
+    assert set(kvd.stats()["models"]) == {"smol", "thinker"} and _loaded(kvd) == ["smol", "thinker"]
 
 
 def test_streams_to_two_models_run_side_by_side(daemon: DaemonProcess):
@@ -77,7 +91,7 @@ def test_streams_to_two_models_run_side_by_side(daemon: DaemonProcess):
 def test_a_missing_or_unknown_model_is_a_typed_error(kvd: Client):
     with pytest.raises(BadRequestError) as e:
         kvd.chat(HI, max_tokens=2)
-    assert e.value.field == "model" and "smol, thinker" in e.value.message
+    assert e.value.field == "model" and ", ".join(NAMES) in e.value.message
     with pytest.raises(ModelNotFoundError) as e:
         kvd.generate("x", model="llama-70b", max_tokens=2)
     assert e.value.field == "model" and "llama-70b" in e.value.message
@@ -91,7 +105,7 @@ def test_a_missing_or_unknown_model_is_a_typed_error(kvd: Client):
 
 def test_the_gateway_lists_and_serves_every_model(daemon: DaemonProcess):
     oai = openai.OpenAI(base_url=f"{daemon.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-    assert [m.id for m in oai.models.list()] == ["smol", "thinker"]
+    assert [m.id for m in oai.models.list()] == NAMES
     thinker = oai.chat.completions.create(model="thinker", messages=HI, max_tokens=6, temperature=0)
     smol = oai.chat.completions.create(model="smol", messages=HI, max_tokens=6, temperature=0)
     assert thinker.choices[0].message.model_extra.get("reasoning_content")
@@ -99,15 +113,66 @@ def test_the_gateway_lists_and_serves_every_model(daemon: DaemonProcess):
     assert (thinker.model, smol.model) == ("thinker", "smol")
     with pytest.raises(openai.NotFoundError) as e:
         oai.chat.completions.create(model="gpt-5", messages=HI, max_tokens=2)
-    assert e.value.body["code"] == "model_not_found" and "'smol', 'thinker'" in e.value.body["message"]
+    assert e.value.body["code"] == "model_not_found" and "'smol', 'broken'" in e.value.body["message"]
     tags = httpx.get(f"{daemon.base_url}/api/tags", timeout=30).json()
-    assert [m["name"] for m in tags["models"]] == ["smol:latest", "thinker:latest"]
+    assert [m["name"] for m in tags["models"]] == [f"{name}:latest" for name in NAMES]
     reply = httpx.post(
         f"{daemon.base_url}/api/chat",
         json={"model": "thinker:latest", "messages": HI, "stream": False, "options": {"num_predict": 4}},
         timeout=60,
     ).json()
     assert reply["message"]["thinking"]
+
+
+def test_loads_on_demand_once_evicts_the_least_recent_idle_model_and_keeps_alive(
+    daemon: DaemonProcess, kvd: Client
+):
+    kvd.chat(HI, model="thinker", max_tokens=2)
+    assert _loaded(kvd) == ["smol", "thinker"]
+    # Two first requests for "plain" at once: one load; the idle thinker makes room (two loaded at most).
+    replies: list = []
+    threads = [
+        threading.Thread(target=lambda: replies.append(_chat_in_own_client(daemon, "plain")))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(replies) == 2 and replies[0].token_ids == replies[1].token_ids
+    assert daemon.log().count("loading model plain") == 1
+    assert _loaded(kvd) == ["smol", "plain"]
+    # keep_alive 0: unloaded once the reply is out.
+    kvd.chat(HI, model="thinker", max_tokens=2, keep_alive=0)
+    _wait_for(lambda: _loaded(kvd) == ["smol"])
+    assert kvd.load("plain", keep_alive="10m")["loaded"] and _loaded(kvd) == ["smol", "plain"]
+    assert kvd.unload("plain") and _loaded(kvd) == ["smol"]
+    with pytest.raises(BadRequestError) as e:
+        kvd.unload("smol")
+    assert "pinned" in e.value.message
+    with pytest.raises(BadRequestError) as e:
+        kvd.chat(HI, model="plain", max_tokens=2, keep_alive="soon")
+    assert e.value.field == "keep_alive"
+
+
+def test_a_model_that_fails_to_load_fails_its_requests_alone(kvd: Client):
+    with pytest.raises(DaemonError) as e:
+        kvd.chat(HI, model="broken", max_tokens=2)
+    assert "model broken failed to load" in e.value.message and e.value.field == "model"
+    assert not kvd.list_models()[1]["loaded"]
+    assert kvd.chat(HI, model="smol", max_tokens=2).token_ids  # the others serve on
+
+
+def _chat_in_own_client(daemon: DaemonProcess, model: str):
+    with daemon.client(timeout=120) as client:
+        return client.chat(HI, model=model, max_tokens=4, temperature=0)
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
 
 
 def test_model_specs_name_sources_and_find_a_folders_models(tmp_path: Path):

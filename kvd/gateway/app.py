@@ -93,7 +93,7 @@ def create_app(
             "object": "model",
             "created": gateway.started,
             "owned_by": "kvd",
-            "max_model_len": model.info["max_model_len"],
+            "max_model_len": model.info.get("max_model_len"),
         }
 
     @app.get("/v1/models")
@@ -134,7 +134,7 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         async def plan(gateway: Gateway, model: ServedModel) -> Plan:
             # Like OpenAI's chat API: without a limit, the reply may run to the end of the context.
-            max_tokens = body.requested_max_tokens or model.info["max_model_len"]
+            max_tokens = body.requested_max_tokens or model.context_tokens
             messages = body.conversation()
             jobs = [(messages, body.daemon_fields(max_tokens, j)) for j in range(body.n)]
             reply = Reply(model.shown, True, body.num_logprobs is not None, model.texts, n=body.n)

@@ -28,6 +28,7 @@ from kvd.gateway.ollama_schemas import (
 from kvd.gateway.outcome import answer
 from kvd.gateway.schemas import Strict
 from kvd.gateway.state import Gateway, ServedModel, gateway_of
+from kvd.settings import parse_duration
 from kvd_client import Chunk, KvdError, TokenLogprob, ToolCall
 
 # The Ollama release whose API shapes these routes follow (tool call ids, tool_name, embed dimensions): what
@@ -54,20 +55,15 @@ async def tags(request: Request) -> dict:
 
 @router.get("/ps")
 async def ps(request: Request) -> dict:
+    """The models loaded now; each stays loaded until its keep-alive passes idle (kvd's list knows no date)."""
     gateway = gateway_of(request)
-    running = []
-    for model in await gateway.models():
-        # Loaded for as long as the daemon runs: no expiry in sight.
-        context = model.info["max_model_len"]
-        running.append(
-            {
-                **_model_card(gateway, model),
-                "expires_at": "2999-12-31T23:59:59Z",
-                "size_vram": 0,
-                "context_length": context,
-            }
-        )
-    return {"models": running}
+    loaded = [m for m in await gateway.models() if m.info]
+    running = {"expires_at": "2999-12-31T23:59:59Z", "size_vram": 0}
+    return {
+        "models": [
+            {**_model_card(gateway, m), **running, "context_length": m.info["max_model_len"]} for m in loaded
+        ]
+    }
 
 
 class ShowRequest(Strict):
@@ -84,8 +80,8 @@ async def show(body: ShowRequest, request: Request) -> dict:
     card = _model_card(gateway, model)
     model_info = {
         "general.architecture": "llama",
-        "llama.context_length": info["max_model_len"],
-        "llama.embedding_length": info["hidden_size"],
+        "llama.context_length": info.get("max_model_len"),
+        "llama.embedding_length": info.get("hidden_size"),
     }
     return {
         "modelfile": "",
@@ -107,9 +103,11 @@ async def show(body: ShowRequest, request: Request) -> dict:
 async def chat(body: ChatRequest, request: Request) -> Response:
     gateway = gateway_of(request)
     model = await _check(gateway, body)
-    if not body.messages:  # Ollama's way to load a model
-        return JSONResponse(_loaded(body.model, {"message": {"role": "assistant", "content": ""}}))
-    fields = body.daemon_fields(model.info["max_model_len"])
+    if not body.messages:  # Ollama's way to load a model (or, with keep_alive 0, to unload it)
+        return JSONResponse(
+            await _load(gateway, model, body, {"message": {"role": "assistant", "content": ""}})
+        )
+    fields = body.daemon_fields(model.context_tokens)
     job = (body.conversation(), {**fields, **body.reasoning_fields()})
     return await _generate(request, model, body, "chat", job)
 
@@ -119,8 +117,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     gateway = gateway_of(request)
     model = await _check(gateway, body)
     if not body.prompt:
-        return JSONResponse(_loaded(body.model, {"response": ""}))
-    fields = body.daemon_fields(model.info["max_model_len"])
+        return JSONResponse(await _load(gateway, model, body, {"response": ""}))
+    fields = body.daemon_fields(model.context_tokens)
     if body.raw:
         return await _generate(request, model, body, "generate", (body.prompt, fields))
     job = (body.conversation(), {**fields, **body.reasoning_fields()})
@@ -176,14 +174,15 @@ async def _check(gateway: Gateway, body: ChatRequest | GenerateRequest) -> Serve
 def _model_card(gateway: Gateway, model: ServedModel) -> dict:
     name, info = model.shown, model.info
     tagged = name if ":" in name else name + TAG
-    quantization = info["quantization"]
+    # A model not loaded yet is known by name alone.
+    quantization, dtype = info.get("quantization", "none"), info.get("dtype", "")
     details = {
         "parent_model": "",
-        "format": "gguf" if quantization != "none" else "safetensors",
+        "format": "" if not info else "gguf" if quantization != "none" else "safetensors",
         "family": "llama",
         "families": ["llama"],
         "parameter_size": "",
-        "quantization_level": quantization.upper() if quantization != "none" else info["dtype"].upper(),
+        "quantization_level": quantization.upper() if quantization != "none" else dtype.upper(),
     }
     return {
         "name": tagged,
@@ -201,8 +200,22 @@ def _timestamp(seconds: float | None = None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _loaded(model: str, content: dict) -> dict:
-    return {"model": model, "created_at": _timestamp(), **content, "done": True, "done_reason": "load"}
+async def _load(
+    gateway: Gateway, model: ServedModel, body: ChatRequest | GenerateRequest, content: dict
+) -> dict:
+    """Ollama's load: the model loaded (its keep_alive set), or with keep_alive 0 unloaded."""
+    try:
+        if body.keep_alive is not None and parse_duration(body.keep_alive) == 0:
+            await gateway.client.unload(model.name)
+            reason = "unload"
+        else:
+            await gateway.client.load(model.name, body.keep_alive)
+            reason = "load"
+    except ValueError:
+        raise invalid_fields([("keep_alive", "a duration: seconds, or like 30s, 5m, 1h")]) from None
+    except KvdError as e:
+        raise from_kvd_error(e, PARAM_NAMES) from None
+    return {"model": body.model, "created_at": _timestamp(), **content, "done": True, "done_reason": reason}
 
 
 @dataclass

@@ -66,7 +66,7 @@ class _Request(Strict):
     stream: bool = True  # Ollama streams unless told not to
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options | None = None
-    keep_alive: float | str | None = None  # kvd keeps its one model loaded: nothing to keep alive
+    keep_alive: float | str | None = None  # how long the model stays loaded idle after this request
     think: bool | Literal["low", "medium", "high"] | None = (
         None  # a reasoning model's thinking, or its effort
     )
@@ -81,6 +81,8 @@ class _Request(Strict):
             fields["json_schema"] = self.format
         if self.logprobs:
             fields["logprobs"] = self.top_logprobs or 0
+        if self.keep_alive is not None:
+            fields["keep_alive"] = self.keep_alive
         return fields
 
     def reasoning_fields(self) -> dict[str, Any]:

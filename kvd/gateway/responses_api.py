@@ -65,7 +65,7 @@ async def _reply(request: Request, gateway: Gateway, body: ResponsesRequest) -> 
     if body.previous_response_id is not None:
         history = _stored(request, body.previous_response_id, "previous_response_id").turns
     turns = body.turns(history)
-    fields = body.daemon_fields(model.info["max_model_len"])
+    fields = body.daemon_fields(model.context_tokens)
     shape = ResponseShape(model.shown, body)
     job = (body.conversation(turns), fields)
     chunks = merged(

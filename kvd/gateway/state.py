@@ -18,6 +18,10 @@ from kvd.gateway.response_store import ResponseStore
 from kvd.gateway.salts import CacheSalts
 from kvd_client import AsyncClient, AsyncStream, Embeddings
 
+# max_tokens for "to the end of the context" where the context is not known yet (a model not loaded): the
+# daemon ends the output when the context is full.
+UNTIL_FULL = 2**31 - 1
+
 
 @dataclass
 class ServedModel:
@@ -25,8 +29,13 @@ class ServedModel:
 
     name: str  # the daemon's name for it: every request for it carries it
     shown: str  # the name clients give (--served-model-name renames the daemon's first model)
-    info: dict  # the daemon's info on it
+    info: dict  # the daemon's info on it; empty while it is not loaded
     texts: TokenTexts  # its tokens' texts, for log-probabilities
+
+    @property
+    def context_tokens(self) -> int:
+        """max_tokens for a reply that may run to the end of the context."""
+        return self.info.get("max_model_len") or UNTIL_FULL
 
 
 @dataclass
@@ -38,7 +47,7 @@ class Gateway:
     started: int = 0
     salts: CacheSalts = field(default_factory=CacheSalts)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
-    served: dict[str, ServedModel] = field(default_factory=dict)  # by the name clients give
+    texts: dict[str, TokenTexts] = field(default_factory=dict)  # each model's, by the daemon's name
 
     # Every generation and embedding goes to the daemon through these two, which salt it with its caller's
     # namespace (kvd.gateway.salts) and run it on its caller's connection (kvd.gateway.callers).
@@ -70,25 +79,22 @@ class Gateway:
         return self.callers.get(connection_of(request, user))
 
     async def models(self) -> list[ServedModel]:
-        """The daemon's models, asked once (lazily: the gateway may start before the daemon)."""
-        if not self.served:
-            listed = await self.client.list_models()
-            for i, entry in enumerate(listed):
-                shown = self.served_model_name if i == 0 and self.served_model_name else entry["name"]
-                texts = TokenTexts(self.client, entry["name"])
-                self.served[shown] = ServedModel(entry["name"], shown, entry["info"], texts)
-        return list(self.served.values())
+        """The daemon's models as it lists them now (which are loaded changes as they load and unload)."""
+        models = []
+        for i, entry in enumerate(await self.client.list_models()):
+            name = entry["name"]
+            shown = self.served_model_name if i == 0 and self.served_model_name else name
+            texts = self.texts.setdefault(name, TokenTexts(self.client, name))
+            models.append(ServedModel(name, shown, entry.get("info", {}), texts))
+        return models
 
     async def check_model(self, model: str, also: tuple[str, ...] = ()) -> ServedModel:
         """The model `model` (or `model` without one of the suffixes `also`) names; else 404."""
         names = (model, *(model.removesuffix(suffix) for suffix in also if model.endswith(suffix)))
-        for fresh in (False, True):  # a name not known yet: the daemon may have been restarted with others
-            if fresh:
-                self.served.clear()
-            served = {m.shown: m for m in await self.models()}
-            for name in names:
-                if name in served:
-                    return served[name]
+        served = {m.shown: m for m in await self.models()}
+        for name in names:
+            if name in served:
+                return served[name]
         raise ApiError(
             404,
             f"model {model!r} is not served here; it serves {', '.join(map(repr, served))}",

@@ -18,7 +18,7 @@ class Admission:
 
     def admit(self) -> None:
         """Hand queued generations to their models' engines, round-robin across clients, while they have room."""
-        for model in self.state.models:
+        for model in self.state.models.loaded():
             self._admit(model)
 
     def _admit(self, model: ServedModel) -> None:

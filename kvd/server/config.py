@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvd.engine.engine_args import parse_size
 from kvd.gateway.server import DEFAULT_HTTP
-from kvd.settings import setting
+from kvd.settings import parse_duration, setting
 
 # How often a client with requests in flight hears from the daemon at least (see docs/protocol.md, liveness).
 HEARTBEAT_INTERVAL_S = 1.0
@@ -37,6 +37,17 @@ class ServerConfig:
     )
     models_dir: str | None = setting(
         None, "also serve every GGUF file and model folder in this folder (named by file stem or folder name)"
+    )
+    max_loaded_models: int | None = setting(
+        3, "models loaded at once; to load another the least recently used idle one is unloaded (%(default)s)"
+    )
+    keep_alive: float = setting(
+        300.0,
+        "how long a model loaded on demand stays loaded once idle: seconds or 30s, 5m, 1h; -1 forever (5m)",
+        type=parse_duration,
+    )
+    pin: tuple[str, ...] = setting(
+        (), "keep this model loaded from start to stop (repeatable; the first model is)"
     )
     shared_prefix_cache: bool = setting(
         False, "let different users share cached prompt prefixes (trusted single-tenant hosts only)"
@@ -75,6 +86,7 @@ class ServerConfig:
             "max_clients_per_tenant",
             "max_running_per_client",
             "max_blocks_per_client",
+            "max_loaded_models",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

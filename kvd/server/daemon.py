@@ -10,12 +10,14 @@ import time
 import zmq
 
 from kvd.distributed.errors import TensorParallelError
+from kvd.engine.engine_args import EngineArgs
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import ServerConfig
 from kvd.server.events import EventStream
 from kvd.server.handlers import RequestHandler
 from kvd.server.isolation import peer_tenant
+from kvd.server.model_loading import ModelLoading
 from kvd.server.models import ServedModel, ServedModels
 from kvd.server.outbox import Outbox
 from kvd.server.replies import Replies
@@ -45,6 +47,7 @@ class Daemon:
         models: ServedModels,
         sock: zmq.Socket,
         config: ServerConfig,
+        engine_args: EngineArgs,
         notifier: Notifier | None = None,
         event_socket: zmq.Socket | None = None,
         gateway: subprocess.Popen | None = None,
@@ -62,7 +65,8 @@ class Daemon:
         self.replies = Replies(self.state, outbox)
         self.aborts = Aborts(self.state, self.replies)
         self.admission = Admission(self.state, self.replies)
-        self.handler = RequestHandler(self.state, self.replies, self.admission, self.aborts)
+        self.loading = ModelLoading(self.state, engine_args)
+        self.handler = RequestHandler(self.state, self.replies, self.admission, self.aborts, self.loading)
         self.notifier = notifier or Notifier({})
         self.drain_deadline: float | None = None
         self.stop_now = False
@@ -77,6 +81,8 @@ class Daemon:
         # Plain sockets come back from poll() as their file descriptors.
         prompts = self.handler.prompts.wakeup.fileno()
         poller.register(prompts, zmq.POLLIN)
+        loads = self.loading.worker.wakeup.fileno()
+        poller.register(loads, zmq.POLLIN)
         try:
             with signal_wakeup() as wakeup:
                 poller.register(wakeup, zmq.POLLIN)
@@ -86,18 +92,21 @@ class Daemon:
                             self._receive()
                         elif item == prompts:
                             self.handler.on_prompts_ready()
+                        elif item == loads:
+                            self.loading.on_loaded()
                         else:
                             self._on_signals(wakeup.recv(64))
                     self.admission.admit()
                     if self._has_unfinished():
                         # One step of each model with work, in turn: no model's steps wait on another's queue.
-                        for model in self.models:
+                        for model in self.models.loaded():
                             if model.engine.has_unfinished():
                                 self._step(model)
                         # What the steps' finished requests made room for (a client's cap), so that it runs
                         # next turn instead of waiting out the idle poll.
                         self.admission.admit()
                     self._check_workers()
+                    self.loading.expire()
                     self._check_gateway()
                     self.replies.outbox.service()
                     self._tell_manager()
@@ -141,7 +150,7 @@ class Daemon:
         return not self.state.sessions.num_requests
 
     def _has_unfinished(self) -> bool:
-        return any(m.engine.has_unfinished() for m in self.models)
+        return any(m.engine.has_unfinished() for m in self.models.loaded())
 
     def _poll_timeout_ms(self) -> int:
         if self._has_unfinished():
@@ -194,7 +203,7 @@ class Daemon:
     def _check_workers(self) -> None:
         """A rank that died while the engine was idle fails the daemon as one that dies in a step does."""
         try:
-            for model in self.models:
+            for model in self.models.loaded():
                 model.engine.check_workers()
         except TensorParallelError as e:
             self._fail_group(e)

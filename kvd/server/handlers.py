@@ -18,6 +18,7 @@ from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import HEARTBEAT_INTERVAL_S
 from kvd.server.isolation import cache_salt, owner_tenant
+from kvd.server.model_loading import ModelLoading
 from kvd.server.models import ServedModel
 from kvd.server.prompts import PromptJob, PromptMessage, PromptResult, PromptWorker, prompt_bytes
 from kvd.server.protocol import (
@@ -44,11 +45,19 @@ logger = logging.getLogger("kvd.server")
 
 
 class RequestHandler:
-    def __init__(self, state: ServerState, replies: Replies, admission: Admission, aborts: Aborts) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        replies: Replies,
+        admission: Admission,
+        aborts: Aborts,
+        loading: ModelLoading,
+    ) -> None:
         self.state = state
         self.replies = replies
         self.admission = admission
         self.aborts = aborts
+        self.loading = loading
         self.prompts = PromptWorker(self._prepare)
         self._handlers: dict[str, Callable] = {
             "detokenize": self._detokenize,
@@ -57,6 +66,8 @@ class RequestHandler:
             "info": self._info,
             "stats": self._stats,
             "list_models": self._list_models,
+            "load": self._load,
+            "unload": self._unload,
         }
 
     def handle(self, identity: bytes, tenant: str, frames: list[bytes], chosen_id: bool = False) -> None:
@@ -81,9 +92,7 @@ class RequestHandler:
             if isinstance(message, GenerateMessage | EmbedMessage):
                 self._generate(identity, tenant, message)
             elif isinstance(message, TokenizeMessage):
-                model = self.state.models.get(message.model)
-                self._check_prompt_bytes(message, model)
-                self.prompts.submit(PromptJob(identity, tenant, message, model))
+                self._tokenize(identity, tenant, message)
             else:
                 self._handlers[message.op](identity, tenant, message)
         except ProtocolError as e:
@@ -104,6 +113,39 @@ class RequestHandler:
 
     def close(self) -> None:
         self.prompts.close()
+        self.loading.close()
+
+    def _when_loaded(
+        self,
+        identity: bytes,
+        message: Message,
+        model: ServedModel,
+        go: Callable[[], None],
+        forget: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Run `go` once `model` is loaded (at once, if it is); the load's error, or go's, is the reply, once
+        `forget` has dropped what the request holds (False: it is gone already, its reply sent)."""
+        model.keep_alive = self.state.config.keep_alive if message.keep_alive is None else message.keep_alive
+
+        def then(error: ProtocolError | None) -> None:
+            try:
+                if error is not None:
+                    raise error
+                go()
+            except ProtocolError as e:
+                if forget():
+                    self._reject(identity, message.id, e)
+
+        self.loading.ensure(model, then)
+
+    def _tokenize(self, identity: bytes, tenant: str, message: TokenizeMessage) -> None:
+        model = self.state.models.get(message.model)
+
+        def tokenize() -> None:
+            self._check_prompt_bytes(message, model)
+            self.prompts.submit(PromptJob(identity, tenant, message, model))
+
+        self._when_loaded(identity, message, model, tokenize)
 
     def _reject(self, identity: bytes, request_id: object, error: ProtocolError) -> None:
         self.state.counters.requests_rejected += 1
@@ -143,14 +185,28 @@ class RequestHandler:
                 OVERLOADED,
                 f"the daemon has {state.config.max_queued} requests in flight (--max-queued); retry later",
             )
-        self._check_prompt_bytes(message, model)
-        # Reserved now, so that its id is taken and an abort finds it while the prompt is tokenized.
+        # Reserved now, so that its id is taken and an abort finds it while its model loads or its prompt is
+        # tokenized.
         if isinstance(message, EmbedMessage):
             generation = Generation(message.id, stream=False, model=model)
         else:
             generation = Generation(message.id, message.stream, params=message.params, model=model)
-        state.sessions.open(identity, tenant).requests[message.id] = generation
-        self.prompts.submit(PromptJob(identity, tenant, message, model, generation))
+        session = state.sessions.open(identity, tenant)
+        session.requests[message.id] = generation
+
+        def forget() -> bool:
+            if session.requests.get(message.id) is not generation:
+                return False  # aborted, or its client lost, while its model loaded: answered already
+            del session.requests[message.id]
+            state.sessions.release_if_idle(session)
+            return True
+
+        def tokenize() -> None:
+            if session.requests.get(message.id) is generation:
+                self._check_prompt_bytes(message, model)
+                self.prompts.submit(PromptJob(identity, tenant, message, model, generation))
+
+        self._when_loaded(identity, message, model, tokenize, forget)
 
     @staticmethod
     def _check_prompt_bytes(message: PromptMessage, model: ServedModel) -> None:
@@ -279,12 +335,16 @@ class RequestHandler:
         return EmbedJob(inputs, message.dimensions)
 
     def _detokenize(self, identity: bytes, tenant: str, message: DetokenizeMessage) -> None:
-        engine = self.state.models.get(message.model).engine
-        vocab = engine.config.vocab_size
-        if any(t >= vocab for t in message.token_ids):
-            raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
-        text = engine.decode(message.token_ids)
-        self.replies.send(identity, protocol.result_reply(message.id, {"text": text}))
+        model = self.state.models.get(message.model)
+
+        def detokenize() -> None:
+            vocab = model.engine.config.vocab_size
+            if any(t >= vocab for t in message.token_ids):
+                raise ProtocolError(BAD_REQUEST, f"token ids must lie in [0, {vocab})", "token_ids")
+            text = model.engine.decode(message.token_ids)
+            self.replies.send(identity, protocol.result_reply(message.id, {"text": text}))
+
+        self._when_loaded(identity, message, model, detokenize)
 
     def _abort(self, identity: bytes, tenant: str, message: AbortMessage) -> None:
         session = self.state.sessions.get(identity)
@@ -303,12 +363,14 @@ class RequestHandler:
 
     def _info(self, identity: bytes, tenant: str, message: Message) -> None:
         config, model = self.state.config, self._described(message)
-        info = model.engine.info()
+        # A model not loaded is described by name: asking about it does not load it.
+        info = model.engine.info() if model.engine is not None else {"loaded": False}
         if tenant != owner_tenant() and info.get("tensor_parallel"):
             # Where the ranks meet is the owner's business: the rendezvous is no door for other users.
             info["tensor_parallel"] = {k: v for k, v in info["tensor_parallel"].items() if k != "init"}
         info |= {
             "model": model.name,
+            "loaded": model.engine is not None,
             "models": [m.name for m in self.state.models],
             "kvd_version": kvd.__version__,
             "protocol_version": protocol.PROTOCOL_VERSION,
@@ -338,7 +400,7 @@ class RequestHandler:
         sessions = state.sessions
         everyone = tenant == owner_tenant()
         model = self._described(message)
-        stats = model.engine.stats() | {
+        stats = (model.engine.stats() if model.engine is not None else {"loaded": False}) | {
             "model": model.name,
             "daemon": {
                 "uptime_s": time.monotonic() - state.started,
@@ -353,8 +415,8 @@ class RequestHandler:
                 ],
             },
         }
-        if len(state.models) > 1:  # every model's engine, so that one request sees the whole daemon
-            stats["models"] = {m.name: m.engine.stats() for m in state.models}
+        if len(state.models) > 1:  # every loaded model's engine, so that one request sees the whole daemon
+            stats["models"] = {m.name: m.engine.stats() for m in state.models.loaded()}
         self.replies.send(identity, protocol.result_reply(message.id, stats))
 
     def _described(self, message: Message) -> ServedModel:
@@ -363,8 +425,24 @@ class RequestHandler:
         return models.first if message.model is None else models.get(message.model)
 
     def _list_models(self, identity: bytes, tenant: str, message: Message) -> None:
-        models = [
-            {"name": m.name, "loaded": True, "max_model_len": m.engine.max_model_len, "info": m.engine.info()}
-            for m in self.state.models
-        ]
+        models = [m.listing() for m in self.state.models]
         self.replies.send(identity, protocol.result_reply(message.id, {"models": models}))
+
+    def _load(self, identity: bytes, tenant: str, message: Message) -> None:
+        """Load the model (answered once it is loaded); a later keep_alive of its requests may unload it."""
+        model = self.state.models.get(message.model)
+
+        def loaded() -> None:
+            self.replies.send(identity, protocol.result_reply(message.id, model.listing()))
+
+        self._when_loaded(identity, message, model, loaded)
+
+    def _unload(self, identity: bytes, tenant: str, message: Message) -> None:
+        """Unload the model now if nothing is in flight for it, else as soon as nothing is."""
+        model = self.state.models.get(message.model)
+        if model.pinned:
+            raise ProtocolError(BAD_REQUEST, f"model {model.name} is pinned: it stays loaded", "model")
+        model.keep_alive = 0.0
+        self.loading.expire()
+        done = {"unloaded": model.engine is None and not model.loading}
+        self.replies.send(identity, protocol.result_reply(message.id, done))

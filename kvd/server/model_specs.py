@@ -19,6 +19,16 @@ class ModelSpec:
     name: str | None
     source: str | None
 
+    def default_name(self) -> str:
+        """The name of a model given without one, before it loads: its file's stem, its folder's name, or the
+        hub id as given."""
+        if self.source is None:
+            return "default"
+        path = Path(self.source)
+        if path.is_file():
+            return path.stem
+        return path.name if path.is_dir() else self.source
+
 
 def model_specs(values: Sequence[str], models_dir: str | None) -> list[ModelSpec]:
     """The models of `--model` (PATH, hub id, or NAME=PATH; repeatable) and `--models-dir` (each GGUF file and

@@ -1,13 +1,16 @@
-"""The models a daemon serves, each with its own engine, found by the name a request gives (its `model` field)."""
+"""The models a daemon serves, found by the name a request gives (its `model` field): each with its engine
+while it is loaded, the limits requests for it are held to, and what waits for it to load."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.server.config import ServerConfig
+from kvd.server.model_specs import ModelSpec
 from kvd.server.prompts import max_prompt_bytes
 from kvd.server.protocol import BAD_REQUEST, MODEL_NOT_FOUND, ProtocolError
 
@@ -16,20 +19,32 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvd.server")
 
+# Called when the model has loaded (None) or failed to (the error to answer with).
+OnLoad = Callable[[ProtocolError | None], None]
 
-@dataclass
+
+@dataclass(eq=False)
 class ServedModel:
-    """One model: its engine and the limits requests for it are held to."""
+    """One model: its engine while loaded, and the limits requests for it are held to (known once loaded)."""
 
     name: str
-    engine: LLMEngine
-    max_prompt_tokens: int
-    max_prompt_bytes: int | None  # a prompt past this is refused before it is tokenized (None: no bound)
-    max_num_seqs: int  # requests its engine holds at most, running and waiting
-    block_size: int
+    spec: ModelSpec
+    pinned: bool = False  # loaded at start and never unloaded
+    keep_alive: float = math.inf  # seconds it stays loaded once idle (the last request's keep_alive)
+    engine: LLMEngine | None = None
+    max_prompt_tokens: int = 0
+    max_prompt_bytes: int | None = (
+        None  # a prompt past this is refused before it is tokenized (None: no bound)
+    )
+    max_num_seqs: int = 0  # requests its engine holds at most, running and waiting
+    block_size: int = 0
+    loading: bool = False
+    waiting: list[OnLoad] = field(default_factory=list)  # what its load will let go on
+    idle_since: float | None = None  # since when nothing was in flight for it (None: busy, or unloaded)
+    last_used: float = 0.0
 
-    @classmethod
-    def of(cls, name: str, engine: LLMEngine, config: ServerConfig) -> ServedModel:
+    def attach(self, engine: LLMEngine, config: ServerConfig) -> None:
+        """Serve with `engine`, its limits from its context and the daemon's settings."""
         model_limit = engine.max_model_len - 1  # room for at least one generated token
         limit = min(config.max_prompt_tokens or model_limit, model_limit)
         if config.max_prompt_tokens is not None and config.max_prompt_tokens > limit:
@@ -37,24 +52,36 @@ class ServedModel:
                 "--max-prompt-tokens %d is past model %s's context (max_model_len %d): its prompts are limited to "
                 "%d tokens (info's limits.max_prompt_tokens)",
                 config.max_prompt_tokens,
-                name,
+                self.name,
                 engine.max_model_len,
                 limit,
             )
         info = engine.info()
-        return cls(
-            name,
-            engine,
-            limit,
-            max_prompt_bytes(engine.tokenizer, limit),
-            info["max_num_seqs"],
-            info["block_size"],
-        )
+        self.engine, self.max_prompt_tokens = engine, limit
+        self.max_prompt_bytes = max_prompt_bytes(engine.tokenizer, limit)
+        self.max_num_seqs, self.block_size = info["max_num_seqs"], info["block_size"]
+
+    def detach(self) -> None:
+        engine, self.engine, self.idle_since = self.engine, None, None
+        if engine is not None:
+            engine.close()
+
+    def listing(self) -> dict:
+        """Its entry in `list_models`."""
+        entry = {
+            "name": self.name,
+            "loaded": self.engine is not None,
+            "loading": self.loading,
+            "pinned": self.pinned,
+        }
+        if self.engine is not None:
+            entry |= {"max_model_len": self.engine.max_model_len, "info": self.engine.info()}
+        return entry
 
 
 class ServedModels:
-    """The daemon's models by name, in the order they were given (the first answers requests that name none
-    when it is the only one)."""
+    """The daemon's models by name, in the order they were given (the first answers `info` and `stats` that
+    name none, and requests that name none when it is the only one)."""
 
     def __init__(self, models: list[ServedModel]) -> None:
         if not models:
@@ -67,7 +94,7 @@ class ServedModels:
         """The model a request names; without a name, the daemon's only model."""
         if name is None:
             if len(self._by_name) == 1:
-                return next(iter(self._by_name.values()))
+                return self.first
             raise ProtocolError(
                 BAD_REQUEST, f"model is required: this daemon serves {', '.join(self._by_name)}", "model"
             )
@@ -83,6 +110,9 @@ class ServedModels:
     @property
     def first(self) -> ServedModel:
         return next(iter(self._by_name.values()))
+
+    def loaded(self) -> list[ServedModel]:
+        return [m for m in self if m.engine is not None]
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())

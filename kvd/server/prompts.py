@@ -3,11 +3,7 @@ large schema must not silence the loop that answers every other client (both rel
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
-import socket
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from kvd.server.protocol import INTERNAL, EmbedMessage, GenerateMessage, ProtocolError, TokenizeMessage
 from kvd.server.sessions import Generation
+from kvd.server.worker import Worker
 
 if TYPE_CHECKING:
     from kvd.server.models import ServedModel
@@ -46,56 +43,21 @@ class PromptResult:
     error: ProtocolError | None = None
 
 
-class PromptWorker:
-    """One thread that runs `prepare` on each submitted job in order; the loop polls `wakeup` and collects."""
+class PromptWorker(Worker[PromptJob, PromptResult]):
+    """The thread that tokenizes prompts and compiles grammars (`prepare`, the handler's)."""
 
     def __init__(self, prepare: Callable[[PromptJob], PromptResult]) -> None:
-        self._prepare = prepare
-        self._jobs: queue.SimpleQueue[PromptJob | None] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[PromptResult] = queue.SimpleQueue()
-        self.wakeup, self._notify = socket.socketpair()
-        self.wakeup.setblocking(False)
-        self._notify.setblocking(False)
-        self.num_pending = 0
-        self._thread = threading.Thread(target=self._run, name="kvd-prompts", daemon=True)
-        self._thread.start()
+        super().__init__(lambda job: _prepared(prepare, job), "kvd-prompts")
 
-    def submit(self, job: PromptJob) -> None:
-        self.num_pending += 1
-        self._jobs.put(job)
 
-    def results(self) -> list[PromptResult]:
-        """The jobs finished so far, in submission order."""
-        with contextlib.suppress(BlockingIOError):
-            while self.wakeup.recv(4096):
-                pass
-        done = []
-        while not self._results.empty():
-            done.append(self._results.get())
-        self.num_pending -= len(done)
-        return done
-
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-        self.wakeup.close()
-        self._notify.close()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                result = self._prepare(job)
-            except ProtocolError as e:
-                result = PromptResult(job, error=e)
-            except Exception:
-                logger.exception("tokenizing request %r failed", job.message.id)
-                result = PromptResult(
-                    job, error=ProtocolError(INTERNAL, "internal error; see the daemon log")
-                )
-            self._results.put(result)
-            # A full wakeup socket is readable already: the byte is not needed.
-            with contextlib.suppress(BlockingIOError):
-                self._notify.send(b"\0")
+def _prepared(prepare: Callable[[PromptJob], PromptResult], job: PromptJob) -> PromptResult:
+    try:
+        return prepare(job)
+    except ProtocolError as e:
+        return PromptResult(job, error=e)
+    except Exception:
+        logger.exception("tokenizing request %r failed", job.message.id)
+        return PromptResult(job, error=ProtocolError(INTERNAL, "internal error; see the daemon log"))
 
 
 def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int) -> int | None:

@@ -9,8 +9,6 @@ from typing import Any
 
 import msgpack
 
-# The shared request surface: SamplingParams defines the sampling fields' ranges for the offline API and the wire
-# alike, and needs only the standard library.
 from kvd.request.reasoning import ReasoningError, ReasoningRequest, parse_reasoning
 from kvd.request.sampling_params import STRUCTURED_FIELDS, SamplingParams, SamplingParamsError
 from kvd.request.tool_validate import (
@@ -21,6 +19,10 @@ from kvd.request.tool_validate import (
     parse_tool_choice,
     parse_tools,
 )
+
+# The shared request surface: SamplingParams defines the sampling fields' ranges for the offline API and the wire
+# alike, and needs only the standard library.
+from kvd.settings import parse_duration
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -87,9 +89,26 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 REASONING_FIELDS = ("think", "reasoning_effort", "reasoning_budget")
 _COMMON_FIELDS = ("v", "id", "op")
 OP_FIELDS: dict[str, tuple[str, ...]] = {
-    "generate": ("model", "prompt", "prompt_token_ids", "stream", "cache_salt", *SAMPLING_FIELDS),
-    "chat": ("model", "messages", "stream", "cache_salt", *SAMPLING_FIELDS, *TOOL_FIELDS, *REASONING_FIELDS),
-    "embed": ("model", "input", "dimensions", "cache_salt"),
+    "generate": (
+        "model",
+        "keep_alive",
+        "prompt",
+        "prompt_token_ids",
+        "stream",
+        "cache_salt",
+        *SAMPLING_FIELDS,
+    ),
+    "chat": (
+        "model",
+        "keep_alive",
+        "messages",
+        "stream",
+        "cache_salt",
+        *SAMPLING_FIELDS,
+        *TOOL_FIELDS,
+        *REASONING_FIELDS,
+    ),
+    "embed": ("model", "keep_alive", "input", "dimensions", "cache_salt"),
     "tokenize": ("model", "text", "messages", "tools", "think", "reasoning_effort"),
     "detokenize": ("model", "token_ids"),
     "abort": ("target",),
@@ -97,6 +116,8 @@ OP_FIELDS: dict[str, tuple[str, ...]] = {
     "info": ("model",),
     "stats": ("model",),
     "list_models": (),
+    "load": ("model", "keep_alive"),
+    "unload": ("model",),
 }
 
 
@@ -121,6 +142,8 @@ class Message:
     op: str
     # The model the request is for, by its name (list_models); None: the daemon's only model.
     model: str | None = field(default=None, kw_only=True)
+    # Seconds the model stays loaded once idle after this request (inf: for good); None: the daemon's setting.
+    keep_alive: float | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -279,6 +302,11 @@ def _parse(msg: dict, request_id: RequestId) -> Message:
     if model is not None:
         _check_str(model, "model", MAX_MODEL_NAME_CHARS)
         message.model = model
+    if msg.get("keep_alive") is not None:
+        try:
+            message.keep_alive = parse_duration(msg["keep_alive"])
+        except ValueError as e:
+            raise ProtocolError(BAD_REQUEST, f"keep_alive: {e}", "keep_alive") from None
     return message
 
 

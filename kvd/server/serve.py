@@ -121,20 +121,36 @@ def serve(
     from kvd.server.models import ServedModel, ServedModels
 
     notifier = Notifier(stop_timeout_s=config.drain_timeout + STOP_MARGIN_S)
-    engines: list[tuple[ModelSpec, LLMEngine]] = []
+    served: list[ServedModel] = []
     try:
-        for spec in specs:
-            with extending_start_timeout(notifier):
-                engines.append((spec, LLMEngine(replace(engine_args, model=spec.source))))
-        served = ServedModels([ServedModel.of(spec.name or e.model_name, e, config) for spec, e in engines])
-        _serve_models(served, endpoint, events_endpoint, config, notifier, http)
+        # The first model and the pinned ones load now; the others on their first request.
+        for i, spec in enumerate(specs):
+            model = ServedModel(
+                spec.name or spec.default_name(),
+                spec,
+                pinned=i == 0 or (spec.name or spec.default_name()) in config.pin,
+            )
+            if model.pinned:
+                with extending_start_timeout(notifier):
+                    engine = LLMEngine(replace(engine_args, model=spec.source))
+                model.name = spec.name or engine.model_name
+                model.attach(engine, config)
+            served.append(model)
+        models = ServedModels(served)
+        unknown = [name for name in config.pin if name not in {m.name for m in models}]
+        if unknown:
+            raise ValueError(
+                f"--pin {unknown[0]}: no model has that name; served: {', '.join(m.name for m in models)}"
+            )
+        _serve_models(models, engine_args, endpoint, events_endpoint, config, notifier, http)
     finally:
-        for _, engine in engines:
-            engine.close()  # stops the other tensor-parallel ranks
+        for model in served:
+            model.detach()  # stops the other tensor-parallel ranks
 
 
 def _serve_models(
     models: ServedModels,
+    engine_args: EngineArgs,
     endpoint: Endpoint,
     events_endpoint: Endpoint | None,
     config: ServerConfig,
@@ -144,7 +160,7 @@ def _serve_models(
     from kvd.server.daemon import CLOSE_FLUSH_S, Daemon
 
     with extending_start_timeout(notifier):
-        warm_up_s = sum(warm_up(m.engine) for m in models)
+        warm_up_s = sum(warm_up(m.engine) for m in models.loaded())
     # What the daemon holds for its life (model, tokenizer, pool, compiled grammars so far) leaves the cyclic
     # collector's scans, which walked it at every full collection: 2.6 % of a small model's decode step.
     gc.freeze()
@@ -155,7 +171,7 @@ def _serve_models(
     except BaseException:
         close_socket(sock, endpoint, linger_ms=0)
         raise
-    for model in models:
+    for model in models.loaded():
         info = model.engine.info()
         logger.info(
             "model %s (%s, %s, %s): KV pool %d blocks x %d tokens, max_model_len %d",
@@ -168,15 +184,15 @@ def _serve_models(
             info["max_model_len"],
         )
     logger.info(
-        "kvd %s ready on %s: %d model%s, warm-up %.2f s",
+        "kvd %s ready on %s: %d of %d models loaded, warm-up %.2f s",
         kvd.__version__,
         endpoint,
+        len(models.loaded()),
         len(models),
-        "" if len(models) == 1 else "s",
         warm_up_s,
     )
     gateway = spawn_gateway(config.http, endpoint.url, config.allow_remote, http) if config.http else None
-    daemon = Daemon(models, sock, config, notifier, event_sock, gateway)
+    daemon = Daemon(models, sock, config, engine_args, notifier, event_sock, gateway)
     # Only now: clients that systemd orders after kvd.service find the socket bound and the model warm.
     daemon.notifier.ready(f"ready on {endpoint}: {daemon.load_status()}")
     try:

@@ -25,8 +25,8 @@ def client_stats(session: ClientSession) -> dict:
 
 def load_status(state: ServerState) -> str:
     """One line of load (systemctl status shows it): every model's engine together."""
-    engines = [m.engine for m in state.models]
+    engines = [m.engine for m in state.models.loaded()]
     used = sum(e.kv_usage().used_blocks for e in engines)
-    total = sum(e.num_blocks for e in engines)
+    total = sum(e.num_blocks for e in engines) or 1
     running, waiting = sum(e.num_running for e in engines), sum(e.num_waiting for e in engines)
     return f"{running} running, {waiting} waiting, KV {100 * used / total:.0f}% used, {len(state.sessions)} clients"

@@ -117,6 +117,15 @@ class AsyncClient:
         """The models the daemon serves, each {"name", "loaded", "max_model_len", "info"}."""
         return (await self._call("list_models", {}))["models"]
 
+    async def load(self, model: str, keep_alive: float | str | None = None) -> dict:
+        """Load `model` (answered once it is loaded); `keep_alive`: how long it then stays loaded idle (seconds
+        or "5m"; negative: for good)."""
+        return await self._call("load", {"model": model, "keep_alive": keep_alive})
+
+    async def unload(self, model: str) -> bool:
+        """Unload `model` now if nothing is in flight for it (True), else as soon as nothing is (False)."""
+        return (await self._call("unload", {"model": model}))["unloaded"]
+
     async def stats(self, model: str | None = None) -> dict:
         return await self._call("stats", {"model": model})
 

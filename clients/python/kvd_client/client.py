@@ -126,6 +126,15 @@ class Client:
         """The models the daemon serves, each {"name", "loaded", "max_model_len", "info"}."""
         return self._call("list_models", {})["models"]
 
+    def load(self, model: str, keep_alive: float | str | None = None) -> dict:
+        """Load `model` (answered once it is loaded); `keep_alive`: how long it then stays loaded idle (seconds
+        or "5m"; negative: for good)."""
+        return self._call("load", {"model": model, "keep_alive": keep_alive})
+
+    def unload(self, model: str) -> bool:
+        """Unload `model` now if nothing is in flight for it (True), else as soon as nothing is (False)."""
+        return self._call("unload", {"model": model})["unloaded"]
+
     def stats(self, model: str | None = None) -> dict:
         return self._call("stats", {"model": model})
 

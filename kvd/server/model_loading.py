@@ -1,0 +1,135 @@
+"""Models loaded on demand: a request for a model not loaded waits while it loads (on a thread of its own, the
+other models serving meanwhile; a second request waits for the same load), room is made by unloading the least
+recently used idle model (--max-loaded-models), and an idle model unloads after its keep-alive."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+import time
+from dataclasses import replace
+
+from kvd.engine.engine_args import EngineArgs
+from kvd.engine.llm_engine import LLMEngine
+from kvd.server import events
+from kvd.server.models import OnLoad, ServedModel
+from kvd.server.protocol import INTERNAL, OVERLOADED, ProtocolError
+from kvd.server.state import ServerState
+from kvd.server.worker import Worker
+
+logger = logging.getLogger("kvd.server")
+
+LoadResult = tuple[
+    ServedModel, LLMEngine | None, float, str
+]  # the model, its engine or None, seconds, why not
+
+
+class ModelLoading:
+    def __init__(self, state: ServerState, engine_args: EngineArgs) -> None:
+        self.state = state
+        self.engine_args = engine_args
+        self.worker: Worker[ServedModel, LoadResult] = Worker(self._load, "kvd-models")
+
+    def ensure(self, model: ServedModel, then: OnLoad) -> None:
+        """Run `then` once `model` is loaded (now, if it is), or with the error that keeps it from loading."""
+        model.last_used = time.monotonic()
+        if model.engine is not None:
+            then(None)
+            return
+        model.waiting.append(then)
+        if model.loading:
+            return
+        error = self._make_room(model)
+        if error is not None:
+            self._fail(model, error)
+            return
+        model.loading = True
+        self.state.events.publish_model(events.MODEL_LOADING, model.name)
+        logger.info("loading model %s (%s)", model.name, model.spec.source or "the bundled default")
+        self.worker.submit(model)
+
+    def on_loaded(self) -> None:
+        """Take the loads the worker finished: serve each model, and let what waited for it go on."""
+        for model, engine, seconds, why in self.worker.results():
+            model.loading = False
+            if engine is None:
+                message = f"model {model.name} failed to load ({why}); see the daemon log"
+                self._fail(model, ProtocolError(INTERNAL, message, "model"))
+                continue
+            model.attach(engine, self.state.config)
+            self.state.events.publish_model(events.MODEL_LOADED, model.name, seconds=seconds)
+            logger.info("model %s loaded in %.2f s", model.name, seconds)
+            waiting, model.waiting = model.waiting, []
+            for then in waiting:
+                then(None)
+
+    def expire(self) -> None:
+        """Unload each model idle for longer than its keep-alive (pinned models stay)."""
+        now, busy = time.monotonic(), self._busy()
+        for model in self.state.models.loaded():
+            if model.pinned or model in busy:
+                model.idle_since = None
+                continue
+            if model.idle_since is None:
+                model.idle_since = now
+            if now - model.idle_since >= model.keep_alive:
+                self.unload(model)
+
+    def unload(self, model: ServedModel) -> None:
+        model.detach()
+        gc.collect()  # the engine's tensors go now, not at some later collection
+        _return_freed_memory()
+        self.state.events.publish_model(events.MODEL_UNLOADED, model.name)
+        logger.info("model %s unloaded", model.name)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    def _load(self, model: ServedModel) -> LoadResult:
+        started = time.monotonic()
+        try:
+            engine = LLMEngine(replace(self.engine_args, model=model.spec.source))
+        except Exception as e:  # a bad file, a missing id, no memory: this request fails, the others serve on
+            logger.exception("model %s failed to load", model.name)
+            return model, None, time.monotonic() - started, f"{type(e).__name__}: {e}"[:300]
+        return model, engine, time.monotonic() - started, ""
+
+    def _busy(self) -> set[ServedModel]:
+        """Models with a request in flight (in any state) or one waiting for them to load."""
+        busy = {m for m in self.state.models if m.waiting or m.loading}
+        return busy | {g.model for s in self.state.sessions for g in s.requests.values()}
+
+    def _make_room(self, model: ServedModel) -> ProtocolError | None:
+        """Unload the least recently used idle model if `model` would be one too many; the error if none is."""
+        limit = self.state.config.max_loaded_models
+        live = [m for m in self.state.models if m.engine is not None or m.loading]
+        if limit is None or len(live) < limit:
+            return None
+        busy = self._busy()
+        idle = [m for m in live if m.engine is not None and not m.pinned and m not in busy]
+        if not idle:
+            return ProtocolError(
+                OVERLOADED,
+                f"model {model.name} cannot be loaded now: {len(live)} models are loaded (--max-loaded-models "
+                f"{limit}) and each is busy or pinned; retry when one is idle",
+                "model",
+            )
+        self.unload(min(idle, key=lambda m: m.last_used))
+        return None
+
+    def _fail(self, model: ServedModel, error: ProtocolError) -> None:
+        waiting, model.waiting = model.waiting, []
+        for then in waiting:
+            then(error)
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed heap back to the system (glibc keeps freed arenas otherwise), so that an unloaded model's
+    memory shows as free."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
