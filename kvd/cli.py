@@ -87,6 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     tokenize = commands.add_parser("tokenize", help="print the token ids of a text")
     tokenize.add_argument("text")
     _client_flags(tokenize, _tokenize)
+
+    _client_flags(
+        commands.add_parser("models", help="the daemon's models: loaded, pinned or not"), _models, model=False
+    )
+    load = commands.add_parser("load", help="load a model of the daemon now")
+    load.add_argument("name")
+    load.add_argument(
+        "--keep-alive", help="then keep it loaded this long idle: seconds or 30s, 5m, 1h; -1 for good"
+    )
+    _client_flags(load, _load, model=False)
+    unload = commands.add_parser(
+        "unload", help="unload a model of the daemon (once nothing is in flight for it)"
+    )
+    unload.add_argument("name")
+    _client_flags(unload, _unload, model=False)
     return parser
 
 
@@ -163,8 +178,12 @@ def _structured(args: argparse.Namespace) -> dict:
     return fields
 
 
-def _client_flags(p: argparse.ArgumentParser, run: object) -> None:
+def _client_flags(p: argparse.ArgumentParser, run: object, model: bool = True) -> None:
     p.add_argument("--endpoint", help="the daemon's endpoint (default: $KVD_ENDPOINT or per-user)")
+    if model:
+        p.add_argument(
+            "--model", help="which of the daemon's models (`kvd models` lists them; default: its only one)"
+        )
     p.add_argument(
         "--timeout",
         type=positive_float,
@@ -243,7 +262,7 @@ def _connect(args: argparse.Namespace) -> Client:
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "model")
     return {n: getattr(args, n) for n in names} | {"ignore_eos": args.ignore_eos or None}
 
 
@@ -266,7 +285,9 @@ def _chat(args: argparse.Namespace) -> int:
     with _connect(args) as client:
         if args.max_tokens is None:
             # A chat reply ends when the model ends it; the daemon stops it when the context is full.
-            args.max_tokens = client.info()["max_model_len"]
+            args.max_tokens = (
+                client.load(args.model)["max_model_len"] if args.model else client.info()["max_model_len"]
+            )
         while True:
             try:
                 line = input("> ")
@@ -318,8 +339,11 @@ def _asked(args: argparse.Namespace, ask: Callable[[Client], dict]) -> dict | No
 
 
 def _info(args: argparse.Namespace) -> int:
-    info = _asked(args, Client.info)
+    info = _asked(args, lambda client: client.info(args.model))
     if info is None:
+        return 0
+    if not info["loaded"]:
+        print(f"model         {info['model']}: not loaded (it loads on its first request, or with kvd load)")
         return 0
     weights = (
         f"{info['quantization']} weights" if info["quantization"] not in (None, "none") else "float weights"
@@ -356,8 +380,11 @@ def weights_line(info: dict) -> str:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    stats = _asked(args, Client.stats)
+    stats = _asked(args, lambda client: client.stats(args.model))
     if stats is None:
+        return 0
+    if "kv_cache" not in stats:
+        print(f"model         {stats['model']}: not loaded")
         return 0
     kv, prefix, daemon = stats["kv_cache"], stats["prefix_cache"], stats["daemon"]
     total = kv["total_blocks"]
@@ -384,13 +411,37 @@ def _top(args: argparse.Namespace) -> int:
     from kvd.top import run
 
     with _connect(args) as client:
-        run(client, args.interval, args.once)
+        run(client, args.interval, args.once, model=args.model)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        for model in client.list_models():
+            state = "loaded" if model["loaded"] else "loading" if model["loading"] else "not loaded"
+            pinned = ", pinned" if model["pinned"] else ""
+            context = f", max_model_len {model['max_model_len']}" if model["loaded"] else ""
+            print(f"{model['name']:24s} {state}{pinned}{context}")
+    return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        model = client.load(args.name, args.keep_alive)
+    print(f"{model['name']}: loaded, max_model_len {model['max_model_len']}")
+    return 0
+
+
+def _unload(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        now = client.unload(args.name)
+    print(f"{args.name}: {'unloaded' if now else 'unloads once nothing is in flight for it'}")
     return 0
 
 
 def _tokenize(args: argparse.Namespace) -> int:
     with _connect(args) as client:
-        token_ids = client.tokenize(args.text)
+        token_ids = client.tokenize(args.text, model=args.model)
     print(" ".join(map(str, token_ids)))
     print(f"{len(token_ids)} tokens", file=sys.stderr)
     return 0

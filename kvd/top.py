@@ -43,17 +43,21 @@ def render(stats: dict, info: dict) -> str:
     return "\n".join(lines)
 
 
-def run(client: Client, interval: float, once: bool, out: TextIO | None = None) -> None:
+def run(
+    client: Client, interval: float, once: bool, out: TextIO | None = None, model: str | None = None
+) -> None:
     """Print one screen (`once`, or when `out` is no terminal), or redraw every `interval` seconds until q (or
-    Ctrl-C)."""
+    Ctrl-C); `model`: which of the daemon's models (default: its first)."""
     out = out or sys.stdout  # looked up now: a caller may have replaced it
-    info = client.info()
+    if model:
+        client.load(model)  # its load figures need it loaded
+    info = client.info(model)
     if once or not out.isatty():  # into a pipe or a file: one screen, no terminal codes
-        print(render(client.stats(), info), file=out)
+        print(render(client.stats(model), info), file=out)
         return
     with _keys(sys.stdin) as pressed:
         while True:
-            out.write(CLEAR + render(client.stats(), info) + "\n(q quits)\n")
+            out.write(CLEAR + render(client.stats(model), info) + "\n(q quits)\n")
             out.flush()
             if pressed(interval) in ("q", "Q"):
                 return

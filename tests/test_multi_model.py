@@ -211,3 +211,23 @@ def test_serve_refuses_two_models_with_tensor_parallel(tmp_path: Path):
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
     assert done.returncode == 2 and "serves one model" in done.stderr, done.stderr
+
+
+def _kvd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvd.cli", *args, "--endpoint", daemon.endpoint]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
+
+
+def test_the_cli_lists_loads_and_unloads_models(daemon: DaemonProcess, kvd: Client):
+    kvd.unload("thinker")
+    listed = _kvd(daemon, "models").stdout.splitlines()
+    assert [line.split()[0] for line in listed] == NAMES and "loaded, pinned" in listed[0]
+    assert "not loaded" in _kvd(daemon, "info", "--model", "thinker").stdout
+    assert "thinker: loaded, max_model_len" in _kvd(daemon, "load", "thinker", "--keep-alive", "1h").stdout
+    assert "reasoning" in _kvd(daemon, "info", "--model", "thinker", "--json").stdout
+    assert _kvd(daemon, "tokenize", "Hi", "--model", "thinker").stdout.split() == list(
+        map(str, kvd.tokenize("Hi", model="thinker"))
+    )
+    assert "thinker: unloaded" in _kvd(daemon, "unload", "thinker").stdout
+    refused = _kvd(daemon, "unload", "smol")
+    assert refused.returncode != 0 and "pinned" in refused.stderr
