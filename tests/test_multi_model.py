@@ -196,21 +196,18 @@ def test_model_specs_name_sources_and_find_a_folders_models(tmp_path: Path):
         model_specs([], str(tmp_path / "nowhere"))
 
 
-def test_serve_refuses_two_models_with_tensor_parallel(tmp_path: Path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvd.cli",
-        "serve",
-        "--model",
-        "a=x",
-        "--model",
-        "b=y",
-        "--tensor-parallel-size",
-        "2",
-    ]
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--tensor-parallel-size", "2"], "serves one model"),
+        (["--pin", "c"], "--pin c: no model has that name; served: a, b"),
+        (["--pin", "b", "--max-loaded-models", "1"], "2 models are pinned"),
+    ],
+)
+def test_serve_refuses_impossible_model_settings_before_loading(flags: list[str], says: str):
+    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--model", "a=x", "--model", "b=y", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
-    assert done.returncode == 2 and "serves one model" in done.stderr, done.stderr
+    assert done.returncode == 2 and says in done.stderr, done.stderr
 
 
 def _kvd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:

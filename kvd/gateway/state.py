@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from kvd.gateway.response_store import ResponseStore
 from kvd.gateway.salts import CacheSalts
 from kvd_client import AsyncClient, AsyncStream, Embeddings
 
+# How long the daemon's list of models stands: a request asks again after it (loads and unloads show then).
+LIST_TTL_S = 1.0
 # max_tokens for "to the end of the context" where the context is not known yet (a model not loaded): the
 # daemon ends the output when the context is full.
 UNTIL_FULL = 2**31 - 1
@@ -48,6 +51,7 @@ class Gateway:
     salts: CacheSalts = field(default_factory=CacheSalts)
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's stored responses
     texts: dict[str, TokenTexts] = field(default_factory=dict)  # each model's, by the daemon's name
+    listed: tuple[float, list[dict]] | None = None  # when the daemon last listed its models, and the list
 
     # Every generation and embedding goes to the daemon through these two, which salt it with its caller's
     # namespace (kvd.gateway.salts) and run it on its caller's connection (kvd.gateway.callers).
@@ -79,9 +83,13 @@ class Gateway:
         return self.callers.get(connection_of(request, user))
 
     async def models(self) -> list[ServedModel]:
-        """The daemon's models as it lists them now (which are loaded changes as they load and unload)."""
+        """The daemon's models as it listed them within the last LIST_TTL_S (which are loaded changes as they
+        load and unload; a name not in the list asks again)."""
+        now = time.monotonic()
+        if self.listed is None or now - self.listed[0] > LIST_TTL_S:
+            self.listed = (now, await self.client.list_models())
         models = []
-        for i, entry in enumerate(await self.client.list_models()):
+        for i, entry in enumerate(self.listed[1]):
             name = entry["name"]
             shown = self.served_model_name if i == 0 and self.served_model_name else name
             texts = self.texts.setdefault(name, TokenTexts(self.client, name))
@@ -91,10 +99,13 @@ class Gateway:
     async def check_model(self, model: str, also: tuple[str, ...] = ()) -> ServedModel:
         """The model `model` (or `model` without one of the suffixes `also`) names; else 404."""
         names = (model, *(model.removesuffix(suffix) for suffix in also if model.endswith(suffix)))
-        served = {m.shown: m for m in await self.models()}
-        for name in names:
-            if name in served:
-                return served[name]
+        for fresh in (False, True):
+            if fresh:
+                self.listed = None  # a daemon restarted with other models, say
+            served = {m.shown: m for m in await self.models()}
+            for name in names:
+                if name in served:
+                    return served[name]
         raise ApiError(
             404,
             f"model {model!r} is not served here; it serves {', '.join(map(repr, served))}",

@@ -17,7 +17,7 @@ from kvd.server import events, protocol
 from kvd.server.aborts import Aborts
 from kvd.server.admission import Admission
 from kvd.server.config import HEARTBEAT_INTERVAL_S
-from kvd.server.isolation import cache_salt, owner_tenant
+from kvd.server.isolation import cache_salt, owner_tenant, visible_info
 from kvd.server.model_loading import ModelLoading
 from kvd.server.models import ServedModel
 from kvd.server.prompts import PromptJob, PromptMessage, PromptResult, PromptWorker, prompt_bytes
@@ -42,6 +42,8 @@ from kvd.server.state import ServerState
 from kvd.server.stats import client_stats
 
 logger = logging.getLogger("kvd.server")
+# The ops whose keep_alive (or the daemon's default) sets how long their model stays loaded once idle.
+KEEPS_ALIVE = ("generate", "chat", "embed", "load")
 
 
 class RequestHandler:
@@ -106,6 +108,7 @@ class RequestHandler:
         """Take the prompts the worker has tokenized: queue the generations, answer the tokenize requests."""
         for result in self.prompts.results():
             job = result.job
+            job.model.num_jobs -= 1
             if job.generation is None:
                 self._tokenized(result)
             else:
@@ -115,17 +118,29 @@ class RequestHandler:
         self.prompts.close()
         self.loading.close()
 
+    def _submit(self, job: PromptJob) -> None:
+        job.model.num_jobs += 1  # its engine stays loaded while the worker holds the job
+        self.prompts.submit(job)
+
     def _when_loaded(
         self,
         identity: bytes,
+        tenant: str,
         message: Message,
         model: ServedModel,
         go: Callable[[], None],
         forget: Callable[[], bool] = lambda: True,
     ) -> None:
         """Run `go` once `model` is loaded (at once, if it is); the load's error, or go's, is the reply, once
-        `forget` has dropped what the request holds (False: it is gone already, its reply sent)."""
-        model.keep_alive = self.state.config.keep_alive if message.keep_alive is None else message.keep_alive
+        `forget` has dropped what the request holds (False: it is gone already, its reply sent). While it waits,
+        its client hears heartbeats."""
+        if message.op in KEEPS_ALIVE:  # the requests that say how long the model stays
+            model.keep_alive = (
+                self.state.config.keep_alive if message.keep_alive is None else message.keep_alive
+            )
+        session = self.state.sessions.open(identity, tenant) if model.engine is None else None
+        if session is not None:
+            session.num_waiting += 1
 
         def then(error: ProtocolError | None) -> None:
             try:
@@ -135,6 +150,16 @@ class RequestHandler:
             except ProtocolError as e:
                 if forget():
                     self._reject(identity, message.id, e)
+            except Exception:  # a bug: this request fails, the daemon serves on
+                logger.exception("internal error while serving a request for model %s", model.name)
+                if forget():
+                    self._reject(
+                        identity, message.id, ProtocolError(INTERNAL, "internal error; see the daemon log")
+                    )
+            finally:
+                if session is not None:
+                    session.num_waiting -= 1
+                    self.state.sessions.release_if_idle(session)
 
         self.loading.ensure(model, then)
 
@@ -143,9 +168,9 @@ class RequestHandler:
 
         def tokenize() -> None:
             self._check_prompt_bytes(message, model)
-            self.prompts.submit(PromptJob(identity, tenant, message, model))
+            self._submit(PromptJob(identity, tenant, message, model))
 
-        self._when_loaded(identity, message, model, tokenize)
+        self._when_loaded(identity, tenant, message, model, tokenize)
 
     def _reject(self, identity: bytes, request_id: object, error: ProtocolError) -> None:
         self.state.counters.requests_rejected += 1
@@ -204,9 +229,9 @@ class RequestHandler:
         def tokenize() -> None:
             if session.requests.get(message.id) is generation:
                 self._check_prompt_bytes(message, model)
-                self.prompts.submit(PromptJob(identity, tenant, message, model, generation))
+                self._submit(PromptJob(identity, tenant, message, model, generation))
 
-        self._when_loaded(identity, message, model, tokenize, forget)
+        self._when_loaded(identity, tenant, message, model, tokenize, forget)
 
     @staticmethod
     def _check_prompt_bytes(message: PromptMessage, model: ServedModel) -> None:
@@ -344,7 +369,7 @@ class RequestHandler:
             text = model.engine.decode(message.token_ids)
             self.replies.send(identity, protocol.result_reply(message.id, {"text": text}))
 
-        self._when_loaded(identity, message, model, detokenize)
+        self._when_loaded(identity, tenant, message, model, detokenize)
 
     def _abort(self, identity: bytes, tenant: str, message: AbortMessage) -> None:
         session = self.state.sessions.get(identity)
@@ -363,18 +388,19 @@ class RequestHandler:
 
     def _info(self, identity: bytes, tenant: str, message: Message) -> None:
         config, model = self.state.config, self._described(message)
-        # A model not loaded is described by name: asking about it does not load it.
-        info = model.engine.info() if model.engine is not None else {"loaded": False}
-        if tenant != owner_tenant() and info.get("tensor_parallel"):
-            # Where the ranks meet is the owner's business: the rendezvous is no door for other users.
-            info["tensor_parallel"] = {k: v for k, v in info["tensor_parallel"].items() if k != "init"}
-        info |= {
+        info = {
             "model": model.name,
             "loaded": model.engine is not None,
             "models": [m.name for m in self.state.models],
             "kvd_version": kvd.__version__,
             "protocol_version": protocol.PROTOCOL_VERSION,
             "supported_versions": list(protocol.SUPPORTED_VERSIONS),
+        }
+        if model.engine is None:  # described by name: asking about a model does not load it
+            self.replies.send(identity, protocol.result_reply(message.id, info))
+            return
+        info = visible_info(model.engine.info(), tenant) | info
+        info |= {
             "limits": {
                 "max_message_bytes": config.max_message_bytes,
                 "max_prompt_tokens": model.max_prompt_tokens,
@@ -425,7 +451,7 @@ class RequestHandler:
         return models.first if message.model is None else models.get(message.model)
 
     def _list_models(self, identity: bytes, tenant: str, message: Message) -> None:
-        models = [m.listing() for m in self.state.models]
+        models = [m.listing(tenant) for m in self.state.models]
         self.replies.send(identity, protocol.result_reply(message.id, {"models": models}))
 
     def _load(self, identity: bytes, tenant: str, message: Message) -> None:
@@ -433,9 +459,9 @@ class RequestHandler:
         model = self.state.models.get(message.model)
 
         def loaded() -> None:
-            self.replies.send(identity, protocol.result_reply(message.id, model.listing()))
+            self.replies.send(identity, protocol.result_reply(message.id, model.listing(tenant)))
 
-        self._when_loaded(identity, message, model, loaded)
+        self._when_loaded(identity, tenant, message, model, loaded)
 
     def _unload(self, identity: bytes, tenant: str, message: Message) -> None:
         """Unload the model now if nothing is in flight for it, else as soon as nothing is."""

@@ -32,3 +32,11 @@ def cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
 def owner_tenant() -> str:
     """The daemon's own user, who sees every tenant's activity (stats) and the whole `info`."""
     return f"uid:{os.getuid()}"
+
+
+def visible_info(info: dict, tenant: str) -> dict:
+    """A model's `info` as `tenant` may see it: where tensor-parallel ranks meet is the owner's business (the
+    rendezvous is no door for other users)."""
+    if tenant != owner_tenant() and info.get("tensor_parallel"):
+        info = info | {"tensor_parallel": {k: v for k, v in info["tensor_parallel"].items() if k != "init"}}
+    return info

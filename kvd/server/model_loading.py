@@ -15,7 +15,7 @@ from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.server import events
 from kvd.server.models import OnLoad, ServedModel
-from kvd.server.protocol import INTERNAL, OVERLOADED, ProtocolError
+from kvd.server.protocol import INTERNAL, OVERLOADED, SHUTTING_DOWN, ProtocolError
 from kvd.server.state import ServerState
 from kvd.server.worker import Worker
 
@@ -34,9 +34,12 @@ class ModelLoading:
 
     def ensure(self, model: ServedModel, then: OnLoad) -> None:
         """Run `then` once `model` is loaded (now, if it is), or with the error that keeps it from loading."""
-        model.last_used = time.monotonic()
+        model.last_used, model.idle_since = time.monotonic(), None  # a request: its keep-alive counts anew
         if model.engine is not None:
             then(None)
+            return
+        if self.state.draining:
+            then(ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and loads no model"))
             return
         model.waiting.append(then)
         if model.loading:
@@ -58,7 +61,15 @@ class ModelLoading:
                 message = f"model {model.name} failed to load ({why}); see the daemon log"
                 self._fail(model, ProtocolError(INTERNAL, message, "model"))
                 continue
-            model.attach(engine, self.state.config)
+            try:
+                model.attach(engine, self.state.config)
+            except Exception:
+                logger.exception("model %s loaded but cannot serve", model.name)
+                engine.close()
+                self._fail(
+                    model, ProtocolError(INTERNAL, f"model {model.name} failed to load; see the log", "model")
+                )
+                continue
             self.state.events.publish_model(events.MODEL_LOADED, model.name, seconds=seconds)
             logger.info("model %s loaded in %.2f s", model.name, seconds)
             waiting, model.waiting = model.waiting, []
@@ -85,7 +96,10 @@ class ModelLoading:
         logger.info("model %s unloaded", model.name)
 
     def close(self) -> None:
-        self.worker.close()
+        """Answer what waits for a load (the daemon is stopping); a load under way is not waited for."""
+        for model in self.state.models:
+            self._fail(model, ProtocolError(SHUTTING_DOWN, "the daemon stopped before the model loaded"))
+        self.worker.close(wait=False)
 
     def _load(self, model: ServedModel) -> LoadResult:
         started = time.monotonic()
@@ -98,7 +112,7 @@ class ModelLoading:
 
     def _busy(self) -> set[ServedModel]:
         """Models with a request in flight (in any state) or one waiting for them to load."""
-        busy = {m for m in self.state.models if m.waiting or m.loading}
+        busy = {m for m in self.state.models if m.waiting or m.loading or m.num_jobs}
         return busy | {g.model for s in self.state.sessions for g in s.requests.values()}
 
     def _make_room(self, model: ServedModel) -> ProtocolError | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvd.server.config import ServerConfig
+from kvd.server.isolation import visible_info
 from kvd.server.model_specs import ModelSpec
 from kvd.server.prompts import max_prompt_bytes
 from kvd.server.protocol import BAD_REQUEST, MODEL_NOT_FOUND, ProtocolError
@@ -40,6 +41,7 @@ class ServedModel:
     block_size: int = 0
     loading: bool = False
     waiting: list[OnLoad] = field(default_factory=list)  # what its load will let go on
+    num_jobs: int = 0  # its prompts on the prompt worker (which uses its engine's tokenizer)
     idle_since: float | None = None  # since when nothing was in flight for it (None: busy, or unloaded)
     last_used: float = 0.0
 
@@ -66,8 +68,8 @@ class ServedModel:
         if engine is not None:
             engine.close()
 
-    def listing(self) -> dict:
-        """Its entry in `list_models`."""
+    def listing(self, tenant: str) -> dict:
+        """Its entry in `list_models`, as `tenant` may see it."""
         entry = {
             "name": self.name,
             "loaded": self.engine is not None,
@@ -75,7 +77,8 @@ class ServedModel:
             "pinned": self.pinned,
         }
         if self.engine is not None:
-            entry |= {"max_model_len": self.engine.max_model_len, "info": self.engine.info()}
+            info = visible_info(self.engine.info(), tenant)
+            entry |= {"max_model_len": self.engine.max_model_len, "info": info}
         return entry
 
 

@@ -56,7 +56,9 @@ class Outbox:
         for session in self.sessions:
             if session.backlog:
                 self._flush(session, now)
-            elif session.requests and now - session.last_sent >= HEARTBEAT_INTERVAL_S:
+            elif (
+                session.requests or session.num_waiting
+            ) and now - session.last_sent >= HEARTBEAT_INTERVAL_S:
                 # Also the probe that finds a vanished client whose requests send nothing yet (non-streaming).
                 self._deliver(session, _HEARTBEAT)
 

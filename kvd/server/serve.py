@@ -27,7 +27,7 @@ from kvd_client.endpoint import Endpoint, parse_endpoint, resolve_endpoint
 
 if TYPE_CHECKING:
     from kvd.engine.llm_engine import LLMEngine
-    from kvd.server.models import ServedModels
+    from kvd.server.models import ServedModel, ServedModels
 
 logger = logging.getLogger("kvd.server")
 
@@ -123,29 +123,38 @@ def serve(
     notifier = Notifier(stop_timeout_s=config.drain_timeout + STOP_MARGIN_S)
     served: list[ServedModel] = []
     try:
-        # The first model and the pinned ones load now; the others on their first request.
+        # One naming rule, decided before anything loads (so --pin is checked first): NAME= as given, else the
+        # file's stem, the folder's name or the hub id; the bundled default (a daemon's only model) by its file.
         for i, spec in enumerate(specs):
-            model = ServedModel(
-                spec.name or spec.default_name(),
-                spec,
-                pinned=i == 0 or (spec.name or spec.default_name()) in config.pin,
-            )
+            name = spec.name or spec.default_name()
+            served.append(ServedModel(name, spec, pinned=i == 0 or name in config.pin))
+        _check_pins(config, served)
+        # The first model and the pinned ones load now; the others on their first request.
+        for model in served:
             if model.pinned:
                 with extending_start_timeout(notifier):
-                    engine = LLMEngine(replace(engine_args, model=spec.source))
-                model.name = spec.name or engine.model_name
+                    engine = LLMEngine(replace(engine_args, model=model.spec.source))
+                if model.spec.source is None:
+                    model.name = engine.model_name
                 model.attach(engine, config)
-            served.append(model)
         models = ServedModels(served)
-        unknown = [name for name in config.pin if name not in {m.name for m in models}]
-        if unknown:
-            raise ValueError(
-                f"--pin {unknown[0]}: no model has that name; served: {', '.join(m.name for m in models)}"
-            )
         _serve_models(models, engine_args, endpoint, events_endpoint, config, notifier, http)
     finally:
         for model in served:
             model.detach()  # stops the other tensor-parallel ranks
+
+
+def _check_pins(config: ServerConfig, served: list[ServedModel]) -> None:
+    names = [m.name for m in served]
+    unknown = [name for name in config.pin if name not in names]
+    if unknown:
+        raise ValueError(f"--pin {unknown[0]}: no model has that name; served: {', '.join(names)}")
+    pinned = sum(m.pinned for m in served)
+    if config.max_loaded_models is not None and pinned > config.max_loaded_models:
+        raise ValueError(
+            f"{pinned} models are pinned (the first model and --pin), more than --max-loaded-models "
+            f"{config.max_loaded_models}: every other model could never load"
+        )
 
 
 def _serve_models(

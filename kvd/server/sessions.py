@@ -87,6 +87,8 @@ class ClientSession:
     notices_until: float | None = None
     # Accepted requests not yet in the engine, oldest first (see fairness.py).
     pending: deque[Generation] = field(default_factory=deque)
+    # Other requests (load, tokenize, detokenize) waiting for a model to load: heartbeats go out meanwhile.
+    num_waiting: int = 0
     has_turn: bool = False  # in its tenant's turn order (fairness.py)
     tenant: str = ""  # who the peer is (isolation.py); "" for sessions made without a message
     # What stats, events and logs call the connection. Never the routing id itself: libzmq numbers plain
@@ -129,7 +131,7 @@ class Sessions:
         return sum(1 for s in self._by_identity.values() if s.tenant == tenant)
 
     def release_if_idle(self, session: ClientSession) -> None:
-        if not session.requests and not session.backlog:
+        if not session.requests and not session.backlog and not session.num_waiting:
             self._by_identity.pop(session.identity, None)
 
     def remove(self, session: ClientSession) -> None:

@@ -43,11 +43,14 @@ class Worker(Generic[Job, Result]):
         self.num_pending -= len(done)
         return done
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop after the jobs submitted; `wait`: until they are done (else the thread, a daemon one, may still
+        be at one when the process exits)."""
         self._jobs.put(None)
-        self._thread.join()
-        self.wakeup.close()
-        self._notify.close()
+        if wait:
+            self._thread.join()
+            self.wakeup.close()
+            self._notify.close()
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
