@@ -38,15 +38,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="a .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each measure (default 3)")
     parser.add_argument("--tokens", type=int, default=128, help="tokens of a decode measure (default 128)")
+    parser.add_argument("--threads", type=int, help="the daemon's threads (default: its own choice)")
+    parser.add_argument("--quick", action="store_true", help="one round of few tokens (the tests' run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.tokens = 1, 16
+    return args
 
 
-def start_daemon(model: str, folder: Path) -> tuple[subprocess.Popen, str]:
+def start_daemon(model: str, folder: Path, threads: int | None) -> tuple[subprocess.Popen, str]:
     endpoint = f"ipc://{folder}/kvd.sock"
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen", endpoint, "--log-level", "warning"]
     cmd += ["--kv-cache-memory", "256M", "--keep-alive", "-1", "--max-loaded-models", "3"]
     cmd += [part for name in "abc" for part in ("--model", f"{name}={model}")]
+    cmd += ["--threads", str(threads)] if threads else []
     proc = subprocess.Popen(cmd)
     with Client(endpoint, timeout=1) as client:
         deadline = time.monotonic() + 300
@@ -103,9 +109,7 @@ def llama_server_ready_s(binary: Path, model: str) -> float:
     port = 18000 + os.getpid() % 1000
     started = time.perf_counter()
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [str(binary), "-m", model, "--port", str(port)], stdout=log, stderr=log
-    )
+    proc = subprocess.Popen([str(binary), "-m", model, "--port", str(port)], stdout=log, stderr=log)
     try:
         while proc.poll() is None:
             try:
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     peer = peer_binary()
     figures: dict[str, list[float]] = {k: [] for k in ("warm", "cold", "alone", "beside", "peer_ready")}
     with tempfile.TemporaryDirectory() as folder:
-        proc, endpoint = start_daemon(model, Path(folder))
+        proc, endpoint = start_daemon(model, Path(folder), args.threads)
         try:
             with Client(endpoint, timeout=300) as client:
                 first_token_s(client, "a")  # the warm-up of a first request
