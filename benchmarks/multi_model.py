@@ -26,7 +26,8 @@ from pathlib import Path
 
 from benchmarks.host import cpu_name
 from benchmarks.peers import peer_binary
-from kvd_client import Client, KvdError
+from benchmarks.serve import launch_daemon
+from kvd_client import Client
 
 HI = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -53,17 +54,7 @@ def start_daemon(model: str, folder: Path, threads: int | None) -> tuple[subproc
     cmd += ["--kv-cache-memory", "256M", "--keep-alive", "-1", "--max-loaded-models", "3"]
     cmd += [part for name in "abc" for part in ("--model", f"{name}={model}")]
     cmd += ["--threads", str(threads)] if threads else []
-    proc = subprocess.Popen(cmd)
-    with Client(endpoint, timeout=1) as client:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                client.health()
-                return proc, endpoint
-            except KvdError:
-                time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the daemon did not start")
+    return launch_daemon(cmd, endpoint), endpoint
 
 
 def first_token_s(client: Client, model: str) -> float:

@@ -150,6 +150,11 @@ def start_daemon(args: argparse.Namespace, endpoint: str) -> subprocess.Popen:
     ]
     if args.model:
         cmd += ["--model", args.model]
+    return launch_daemon(cmd, endpoint)
+
+
+def launch_daemon(cmd: list[str], endpoint: str) -> subprocess.Popen:
+    """`kvd serve` as `cmd`, once it answers `health` on `endpoint`."""
     proc = subprocess.Popen(cmd)
     with Client(endpoint, timeout=1) as client:
         deadline = time.monotonic() + 300

@@ -14,12 +14,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvd.gateway.anthropic_schemas import PARAM_NAMES, CountTokensRequest, MessagesRequest
 from kvd.gateway.choices import Choice, arguments_object, merged, prompt_fields, unless_disconnected
-from kvd.gateway.errors import ApiError, anthropic_error, from_kvd_error, invalid_fields
+from kvd.gateway.errors import anthropic_error, from_kvd_error, generation_cut, invalid_fields
 from kvd.gateway.outcome import answer
 from kvd.gateway.state import Gateway, ServedModel, gateway_of
 from kvd_client import KvdError, ToolCall
 
-CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 # The daemon's finish reasons as Anthropic's stop reasons ("stop" with a stop string: stop_sequence).
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -79,7 +78,7 @@ async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> d
 
     choice = await unless_disconnected(request, collect())
     if choice.finish_reason == "abort":
-        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+        raise generation_cut()
     return shape.whole(choice)
 
 
@@ -203,7 +202,7 @@ async def _events(
             _, chunk = item
             if chunk.finish_reason == "abort":
                 outcome = "server_error"
-                yield _event("error", anthropic_error(ApiError(503, CUT_MESSAGE, "server_error")))
+                yield _event("error", anthropic_error(generation_cut()))
                 return
             choice.add(chunk)
             if chunk.reasoning:

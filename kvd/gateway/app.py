@@ -20,7 +20,13 @@ from kvd.gateway.auth import Access, Guard
 from kvd.gateway.bodies import EchoedPrompt, Reply
 from kvd.gateway.callers import CallerClients
 from kvd.gateway.choices import Job, collect, merged, prompt_fields, unless_disconnected
-from kvd.gateway.errors import ApiError, from_kvd_error, install_handlers, invalid_fields, unavailable_reason
+from kvd.gateway.errors import (
+    from_kvd_error,
+    generation_cut,
+    install_handlers,
+    invalid_fields,
+    unavailable_reason,
+)
 from kvd.gateway.http_metrics import CountRequests
 from kvd.gateway.metrics import GatewayMetrics
 from kvd.gateway.outcome import answer
@@ -33,7 +39,6 @@ logger = logging.getLogger("kvd.gateway")
 # A health probe's answer within this: the daemon answers health between engine steps (a long prefill step can
 # take seconds), and a probe must not hang for the client's whole timeout.
 HEALTH_TIMEOUT_S = 5.0
-CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
 # What a route prepares once the model is checked: the daemon requests, the reply's shape, and whether the
 # one token generated is dropped (echo with max_tokens 0).
@@ -203,7 +208,7 @@ async def _reply(
         return StreamingResponse(events, media_type="text/event-stream")
     choices = await unless_disconnected(request, collect(chunks, len(jobs)))
     if any(c.finish_reason == "abort" for c in choices):
-        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+        raise generation_cut()
     if drop_generated:
         for choice in choices:
             choice.drop_generated()
@@ -228,7 +233,7 @@ async def _events(
             index, chunk = item
             if chunk.finish_reason == "abort":
                 outcome = "server_error"
-                yield _event(ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut").body())
+                yield _event(generation_cut().body())
                 return
             await reply.texts.fill(chunk.logprobs or [])
             for body in reply.chunks(index, chunk):

@@ -51,6 +51,12 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def generation_cut() -> ApiError:
+    """The daemon stopped (a drain, a restart) before the generation finished."""
+    message = "the kvd daemon stopped before the generation finished; retry once it is back"
+    return ApiError(503, message, "server_error", code="generation_cut")
+
+
 def invalid_fields(problems: Sequence[tuple[str, str]]) -> ApiError:
     """One 400 for every field at fault: `param` is the first, the message lists them all."""
     message = "; ".join(f"{param}: {reason}" for param, reason in problems)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvd.gateway.choices import Choice, Job, arguments_object, merged, unless_disconnected
-from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
+from kvd.gateway.errors import ApiError, from_kvd_error, generation_cut, invalid_fields
 from kvd.gateway.logprobs import TokenTexts
 from kvd.gateway.ollama_schemas import (
     PARAM_NAMES,
@@ -37,7 +37,6 @@ OLLAMA_VERSION = "0.12.0"
 # The installed kvd's (the daemon's too: one install), read without importing kvd and what it imports.
 KVD_VERSION = importlib.metadata.version("kvd")
 TAG = ":latest"  # Ollama's default tag: "model" and "model:latest" name the same model
-CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
 router = APIRouter(prefix="/api")
 
@@ -336,7 +335,7 @@ async def _reply(
 
     choice = await unless_disconnected(request, collect())
     if choice.finish_reason == "abort":
-        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+        raise generation_cut()
     await shape.texts.fill(choice.logprobs)
     final = Chunk(choice.index, "", [], finish_reason=choice.finish_reason, usage=choice.usage)
     return shape.whole(choice, final)
@@ -352,7 +351,7 @@ async def _lines(
             _, chunk = item
             if chunk.finish_reason == "abort":
                 outcome = "server_error"
-                yield _line({"error": CUT_MESSAGE})
+                yield _line({"error": generation_cut().message})
                 return
             await shape.texts.fill(chunk.logprobs or [])
             for line in shape.lines(chunk):

@@ -15,14 +15,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvd.gateway.auth import caller_of
 from kvd.gateway.choices import Choice, collect, merged, unless_disconnected
-from kvd.gateway.errors import ApiError, from_kvd_error, invalid_fields
+from kvd.gateway.errors import ApiError, from_kvd_error, generation_cut, invalid_fields
 from kvd.gateway.outcome import answer
 from kvd.gateway.response_store import TTL_S
 from kvd.gateway.responses_schemas import PARAM_NAMES, ResponsesRequest
 from kvd.gateway.state import Gateway, gateway_of
 from kvd_client import KvdError, ToolCall
-
-CUT_MESSAGE = "the kvd daemon stopped before the generation finished; retry once it is back"
 
 router = APIRouter(prefix="/v1/responses")
 
@@ -82,7 +80,7 @@ async def _reply(request: Request, gateway: Gateway, body: ResponsesRequest) -> 
         return StreamingResponse(events, media_type="text/event-stream")
     (choice,) = await unless_disconnected(request, collect(chunks, 1))
     if choice.finish_reason == "abort":
-        raise ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")
+        raise generation_cut()
     response = shape.whole(choice)
     keep(response, choice)
     return response
@@ -318,7 +316,7 @@ async def _events(
             _, chunk = item
             if chunk.finish_reason == "abort":
                 outcome = "server_error"
-                yield _event(shape.error(ApiError(503, CUT_MESSAGE, "server_error", code="generation_cut")))
+                yield _event(shape.error(generation_cut()))
                 return
             choice.add(chunk)
             for kind, text in (("reasoning", chunk.reasoning), ("message", chunk.text)):
