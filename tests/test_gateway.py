@@ -479,18 +479,16 @@ def test_metrics(daemon: DaemonProcess, oai: openai.OpenAI, kvd: Client, model: 
     assert delta("kvd_gateway_time_to_first_token_seconds_count") == 1
     assert delta("kvd_gateway_inter_token_latency_seconds_count") == 4
     info, stats = kvd.info(), kvd.stats()
+    by_model = (("model", model),)  # the engines' figures are labelled by model
     assert after[("kvd_daemon_up", ())] == 1
-    assert after[("kvd_kv_cache_blocks", ())] == info["num_blocks"]
-    assert ("kvd_kv_cache_group_used_blocks", (("group", "0"), ("window", "full"))) in after  # one group here
-    assert after[("kvd_preemptions_total", ())] == stats["num_preemptions"]
-    assert after[("kvd_prefix_cache_hit_tokens_total", ())] <= stats["prefix_cache"]["hit_tokens"]
-    for name in (
-        "kvd_queued_requests",
-        "kvd_running_sequences",
-        "kvd_kv_cache_usage_ratio",
-        "kvd_prefix_cache_hit_rate",
-    ):
-        assert (name, ()) in after
+    assert after[("kvd_kv_cache_blocks", by_model)] == info["num_blocks"]
+    one_group = (("group", "0"), ("model", model), ("window", "full"))  # one group here
+    assert ("kvd_kv_cache_group_used_blocks", one_group) in after
+    assert after[("kvd_preemptions_total", by_model)] == stats["num_preemptions"]
+    assert after[("kvd_prefix_cache_hit_tokens_total", by_model)] <= stats["prefix_cache"]["hit_tokens"]
+    assert ("kvd_queued_requests", ()) in after  # the daemon's queue and every engine's
+    for name in ("kvd_running_sequences", "kvd_kv_cache_usage_ratio", "kvd_prefix_cache_hit_rate"):
+        assert (name, by_model) in after
 
 
 def _metrics(daemon: DaemonProcess) -> dict[tuple[str, tuple], float]:

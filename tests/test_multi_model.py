@@ -122,6 +122,9 @@ def test_the_gateway_lists_and_serves_every_model(daemon: DaemonProcess):
         timeout=60,
     ).json()
     assert reply["message"]["thinking"]
+    metrics = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
+    for name in ("smol", "thinker"):  # each loaded model's engine, labelled
+        assert f'kvd_running_sequences{{model="{name}"}}' in metrics
 
 
 def test_loads_on_demand_once_evicts_the_least_recent_idle_model_and_keeps_alive(

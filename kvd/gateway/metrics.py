@@ -26,67 +26,97 @@ class DaemonCollector:
         yield up
         if self.stats is None:
             return
-        s, kv, prefix = self.stats, self.stats["kv_cache"], self.stats["prefix_cache"]
+        # Each loaded model's engine, labelled by the model's name (one model: the stats themselves).
+        engines = self.stats.get("models") or {self.stats["model"]: self.stats}
         yield _gauge(
             "kvd_queued_requests",
-            "requests waiting: in the daemon's client queues and in the engine's queue",
-            s["num_waiting"] + s["daemon"]["num_queued"],
+            "requests waiting: in the daemon's client queues and in the engines' queues",
+            sum(e["num_waiting"] for e in engines.values()) + self.stats["daemon"]["num_queued"],
         )
-        yield _gauge("kvd_running_sequences", "sequences the engine is running", s["num_running"])
-        yield _gauge(
-            "kvd_kv_cache_usage_ratio",
-            "fraction of the KV pool's blocks in use",
-            _ratio(kv["used_blocks"], kv["total_blocks"]),
-        )
-        yield _gauge("kvd_kv_cache_blocks", "blocks in the KV pool", kv["total_blocks"])
+        gauges = {
+            "kvd_running_sequences": ("sequences the engine is running", lambda e: e["num_running"]),
+            "kvd_kv_cache_usage_ratio": (
+                "fraction of the KV pool's blocks in use",
+                lambda e: _ratio(e["kv_cache"]["used_blocks"], e["kv_cache"]["total_blocks"]),
+            ),
+            "kvd_kv_cache_blocks": ("blocks in the KV pool", lambda e: e["kv_cache"]["total_blocks"]),
+            "kvd_prefix_cache_hit_rate": (
+                "prompt tokens served from the prefix cache / queried",
+                lambda e: e["prefix_cache"]["hit_rate"],
+            ),
+        }
+        counters = {
+            "kvd_prefix_cache_queried_tokens": (
+                "prompt tokens looked up in the prefix cache",
+                lambda e: e["prefix_cache"]["queried_tokens"],
+            ),
+            "kvd_prefix_cache_hit_tokens": (
+                "prompt tokens found in the prefix cache",
+                lambda e: e["prefix_cache"]["hit_tokens"],
+            ),
+            "kvd_preemptions": (
+                "sequences preempted for KV blocks (recomputed later)",
+                lambda e: e["num_preemptions"],
+            ),
+            "kvd_prompt_tokens": (
+                "prompt tokens the engine prefilled, all clients",
+                lambda e: e["num_prefill_tokens"],
+            ),
+            "kvd_generation_tokens": (
+                "tokens the engine generated, all clients",
+                lambda e: e["num_generated_tokens"],
+            ),
+        }
+        for families, kind in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
+            for name, (documentation, value) in families.items():
+                family = kind(name, documentation, labels=["model"])
+                for model, engine in engines.items():
+                    family.add_metric([model], value(engine))
+                yield family
         groups = GaugeMetricFamily(
             "kvd_kv_cache_group_used_blocks",
             "blocks each KV group's tables hold (a sliding-window group frees those behind its window)",
-            labels=["group", "window"],
+            labels=["model", "group", "window"],
         )
-        for i, group in enumerate(kv["groups"]):
-            groups.add_metric([str(i), str(group["window"] or "full")], group["used_blocks"])
+        for model, engine in engines.items():
+            for i, group in enumerate(engine["kv_cache"]["groups"]):
+                groups.add_metric([model, str(i), str(group["window"] or "full")], group["used_blocks"])
         yield groups
-        yield _gauge(
-            "kvd_prefix_cache_hit_rate",
-            "prompt tokens served from the prefix cache / queried",
-            prefix["hit_rate"],
-        )
-        yield _counter(
-            "kvd_prefix_cache_queried_tokens",
-            "prompt tokens looked up in the prefix cache",
-            prefix["queried_tokens"],
-        )
-        yield _counter(
-            "kvd_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", prefix["hit_tokens"]
-        )
-        yield _counter(
-            "kvd_preemptions", "sequences preempted for KV blocks (recomputed later)", s["num_preemptions"]
-        )
-        yield _counter(
-            "kvd_prompt_tokens", "prompt tokens the engine prefilled, all clients", s["num_prefill_tokens"]
-        )
-        yield _counter(
-            "kvd_generation_tokens", "tokens the engine generated, all clients", s["num_generated_tokens"]
-        )
-        spec = s["speculative"]
-        if spec is not None:
-            yield _counter(
-                "kvd_speculative_draft_tokens", "speculative draft tokens verified", spec["num_draft_tokens"]
-            )
-            yield _counter(
-                "kvd_speculative_accepted_tokens",
-                "draft tokens the model's own tokens confirmed",
-                spec["num_accepted_tokens"],
-            )
-            yield _counter(
-                "kvd_speculative_rejected_tokens", "draft tokens rejected", spec["num_rejected_tokens"]
-            )
-            yield _gauge(
-                "kvd_speculative_mean_accepted_length",
-                "draft tokens accepted per verification, since start",
-                spec["mean_accepted_length"],
-            )
+        yield from _speculative(engines)
+
+
+def _speculative(engines: dict[str, dict]) -> Iterator[Metric]:
+    """The drafts' counts of the models that speculate."""
+    drafting = {model: e["speculative"] for model, e in engines.items() if e["speculative"] is not None}
+    if not drafting:
+        return
+    metrics = {
+        "kvd_speculative_draft_tokens": (
+            CounterMetricFamily,
+            "speculative draft tokens verified",
+            "num_draft_tokens",
+        ),
+        "kvd_speculative_accepted_tokens": (
+            CounterMetricFamily,
+            "draft tokens the model's own tokens confirmed",
+            "num_accepted_tokens",
+        ),
+        "kvd_speculative_rejected_tokens": (
+            CounterMetricFamily,
+            "draft tokens rejected",
+            "num_rejected_tokens",
+        ),
+        "kvd_speculative_mean_accepted_length": (
+            GaugeMetricFamily,
+            "draft tokens accepted per verification, since start",
+            "mean_accepted_length",
+        ),
+    }
+    for name, (kind, documentation, key) in metrics.items():
+        family = kind(name, documentation, labels=["model"])
+        for model, spec in drafting.items():
+            family.add_metric([model], spec[key])
+        yield family
 
 
 class GatewayMetrics:
@@ -165,7 +195,3 @@ def _ratio(a: float, b: float) -> float:
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=value)
-
-
-def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, documentation, value=value)
