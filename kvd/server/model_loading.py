@@ -4,10 +4,13 @@ recently used idle model (--max-loaded-models), and an idle model unloads after 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import logging
+import os
+import threading
 import time
 from dataclasses import replace
 
@@ -21,6 +24,7 @@ from kvd.server.worker import Worker
 
 logger = logging.getLogger("kvd.server")
 
+LOAD_NICE = 10  # the loader thread's niceness: below the loop's, above nothing else's
 LoadResult = tuple[
     ServedModel, LLMEngine | None, float, str
 ]  # the model, its engine or None, seconds, why not
@@ -102,6 +106,10 @@ class ModelLoading:
         self.worker.close(wait=False)
 
     def _load(self, model: ServedModel) -> LoadResult:
+        # The serving loop comes first: this thread, and the compute threads it starts, run at a lower priority
+        # (a thread's nice value is its own on Linux, and threads inherit it).
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
         started = time.monotonic()
         try:
             engine = LLMEngine(replace(self.engine_args, model=model.spec.source))
