@@ -232,7 +232,10 @@ def test_a_key_file_others_may_read_is_refused(tmp_path: Path):
         ("alice:short\n", "at least 16 characters"),
         (f"alice:{ALICE}\nbob:{ALICE}\n", "given twice"),
         ("# only a comment\n", "holds no key"),
-        (f"al ice:{ALICE}\n", "a name is"),
+        (f"al!ice:{ALICE}\n", "a name is"),
+        (f"al ice:{ALICE}\n", "a line is NAME:KEY or KEY"),
+        (f"alice:{ALICE} models=\n", "optionally models=NAME,NAME"),
+        (f"alice:{ALICE} smol\n", "optionally models=NAME,NAME"),
     ],
 )
 def test_a_bad_key_file_is_refused_naming_the_line(tmp_path: Path, text: str, expected: str):

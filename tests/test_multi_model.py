@@ -231,3 +231,24 @@ def test_the_cli_lists_loads_and_unloads_models(daemon: DaemonProcess, kvd: Clie
     assert "thinker: unloaded" in _kvd(daemon, "unload", "thinker").stdout
     refused = _kvd(daemon, "unload", "smol")
     assert refused.returncode != 0 and "pinned" in refused.stderr
+
+
+def test_a_key_that_names_its_models_sees_and_uses_those_alone(daemon: DaemonProcess, tmp_path: Path):
+    from test_gateway_security import ALICE, BOB, running_gateway
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice:{ALICE} models=smol\nbob:{BOB}\n")
+    keys.chmod(0o600)
+    with running_gateway(daemon, tmp_path, "--api-key-file", str(keys)) as base_url:
+        alice = openai.OpenAI(base_url=f"{base_url}/v1", api_key=ALICE, max_retries=0, timeout=60)
+        bob = openai.OpenAI(base_url=f"{base_url}/v1", api_key=BOB, max_retries=0, timeout=60)
+        assert [m.id for m in alice.models.list()] == ["smol"]
+        assert [m.id for m in bob.models.list()] == NAMES
+        assert alice.chat.completions.create(model="smol", messages=HI, max_tokens=2).choices
+        with pytest.raises(openai.NotFoundError) as e:  # as if it were not served: no hint it exists
+            alice.chat.completions.create(model="thinker", messages=HI, max_tokens=2)
+        assert (
+            e.value.body["code"] == "model_not_found"
+            and "thinker" not in e.value.body["message"].split(";")[1]
+        )
+        assert bob.chat.completions.create(model="plain", messages=HI, max_tokens=2).choices

@@ -34,7 +34,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
 @router.post("/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    model = await _check(gateway, body)
+    model = await _check(request, gateway, body)
     fields = prompt_fields({**body.daemon_tools(), **body.reasoning_fields()})
     try:
         ids = await gateway.client.tokenize(messages=body.conversation(), **fields, model=model.name)
@@ -43,8 +43,10 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
     return {"input_tokens": len(ids)}
 
 
-async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -> ServedModel:
-    model = await gateway.check_model(body.model)
+async def _check(
+    request: Request, gateway: Gateway, body: MessagesRequest | CountTokensRequest
+) -> ServedModel:
+    model = await gateway.check_model(request, body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)
@@ -52,7 +54,7 @@ async def _check(gateway: Gateway, body: MessagesRequest | CountTokensRequest) -
 
 
 async def _reply(request: Request, gateway: Gateway, body: MessagesRequest) -> dict | StreamingResponse:
-    model = await _check(gateway, body)
+    model = await _check(request, gateway, body)
     messages = body.conversation()
     shape = ReplyShape(body.model, body.thinking is None or body.thinking.display != "omitted")
     job = (messages, body.daemon_fields())

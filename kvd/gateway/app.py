@@ -104,12 +104,12 @@ def create_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gateway = gateway_of(request)
-        return {"object": "list", "data": [model_card(gateway, m) for m in await gateway.models()]}
+        return {"object": "list", "data": [model_card(gateway, m) for m in await gateway.models(request)]}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str, request: Request) -> dict:
         gateway = gateway_of(request)
-        return model_card(gateway, await gateway.check_model(model))  # 404 for a name not served
+        return model_card(gateway, await gateway.check_model(request, model))  # 404 for a name not served
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -194,7 +194,7 @@ async def _reply(
     names: dict[str, str],
 ) -> dict | StreamingResponse:
     """The whole reply's body, or the stream of its events."""
-    model = await gateway.check_model(body.model)
+    model = await gateway.check_model(request, body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)

@@ -16,10 +16,11 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvd.gateway.errors import ApiError, error_response
-from kvd.gateway.keys import ApiKeys
+from kvd.gateway.keys import ApiKeys, Models
 from kvd.gateway.server import GatewayConfigError
 
 CALLER = "kvd.caller"  # the scope's key for the caller's identity
+MODELS = "kvd.models"  # and for the models its key may use
 ANY_HOST = "*"
 OPEN_PATHS = frozenset({"/health"})  # served without a key: a probe learns only whether the daemon is ready
 UNIX_CALLER = "unix socket"  # without keys, every caller on the unix socket is one identity
@@ -110,6 +111,11 @@ def caller_of(request: Request) -> str:
     return request.scope[CALLER]  # a KeyError is a route that Guard did not check: a bug, a 500
 
 
+def models_of(request: Request) -> Models:
+    """The models the caller's key may use (None: every model)."""
+    return request.scope.get(MODELS)
+
+
 class Guard:
     """ASGI middleware (as CountRequests: not BaseHTTPMiddleware, which would buffer streams): the Host check,
     then the key, answered in the route's error shape (errors.error_response)."""
@@ -135,24 +141,24 @@ class Guard:
             client = scope.get("client")
             scope[CALLER] = UNIX_CALLER if over_unix else f"address {client[0] if client else '?'}"
         elif scope["path"] not in OPEN_PATHS:
-            name = _key_name(keys, headers)
-            if name is None:
+            found = _key(keys, headers)
+            if found is None:
                 error = ApiError(401, _key_message(headers), "invalid_request_error", code="invalid_api_key")
                 await _refuse(scope, receive, send, error, {"WWW-Authenticate": "Bearer"})
                 return
-            scope[CALLER] = f"key {name}"
+            scope[CALLER], scope[MODELS] = f"key {found[0]}", found[1]
         await self.app(scope, receive, send)
 
 
-def _key_name(keys: ApiKeys, headers: dict[bytes, bytes]) -> str | None:
-    """The name of the key sent as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+def _key(keys: ApiKeys, headers: dict[bytes, bytes]) -> tuple[str, Models] | None:
+    """The name and models of the key sent as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
     (Anthropic's); either may be the right one."""
     scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
     candidates = [token.strip()] if scheme.lower() == b"bearer" else []
     if b"x-api-key" in headers:
         candidates.append(headers[b"x-api-key"].strip())
-    names = [keys.name_of(c) for c in candidates]
-    return next((n for n in names if n is not None), None)
+    found = [keys.find(c) for c in candidates]
+    return next((f for f in found if f is not None), None)
 
 
 def _key_message(headers: dict[bytes, bytes]) -> str:

@@ -40,7 +40,7 @@ def encode(vector: list[float], encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    model = await gateway.check_model(body.model)
+    model = await gateway.check_model(request, body.model)
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     try:

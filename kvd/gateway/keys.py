@@ -1,7 +1,8 @@
 """The gateway's API keys: read from `--api-key-file` and `$KVD_API_KEY` at start, and matched in constant time.
 
 A key is never a flag's value, since flags show in `ps`. Each key has a name, the caller's identity: the name
-keys its prefix-cache namespace (kvd.gateway.salts), so two keys with one name share a namespace."""
+keys its prefix-cache namespace (kvd.gateway.salts), so two keys with one name share a namespace. A key may name
+the models it may use (`NAME:KEY models=a,b`); without a list, every model."""
 
 from __future__ import annotations
 
@@ -21,29 +22,35 @@ MIN_KEY_CHARS = 16  # the gateway does not limit attempts: a short key could be 
 _NAME = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
 
 
+# A key's models: the names it may use, or None for every model.
+Models = frozenset[str] | None
+
+
 @dataclass
 class ApiKeys:
-    keys: list[tuple[bytes, str]] = field(default_factory=list)  # (key, its caller's name)
+    keys: list[tuple[bytes, str, Models]] = field(
+        default_factory=list
+    )  # (key, its caller's name, its models)
 
-    def name_of(self, candidate: bytes) -> str | None:
-        """The name of the key `candidate` is, else None. Every key is compared in full (hmac.compare_digest),
-        so the time taken does not tell how much of a key was right, nor which key was close."""
+    def find(self, candidate: bytes) -> tuple[str, Models] | None:
+        """The name and models of the key `candidate` is, else None. Every key is compared in full
+        (hmac.compare_digest), so the time taken does not tell how much of a key was right, nor which was close."""
         found = None
-        for key, name in self.keys:
+        for key, name, models in self.keys:
             if hmac.compare_digest(candidate, key) and found is None:
-                found = name
+                found = (name, models)
         return found
 
-    def add(self, key: str, name: str, where: str) -> None:
+    def add(self, key: str, name: str, where: str, models: Models = None) -> None:
         if len(key) < MIN_KEY_CHARS or any(c.isspace() for c in key):
             raise GatewayConfigError(
                 f"{where}: a key must be at least {MIN_KEY_CHARS} characters without spaces "
                 "(make one with `openssl rand -hex 32`)"
             )
         encoded = key.encode()
-        if any(hmac.compare_digest(encoded, k) for k, _ in self.keys):
+        if any(hmac.compare_digest(encoded, k) for k, _, _ in self.keys):
             raise GatewayConfigError(f"{where}: this key is given twice; each caller needs a key of its own")
-        self.keys.append((encoded, name))
+        self.keys.append((encoded, name, models))
 
 
 def load_api_keys(key_file: str | None, env_key: str | None) -> ApiKeys | None:
@@ -55,6 +62,7 @@ def load_api_keys(key_file: str | None, env_key: str | None) -> ApiKeys | None:
             if not line or line.startswith("#"):
                 continue
             where = f"--api-key-file {key_file}, line {number}"
+            line, models = _models(line, where)
             name, sep, key = line.partition(":")
             if not sep:
                 name, key = _unnamed(line), line
@@ -62,7 +70,7 @@ def load_api_keys(key_file: str | None, env_key: str | None) -> ApiKeys | None:
                 raise GatewayConfigError(
                     f"{where}: a name is 1 to 64 letters, digits and . _ @ - (the line is NAME:KEY or KEY)"
                 )
-            keys.add(key, name, where)
+            keys.add(key, name, where, models)
         if not keys.keys:
             raise GatewayConfigError(
                 f"--api-key-file {key_file} holds no key; write one key (or NAME:KEY) a line"
@@ -70,6 +78,18 @@ def load_api_keys(key_file: str | None, env_key: str | None) -> ApiKeys | None:
     if env_key:
         keys.add(env_key, f"${ENV_KEY}", f"${ENV_KEY}")
     return keys if keys.keys else None
+
+
+def _models(line: str, where: str) -> tuple[str, Models]:
+    """The line without its `models=a,b` part, and those models (None without one)."""
+    key, *rest = line.split()
+    if not rest:
+        return key, None
+    listed = rest[0].removeprefix("models=")
+    names = frozenset(n for n in listed.split(",") if n)
+    if len(rest) > 1 or not rest[0].startswith("models=") or not names:
+        raise GatewayConfigError(f"{where}: a line is NAME:KEY or KEY, then optionally models=NAME,NAME")
+    return key, names
 
 
 def _unnamed(key: str) -> str:

@@ -49,14 +49,14 @@ async def version() -> dict:
 @router.get("/tags")
 async def tags(request: Request) -> dict:
     gateway = gateway_of(request)
-    return {"models": [_model_card(gateway, m) for m in await gateway.models()]}
+    return {"models": [_model_card(gateway, m) for m in await gateway.models(request)]}
 
 
 @router.get("/ps")
 async def ps(request: Request) -> dict:
     """The models loaded now; each stays loaded until its keep-alive passes idle (kvd's list knows no date)."""
     gateway = gateway_of(request)
-    loaded = [m for m in await gateway.models() if m.info]
+    loaded = [m for m in await gateway.models(request) if m.info]
     running = {"expires_at": "2999-12-31T23:59:59Z", "size_vram": 0}
     return {
         "models": [
@@ -74,7 +74,7 @@ class ShowRequest(Strict):
 @router.post("/show")
 async def show(body: ShowRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    model = await _check_model(gateway, body.model or body.name or "")
+    model = await _check_model(request, gateway, body.model or body.name or "")
     info = model.info
     card = _model_card(gateway, model)
     model_info = {
@@ -101,7 +101,7 @@ async def show(body: ShowRequest, request: Request) -> dict:
 @router.post("/chat")
 async def chat(body: ChatRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    model = await _check(gateway, body)
+    model = await _check(request, gateway, body)
     if not body.messages:  # Ollama's way to load a model (or, with keep_alive 0, to unload it)
         return JSONResponse(
             await _load(gateway, model, body, {"message": {"role": "assistant", "content": ""}})
@@ -114,7 +114,7 @@ async def chat(body: ChatRequest, request: Request) -> Response:
 @router.post("/generate")
 async def generate(body: GenerateRequest, request: Request) -> Response:
     gateway = gateway_of(request)
-    model = await _check(gateway, body)
+    model = await _check(request, gateway, body)
     if not body.prompt:
         return JSONResponse(await _load(gateway, model, body, {"response": ""}))
     fields = body.daemon_fields(model.context_tokens)
@@ -127,7 +127,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    model = await _check_model(gateway, body.model)
+    model = await _check_model(request, gateway, body.model)
     if body.input == []:
         raise invalid_fields([("input", "at least one input")])
     started = time.monotonic_ns()
@@ -147,7 +147,7 @@ async def embed(body: EmbedRequest, request: Request) -> dict:
 @router.post("/embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     gateway = gateway_of(request)
-    model = await _check_model(gateway, body.model)
+    model = await _check_model(request, gateway, body.model)
     try:
         out = await gateway.embed(request, model, [body.prompt])
     except KvdError as e:
@@ -155,15 +155,15 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> dict:
     return {"embedding": out.embeddings[0]}
 
 
-async def _check_model(gateway: Gateway, model: str) -> ServedModel:
+async def _check_model(request: Request, gateway: Gateway, model: str) -> ServedModel:
     try:
-        return await gateway.check_model(model, also=(TAG,))
+        return await gateway.check_model(request, model, also=(TAG,))
     except ApiError as e:
         raise ApiError(404, f"model {model!r} not found", e.type, "model", e.code) from None
 
 
-async def _check(gateway: Gateway, body: ChatRequest | GenerateRequest) -> ServedModel:
-    model = await _check_model(gateway, body.model)
+async def _check(request: Request, gateway: Gateway, body: ChatRequest | GenerateRequest) -> ServedModel:
+    model = await _check_model(request, gateway, body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)

@@ -55,7 +55,7 @@ def _stored(request: Request, response_id: str, param: str):
 
 
 async def _reply(request: Request, gateway: Gateway, body: ResponsesRequest) -> dict | StreamingResponse:
-    model = await gateway.check_model(body.model)
+    model = await gateway.check_model(request, body.model)
     refused = body.refusals()
     if refused:
         raise invalid_fields(refused)

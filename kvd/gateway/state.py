@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from kvd.gateway.auth import caller_of
+from kvd.gateway.auth import caller_of, models_of
 from kvd.gateway.callers import CallerClients, connection_of
 from kvd.gateway.choices import Job, open_streams
 from kvd.gateway.errors import ApiError
@@ -82,7 +82,7 @@ class Gateway:
     def _client_for(self, request: Request, user: str | None) -> AsyncClient:
         return self.callers.get(connection_of(request, user))
 
-    async def models(self) -> list[ServedModel]:
+    async def models(self, request: Request) -> list[ServedModel]:
         """The daemon's models as it listed them within the last LIST_TTL_S (which are loaded changes as they
         load and unload; a name not in the list asks again)."""
         now = time.monotonic()
@@ -94,15 +94,16 @@ class Gateway:
             shown = self.served_model_name if i == 0 and self.served_model_name else name
             texts = self.texts.setdefault(name, TokenTexts(self.client, name))
             models.append(ServedModel(name, shown, entry.get("info", {}), texts))
-        return models
+        allowed = models_of(request)  # a key that names its models sees those alone
+        return [m for m in models if allowed is None or m.shown in allowed]
 
-    async def check_model(self, model: str, also: tuple[str, ...] = ()) -> ServedModel:
+    async def check_model(self, request: Request, model: str, also: tuple[str, ...] = ()) -> ServedModel:
         """The model `model` (or `model` without one of the suffixes `also`) names; else 404."""
         names = (model, *(model.removesuffix(suffix) for suffix in also if model.endswith(suffix)))
         for fresh in (False, True):
             if fresh:
                 self.listed = None  # a daemon restarted with other models, say
-            served = {m.shown: m for m in await self.models()}
+            served = {m.shown: m for m in await self.models(request)}
             for name in names:
                 if name in served:
                     return served[name]
