@@ -305,7 +305,7 @@ def test_a_gateway_bug_is_a_500_in_the_apis_shape(monkeypatch: pytest.MonkeyPatc
     from kvd.gateway.app import create_app
     from kvd.gateway.state import Gateway
 
-    async def broken(self: Gateway) -> list:
+    async def broken(self: Gateway, request: object) -> list:
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(Gateway, "models", broken)
