@@ -3,6 +3,7 @@ step's tokens into increments, pool_sizing.py sizes the KV pool."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -39,6 +40,7 @@ from kvd.engine.state_slots import StateSlots
 from kvd.kernels.native_build import native_isa
 from kvd.model.config import LINEAR
 from kvd.model.decoder import CausalLM
+from kvd.model.huge_pages import return_freed_heap
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend
 from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
@@ -538,6 +540,13 @@ class LLMEngine:
 def _continues(output: RequestOutput, draft: list[int], depth: int, token: int) -> bool:
     """The row after `depth` stands: the request goes on and the token sampled at `depth` is the draft's."""
     return not output.finished and depth < len(draft) and draft[depth] == token
+
+
+def release_memory() -> None:
+    """After an engine is dropped: its tensors freed now (not at some later collection) and the heap's free
+    pages handed back to the system, so that an unloaded model's memory shows as free."""
+    gc.collect()
+    return_freed_heap()
 
 
 def _state_slots(pool: PoolPlan, args: EngineArgs) -> StateSlots | None:

@@ -5,9 +5,6 @@ recently used idle model (--max-loaded-models), and an idle model unloads after 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import gc
 import logging
 import os
 import threading
@@ -15,7 +12,7 @@ import time
 from dataclasses import replace
 
 from kvd.engine.engine_args import EngineArgs
-from kvd.engine.llm_engine import LLMEngine
+from kvd.engine.llm_engine import LLMEngine, release_memory
 from kvd.server import events
 from kvd.server.models import OnLoad, ServedModel
 from kvd.server.protocol import INTERNAL, OVERLOADED, SHUTTING_DOWN, ProtocolError
@@ -82,9 +79,13 @@ class ModelLoading:
 
     def expire(self) -> None:
         """Unload each model idle for longer than its keep-alive (pinned models stay)."""
+        # Every loop turn: a daemon whose loaded models are all pinned (one model, say) pays nothing here.
+        candidates = [m for m in self.state.models.loaded() if not m.pinned]
+        if not candidates:
+            return
         now, busy = time.monotonic(), self._busy()
-        for model in self.state.models.loaded():
-            if model.pinned or model in busy:
+        for model in candidates:
+            if model in busy:
                 model.idle_since = None
                 continue
             if model.idle_since is None:
@@ -94,8 +95,7 @@ class ModelLoading:
 
     def unload(self, model: ServedModel) -> None:
         model.detach()
-        gc.collect()  # the engine's tensors go now, not at some later collection
-        _return_freed_memory()
+        release_memory()
         self.state.events.publish_model(events.MODEL_UNLOADED, model.name)
         logger.info("model %s unloaded", model.name)
 
@@ -145,13 +145,3 @@ class ModelLoading:
         waiting, model.waiting = model.waiting, []
         for then in waiting:
             then(error)
-
-
-def _return_freed_memory() -> None:
-    """Hand the freed heap back to the system (glibc keeps freed arenas otherwise), so that an unloaded model's
-    memory shows as free."""
-    libc = ctypes.util.find_library("c")
-    if libc is not None:
-        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
-        if trim is not None:
-            trim(0)
