@@ -105,6 +105,38 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
+    # Gemma 4 (E2B's shape in small): sliding layers of head size 16 and full ones of 32 (proportional RoPE on a
+    # quarter), the last two layers attending layers 2 and 3's K/V with MLPs twice as wide, per-layer inputs of 8
+    # values a layer, soft-capped logits.
+    "gemma4": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 6,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 256,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    # Gemma 4 (31B's shape in small): full layers whose keys give their values, with one KV head of 32 values
+    # against the sliding layers' two of 16; no per-layer inputs nor shared K/V.
+    "gemma4_k_eq_v": (
+        "Gemma4TextConfig",
+        {
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "hidden_size_per_layer_input": 0,
+        },
+    ),
     # Qwen3.5: three Gated DeltaNet layers (value heads two to a key head, a convolution of 4) and a full-attention
     # layer with a gated output and a quarter of each head rotated.
     "qwen3_5": (
@@ -188,6 +220,9 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
                 param.normal_(0.0, 1.0)  # routers: distinct experts for distinct tokens, not a near tie
             elif name.endswith("bias") or name == "sinks" or name.endswith(".sinks"):
                 param.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # Gemma 4's, 1 as initialized
+                buffer.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     byte_level_tokenizer().save_pretrained(folder)  # load_model wants one; these tests feed token ids
     return folder

@@ -47,6 +47,10 @@ MODES = [
     # Qwen2's in the native layer loop over an 8-bit pool.
     ("bfloat16", "int4", "gemma3", "auto"),
     ("float32", "int8", "qwen2_window", "int8"),
+    # Gemma 4: full and sliding layers of different head sizes in one pool, layers attending others' K/V,
+    # per-layer inputs; and full layers whose keys give the values.
+    ("float32", "int4", "gemma4", "auto"),
+    ("bfloat16", "int8", "gemma4_k_eq_v", "auto"),
     ("float32", "int4", "olmo2", "auto"),  # no input norms, q/k norms over all heads (the Python loop)
     # Mixtures of experts: tokens that share experts with others and that have one alone, in every format.
     ("float32", "int4", "qwen3_moe", "auto"),

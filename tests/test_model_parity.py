@@ -70,7 +70,7 @@ def test_decode_steps_match_transformers(family, models, paged_runner):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen3", "granite", "gemma3", "olmo2", "qwen3_moe", "gpt_oss", "qwen3_5"]
+    "family", ["llama", "qwen3", "granite", "gemma3", "gemma4", "olmo2", "qwen3_moe", "gpt_oss", "qwen3_5"]
 )
 def test_chunked_prefill_equals_one_shot(family, models, paged_runner):
     ours, _ = models(family)
@@ -82,7 +82,7 @@ def test_chunked_prefill_equals_one_shot(family, models, paged_runner):
     assert rel_err(torch.cat(chunks), one_shot) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma3", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "gemma3", "gemma4", "mixtral"])
 def test_prefill_over_cached_prefix_equals_one_shot(family, models, paged_runner):
     ours, _ = models(family)
     shared, suffix = prompt(4, 16), prompt(5, 9)

@@ -84,6 +84,11 @@ class ShardPlan(Generic[C]):
                 "this model has linear-attention layers (Gated DeltaNet), whose heads kvd does not split across "
                 "ranks yet: run it at a tensor-parallel size of 1"
             )
+        if getattr(config, "per_layer_input_size", 0) or getattr(config, "kv_source", ()):
+            raise ShardingError(
+                "this model has per-layer inputs or layers sharing K/V (Gemma 4), which kvd does not split across "
+                "ranks yet: run it at a tensor-parallel size of 1"
+            )
         if config.num_key_value_heads < n:
             raise ShardingError(
                 f"the model has {config.num_key_value_heads} KV heads, fewer than {n} ranks: use a "

@@ -573,9 +573,14 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _gated_mul("gelu_tanh_mul", gate, up)
 
 
+def same_rows(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether two [T, I] tensors are rows of one stride, each row contiguous (a single row's stride is any)."""
+    return gate.stride(1) == up.stride(1) == 1 and (gate.shape[0] == 1 or gate.stride(0) == up.stride(0))
+
+
 def _gated_mul(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     bf16 = _same_dtype(name, gate, up)
-    if gate.dim() != 2 or gate.shape != up.shape or gate.stride() != up.stride() or gate.stride(1) != 1:
+    if gate.dim() != 2 or gate.shape != up.shape or not same_rows(gate, up):
         raise NativeKernelError(
             f"{name}: gate and up must be [T, I] rows of one stride, got {tuple(gate.shape)} "
             f"{gate.stride()} and {tuple(up.shape)} {up.stride()}"

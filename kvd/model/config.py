@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from kvd.model.registry import SUPPORTED_ARCHITECTURES, family_class
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "proportional", "yarn")
 # The MLP's gate activation (config.json's hidden_act, or Gemma's hidden_activation) -> kvd.model.layers.activation.
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # layer_types' values: attention over a window, over the whole context, or a linear-attention layer with a recurrent
@@ -135,6 +136,20 @@ class Layout:
     # The query projection's second half gates the attention output by its sigmoid, head by head (Qwen3.5).
     attention_output_gate: bool = False
     linear_attention: LinearAttention | None = None  # the LINEAR layers' shape, where layer_types has any
+    # Gemma 4: the FULL layers' own head size and KV heads (None: the model's), their keys' projection also giving
+    # the values (full_k_eq_v), every value normed (RMSNorm without a scale) and attention unscaled (q/k norms).
+    full_head_dim: int | None = None
+    full_kv_heads: int | None = None
+    full_k_eq_v: bool = False
+    value_norm: bool = False
+    # Per layer, the layer whose K/V it attends (KV shared across layers: Gemma 4's last layers compute none);
+    # None: each its own.
+    kv_source: tuple[int, ...] | None = None
+    wide_mlp_layers: tuple[int, ...] = ()  # layers whose MLP is twice intermediate_size wide (Gemma 4)
+    # Gemma 4's per-layer inputs: a width per layer of a second embedding table (of per_layer_vocab_size rows),
+    # mixed with a projection of the token embeddings, that each layer adds through a gate after its MLP.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,14 @@ class ModelConfig:
     moe: MoE | None = None  # see Layout
     attention_output_gate: bool = False  # this and the next: see Layout
     linear_attention: LinearAttention | None = None
+    full_head_dim: int | None = None  # this and the next seven: see Layout
+    full_kv_heads: int | None = None
+    full_k_eq_v: bool = False
+    value_norm: bool = False
+    kv_source: tuple[int, ...] = ()  # empty: each layer its own
+    wide_mlp_layers: tuple[int, ...] = ()
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -193,6 +216,28 @@ class ModelConfig:
     def has_recurrent_state(self) -> bool:
         """Some layers keep a recurrent state per sequence beside (or instead of) K/V (LINEAR layers)."""
         return LINEAR in self.layer_types
+
+    @property
+    def sliding_rotary_dim(self) -> int:
+        """The sliding layers' rotary width: rotary_dim, or their own head size where FULL layers have another."""
+        return self.rotary_dim if self.full_head_dim in (None, self.head_dim) else self.head_dim
+
+    def layer_config(self, index: int) -> ModelConfig:
+        """Layer `index`'s shape: the model's, with a FULL layer's own head size and KV heads and a wide MLP's
+        width where the model has them (Gemma 4)."""
+        changes: dict[str, Any] = {}
+        if self.layer_types[index] == FULL:
+            if self.full_head_dim is not None:
+                changes["head_dim"] = self.full_head_dim
+            if self.full_kv_heads is not None:
+                changes["num_key_value_heads"] = self.full_kv_heads
+        if index in self.wide_mlp_layers:
+            changes["intermediate_size"] = 2 * self.intermediate_size
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def kv_source_of(self, index: int) -> int:
+        """The layer whose K/V layer `index` attends: itself, unless it shares an earlier layer's."""
+        return self.kv_source[index] if self.kv_source else index
 
     @property
     def eos_token_id(self) -> int | None:
@@ -249,7 +294,8 @@ class ModelConfig:
         num_layers = int(d["num_hidden_layers"])
         layer_types = _layer_types(layout, num_layers)
         head_dim = int(d.get("head_dim") or hidden_size // num_heads)
-        rotary_dim = int(head_dim * partial_rotary)  # as transformers rounds it
+        full_head_dim = layout.full_head_dim or head_dim
+        rotary_dim = int(full_head_dim * partial_rotary)  # as transformers rounds it
         if rotary_dim % 2:
             raise UnsupportedModelError(
                 f"partial_rotary_factor {partial_rotary} rotates {rotary_dim} of {head_dim} values a head; "
@@ -297,6 +343,14 @@ class ModelConfig:
             moe=layout.moe,
             attention_output_gate=layout.attention_output_gate,
             linear_attention=layout.linear_attention,
+            full_head_dim=layout.full_head_dim,
+            full_kv_heads=layout.full_kv_heads,
+            full_k_eq_v=layout.full_k_eq_v,
+            value_norm=layout.value_norm,
+            kv_source=layout.kv_source or (),
+            wide_mlp_layers=layout.wide_mlp_layers,
+            per_layer_input_size=layout.per_layer_input_size,
+            per_layer_vocab_size=layout.per_layer_vocab_size,
         )
 
 
@@ -357,6 +411,8 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
     partial = float(params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0)
     if not 0.0 < partial <= 1.0:
         raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported; it must be in (0, 1]")
+    if rope_type == "proportional":  # every value of a head rotates, the share past `partial` by angle 0
+        return theta, {"rope_type": rope_type, "partial_rotary_factor": partial, **params}, 1.0
     if rope_type == "default":
         return theta, None, partial
     if rope_type in ("llama3", "longrope", "yarn"):

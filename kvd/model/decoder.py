@@ -130,13 +130,22 @@ class DecoderLayer(nn.Module):
         window = config.sliding_window if kind == SLIDING else None
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.input_norms else None
         self.input_layernorm, self.post_attention_layernorm = norm, copy.deepcopy(norm)
-        self.self_attn = None if kind == LINEAR else SelfAttention(config, backend, shard, window)
+        layer_config = config.layer_config(index)
+        self.self_attn = (
+            None if kind == LINEAR else self.make_attention(layer_config, backend, shard, window, index)
+        )
         self.linear_attn = GatedDeltaNet(config) if kind == LINEAR else None
         sparse = config.moe is not None and index not in config.moe.dense_layers
-        self.mlp = SparseMoE(config, shard) if sparse else MLP(config, shard)
+        self.mlp = SparseMoE(config, shard) if sparse else MLP(layer_config, shard)
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
         self.attn_output_norm, self.mlp_output_norm = norm, copy.deepcopy(norm)
         self.residual_multiplier = config.residual_multiplier
+
+    def make_attention(
+        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None, index: int
+    ) -> SelfAttention:
+        """Layer `index`'s attention (`config` its shape: ModelConfig.layer_config); a family may give its own."""
+        return SelfAttention(config, backend, shard, window)
 
     def forward(
         self,
@@ -174,13 +183,15 @@ def _add_and_norm(
 
 
 class DecoderModel(nn.Module):
+    LAYER: type[DecoderLayer] = DecoderLayer  # a family's own layer subclasses it
+
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend, shard: Shard, vocab_start: int
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, shard, vocab_start)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, shard, i) for i in range(config.num_hidden_layers)
+            self.LAYER(config, backend, shard, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -198,6 +209,7 @@ class CausalLM(nn.Module):
     WEIGHT_RENAMES: tuple[tuple[str, str], ...] = ()
     # The chat template for a checkpoint whose tokenizer has none (GGUF files often carry none).
     CHAT_TEMPLATE: str | None = None
+    MODEL: type[DecoderModel] = DecoderModel  # a family's own layer stack subclasses it
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None, shard: Shard = WHOLE
@@ -209,7 +221,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.kv_groups = kv_groups(config)  # which layers share a block table (kvd.model.layers.kv_cache)
         self.attention_backend = attention_backend or TorchAttentionBackend()
-        self.model = DecoderModel(config, self.attention_backend, shard, shard.vocab_start(self.vocab_size))
+        self.model = self.MODEL(config, self.attention_backend, shard, shard.vocab_start(self.vocab_size))
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, False)
         )
@@ -220,7 +232,7 @@ class CausalLM(nn.Module):
             None
             if config.sliding_rope_theta is None
             else RotaryEmbedding(
-                config.rotary_dim, config.max_position_embeddings, config.sliding_rope_theta, None
+                config.sliding_rotary_dim, config.max_position_embeddings, config.sliding_rope_theta, None
             )
         )
         # A quantized copy of the output projection (kvd.model.layers.quantized_linear), set after loading.
@@ -255,11 +267,20 @@ class CausalLM(nn.Module):
             decoder.forward(hidden, residual, positions, attn)
         else:
             rows = {id(r): r.lookup(positions) for r in (self.rotary, self.sliding_rotary) if r is not None}
-            for layer, rotary, group in zip(
-                self.model.layers, self.layer_rotaries(), self.kv_groups.layer_group, strict=True
-            ):
-                hidden, residual = layer(hidden, residual, rows[id(rotary)], group_attn[group])
+            layers = zip(
+                self.model.layers,
+                self.layer_rotaries(),
+                self.kv_groups.layer_group,
+                self.layer_inputs(input_ids, hidden),
+                strict=True,
+            )
+            for layer, rotary, group, inputs in layers:
+                hidden, residual = layer(hidden, residual, rows[id(rotary)], group_attn[group], *inputs)
         return self.model.norm.add_and_norm(hidden, residual)[0]
+
+    def layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer, what its forward takes after the attention metadata (a family's own inputs): none here."""
+        return [()] * len(self.model.layers)
 
     def layer_rotaries(self) -> list[RotaryEmbedding]:
         """Each layer's rotary table: the sliding layers' own where the model has one (Gemma 3)."""
@@ -315,18 +336,23 @@ class CausalLM(nn.Module):
     def bind_kv_cache(self, kv_caches: list[torch.Tensor]) -> None:
         """Give each layer that keeps K/V (KVGroups.pooled_layers) its pool tensor [2, num_blocks, block_size,
         kv_heads, head_dim]."""
-        layers = [self.model.layers[i] for i in self.kv_groups.pooled_layers]
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(layers)} attention layers")
-        heads = self.config.num_key_value_heads
-        for layer, cache in zip(layers, kv_caches, strict=True):
-            row = pool_row(self.config, cache.dtype)
+        pooled = self.kv_groups.pooled_layers
+        if len(kv_caches) != len(pooled):
+            raise ValueError(f"got {len(kv_caches)} KV cache tensors for {len(pooled)} attention layers")
+        layers = self.model.layers
+        for index, cache in zip(pooled, kv_caches, strict=True):
+            shape = self.config.layer_config(index)
+            heads, row = shape.num_key_value_heads, pool_row(shape, cache.dtype)
             if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[-2:] != (heads, row):
                 raise ValueError(
                     f"KV cache tensor of shape {tuple(cache.shape)} is not "
                     f"[2, num_blocks, block_size, {heads}, {row}]: use allocate_kv_cache"
                 )
-            layer.self_attn.kv_cache = cache
+            layers[index].self_attn.kv_cache = cache
+        for index, layer in enumerate(layers):  # a layer that shares another's K/V reads its pool
+            source = self.config.kv_source_of(index)
+            if source != index:
+                layer.self_attn.kv_cache = layers[source].self_attn.kv_cache
         self._native_decoder = None
 
     def bind_recurrent_state(self, states: list[LayerState]) -> None:
@@ -360,7 +386,7 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {self.config.model_type} model"
                 )
             target = param.data
-            if shard is not None:
+            if shard is not None and hasattr(param, "shard_sizes"):  # else a projection of one part (q alone)
                 sizes = param.shard_sizes
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if target.shape != tensor.shape:

@@ -123,8 +123,17 @@ class NativeDecoder:
         layers = model.model.layers
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
             return False
-        if model.config.has_recurrent_state or model.config.attention_output_gate:
-            return False  # the loop has no linear-attention layer nor gated output
+        config = model.config
+        if (
+            config.has_recurrent_state
+            or config.attention_output_gate
+            or config.per_layer_input_size
+            or config.kv_source
+            or config.value_norm
+        ):
+            return (
+                False  # the loop has no linear-attention layer, gated output, per-layer input nor shared K/V
+            )
         cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
         if (
             cache is None

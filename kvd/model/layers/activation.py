@@ -37,9 +37,7 @@ def clamped_swiglu(alpha: float, limit: float) -> Callable[[torch.Tensor, torch.
 
 def _native(gate: torch.Tensor, up: torch.Tensor) -> bool:
     # The native layer loop of decode steps (kvd.model.native_decode) uses the same kernels.
-    return (
-        cpu_native.supports(gate) and gate.dim() == 2 and gate.stride() == up.stride() and gate.stride(1) == 1
-    )
+    return cpu_native.supports(gate) and gate.dim() == 2 and cpu_native.same_rows(gate, up)
 
 
 def gated_activation(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

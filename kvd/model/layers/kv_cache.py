@@ -6,8 +6,14 @@ each with its own block table: a sliding group holds only the blocks its window 
 the same number of layers, so that one block of the pool serves any group: the layers at the same place in
 their groups share one tensor, and a block id given to one group is that block in each of its layers.
 
-Linear-attention layers keep no K/V (kvd.model.layers.recurrent_state holds their state): they are in no group's
-pool (NO_POOL)."""
+Where a group's layers keep smaller pages than another's at the same places (Gemma 4: full layers with twice the
+sliding ones' head size), the shared tensor is laid out in the largest page and a smaller layer sees it as `scale`
+times as many pages of its own: the group's block b is its page b * scale (KVGroups.block_scales), so that a block
+still owns the same bytes in every layer.
+
+Linear-attention layers keep no K/V (kvd.model.layers.recurrent_state holds their state), nor do layers that attend
+an earlier layer's (ModelConfig.kv_source): they are in no group's pool (NO_POOL); a sharing layer reads its source's
+pool through the source's group."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvd.kernels import cpu_native
-from kvd.model.config import LINEAR, SLIDING, ModelConfig
+from kvd.model.config import LINEAR, SLIDING, ModelConfig, UnsupportedModelError
 from kvd.model.huge_pages import pool_zeros
 
 NO_POOL = -1  # KVGroups.layer_slot of a layer without K/V
@@ -34,6 +40,12 @@ class KVGroups:
         int, ...
     ]  # per layer: its place in the group, i.e. the pool tensor it shares; or NO_POOL
     windows: tuple[int | None, ...]  # per group: its layers' attention window, None for full attention
+    block_scales: tuple[
+        int, ...
+    ] = ()  # per group: its block b is page b * scale of its layers' views; () = all 1
+
+    def block_scale(self, group: int) -> int:
+        return self.block_scales[group] if self.block_scales else 1
 
     @property
     def num_groups(self) -> int:
@@ -71,33 +83,66 @@ class KVGroups:
 
 def kv_groups(config: ModelConfig) -> KVGroups:
     """One group of every attention layer, unless full and sliding layers mix: then groups of gcd(#full, #sliding)
-    layers in layer order, the full groups first. Linear-attention layers sit in group 0 with NO_POOL."""
+    layers in layer order, the full groups first. Linear-attention layers sit in group 0 with NO_POOL, layers that
+    share another's K/V in their source's group with NO_POOL."""
     n = config.num_hidden_layers
     window = config.attention_window
-    attending = [i for i in range(n) if config.layer_types[i] != LINEAR]
+    attending = [i for i in range(n) if config.layer_types[i] != LINEAR and config.kv_source_of(i) == i]
     sliding = [i for i in attending if window is not None and config.layer_types[i] == SLIDING]
     full = [i for i in attending if i not in set(sliding)]
     layer_group, layer_slot = [0] * n, [NO_POOL] * n
     if not sliding or not full:
         for slot, layer in enumerate(attending):
             layer_slot[layer] = slot
-        return KVGroups(tuple(layer_group), tuple(layer_slot), (window,))
-    size = math.gcd(len(full), len(sliding))
-    for g, start in enumerate(range(0, len(attending), size)):
-        for slot, layer in enumerate((full + sliding)[start : start + size]):
-            layer_group[layer], layer_slot[layer] = g, slot
-    windows = (None,) * (len(full) // size) + (window,) * (len(sliding) // size)
-    return KVGroups(tuple(layer_group), tuple(layer_slot), windows)
+        windows: tuple[int | None, ...] = (window,)
+    else:
+        size = math.gcd(len(full), len(sliding))
+        for g, start in enumerate(range(0, len(attending), size)):
+            for slot, layer in enumerate((full + sliding)[start : start + size]):
+                layer_group[layer], layer_slot[layer] = g, slot
+        windows = (None,) * (len(full) // size) + (window,) * (len(sliding) // size)
+    for i in range(n):
+        layer_group[i] = layer_group[config.kv_source_of(i)]
+    kinds = [full, sliding] if full and sliding else [attending]
+    pages = [_page(config, layers[0]) for layers in kinds]
+    largest = max(pages)
+    if any(largest % p for p in pages):
+        raise UnsupportedModelError(
+            f"the full and sliding layers' K/V rows ({pages[0]} and {pages[-1]} values a token) do not divide one "
+            "another, so they cannot share the pool's pages"
+        )
+    scales = tuple(largest // pages[0 if w is None else -1] for w in windows)
+    return KVGroups(tuple(layer_group), tuple(layer_slot), windows, scales if len(set(pages)) > 1 else ())
+
+
+def _page(config: ModelConfig, layer: int) -> int:
+    """Values of one token's K (or V) row in `layer`."""
+    shape = config.layer_config(layer)
+    return shape.num_key_value_heads * shape.head_dim
 
 
 def pool_row(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Elements of one kv head's row in a pool of this dtype."""
+    """Elements of one kv head's row in a pool of this dtype (`config` a layer's: ModelConfig.layer_config)."""
     return cpu_native.kv8_row_bytes(config.head_dim) if dtype == torch.int8 else config.head_dim
+
+
+def _largest_page(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Elements of the largest token row (K or V) of any pooled layer: the pool's page per token."""
+    pages = {
+        config.layer_config(i).num_key_value_heads * pool_row(config.layer_config(i), dtype)
+        for i in kv_groups(config).pooled_layers
+    }
+    if dtype == torch.int8 and len(pages) > 1:
+        raise UnsupportedModelError(
+            "an 8-bit KV pool needs every attention layer's rows alike; this model's full and sliding layers have "
+            "different head sizes: serve it with --kv-cache-dtype auto"
+        )
+    return max(pages)
 
 
 def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block of the pool takes, K and V: the layers of one KV group (all of them when ungrouped)."""
-    per_layer = 2 * block_size * config.num_key_value_heads * pool_row(config, dtype)
+    per_layer = 2 * block_size * _largest_page(config, dtype)
     return per_layer * kv_groups(config).layers_per_group * torch.empty((), dtype=dtype).element_size()
 
 
@@ -110,12 +155,19 @@ def allocate_kv_cache(
     groups: KVGroups | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed tensor per layer that keeps K/V (KVGroups.pooled_layers; zeroed: attention weights of 0 times stale
-    NaN would still give NaN). With `groups` the layers at one place in their groups share theirs, so each group
-    needs block tables of its own; without, any block table serves every layer."""
+    NaN would still give NaN), each [2, pages, block_size, kv_heads, row] in its layer's shape. With `groups` the
+    layers at one place in their groups share theirs, so each group needs block tables of its own (scaled by its
+    block_scale); without, any block table serves every layer."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, pool_row(config, dtype))
+    page = _largest_page(config, dtype)
     pooled = kv_groups(config).pooled_layers
     slots = [groups.layer_slot[i] for i in pooled] if groups is not None else range(len(pooled))
+    shape = (2, num_blocks, block_size, 1, page)
     tensors = {s: pool_zeros(shape, dtype, torch.device(device)) for s in sorted(set(slots))}
-    return [tensors[s] for s in slots]
+    views = []
+    for layer, slot in zip(pooled, slots, strict=True):
+        layer_config = config.layer_config(layer)
+        heads, row = layer_config.num_key_value_heads, pool_row(layer_config, dtype)
+        views.append(tensors[slot].view(2, -1, block_size, heads, row))
+    return views

@@ -37,3 +37,12 @@ class RMSNorm(nn.Module):
         # In bfloat16 the kernel sums the squares in another order than torch: a last-bit difference can move a
         # value across a rounding boundary, so greedy tokens agree with transformers' mostly, not always.
         return cpu_native.supports(x) and x.dtype == self.weight.dtype
+
+
+class UnscaledRMSNorm(RMSNorm):
+    """RMSNorm without a learned scale (Gemma 4's value norm): its weight a constant 1, which no checkpoint holds."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        nn.Module.__init__(self)
+        self.eps = eps
+        self.register_buffer("weight", torch.ones(size), persistent=False)

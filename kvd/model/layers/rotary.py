@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox layout) with default, linear, llama3, longrope and YaRN frequency scaling."""
+"""Rotary position embedding (neox layout) with default, linear, llama3, longrope, proportional and YaRN frequency
+scaling."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
         return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "yarn":
         return _yarn(head_dim, theta, scaling)
+    if rope_type == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor of the angles as by default, the rest 0 (those
+        # values pass unrotated through the same arithmetic).
+        rotated = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv_freq[rotated:] = 0.0
+        return inv_freq / (factor or 1.0)
     raise ValueError(f"unknown rope_type {rope_type!r}")
 
 

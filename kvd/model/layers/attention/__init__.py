@@ -49,7 +49,8 @@ def build_attention_metadata(
     tables unless given (an explicit -1 leaves that row's K/V unwritten). `backend` defaults to the torch one;
     pass the model's backend when it uses another. `kv_groups`: the model's (CausalLM.kv_groups), for whose
     groups 1.. the metadata's `other_groups` are built, each with its window: from `group_tables` (the block
-    tables of groups 1.., in a pool allocated with the groups), or else from `block_tables` too.
+    tables of groups 1.., in a pool allocated with the groups), or else from `block_tables` too; each group's
+    blocks scaled to its layers' pages.
     """
     groups = kv_groups or KVGroups((), (), (None,))
     tables = [block_tables, *(group_tables or [block_tables] * (groups.num_groups - 1))]
@@ -60,13 +61,23 @@ def build_attention_metadata(
     if backend is None:
         backend = TorchAttentionBackend()
     metadata = [
-        backend.build_metadata(_layout(t, context_lens, query_lens, block_size, slot_mapping, window), device)
-        for t, window in zip(tables, groups.windows, strict=True)
+        backend.build_metadata(
+            _layout(
+                _scaled(t, groups.block_scale(g)), context_lens, query_lens, block_size, slot_mapping, window
+            ),
+            device,
+        )
+        for g, (t, window) in enumerate(zip(tables, groups.windows, strict=True))
     ]
     metadata[0].other_groups = tuple(metadata[1:])
     if recurrent is not None:
         metadata[0].recurrent = RecurrentStep.build(query_lens, recurrent)
     return metadata[0]
+
+
+def _scaled(block_tables: list[list[int]], scale: int) -> list[list[int]]:
+    """A group's blocks as pages of its layers' pool views (kvd.model.layers.kv_cache: KVGroups.block_scales)."""
+    return block_tables if scale == 1 else [[b * scale for b in table] for table in block_tables]
 
 
 def _layout(

@@ -1,0 +1,235 @@
+"""Gemma 4 (dense text models): Gemma 3's sandwich of norms (plain-weight RMSNorms here), q/k norms and a value norm
+without scale in place of the attention scale, full layers with their own head size (and KV heads where their keys
+also give the values), proportional RoPE on the full layers, the last layers attending earlier layers' K/V (KV
+sharing, with MLPs twice as wide where the config says so), per-layer inputs (a second embedding table mixed with a
+projection of the token embeddings, added by each layer through a gate after its MLP) and a scalar per layer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvd.distributed.comm import all_reduce
+from kvd.distributed.shard import Shard
+from kvd.model.config import FULL, SLIDING, Layout, ModelConfig, UnsupportedModelError
+from kvd.model.decoder import CausalLM, DecoderLayer, DecoderModel, SelfAttention
+from kvd.model.families.gemma3 import Gemma3ForCausalLM, _sliding_rope_theta
+from kvd.model.layers.activation import gelu_tanh_and_mul
+from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
+from kvd.model.layers.linear import Embedding, Linear
+from kvd.model.layers.norm import RMSNorm, UnscaledRMSNorm
+from kvd.model.layers.rotary import RotaryRows, apply_rotary
+
+# A released Gemma 4 checkpoint (Gemma4ForConditionalGeneration) holds its text model under this prefix, beside the
+# vision and audio towers, which kvd does not run.
+_TEXT_PREFIX = "model.language_model."
+_NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_GLOBAL_HEAD_DIM = 512  # transformers' default for a config without global_head_dim
+
+
+class Gemma4Attention(SelfAttention):
+    """Values normed without a scale and attention unscaled (q and k are normed); a full layer's keys may give its
+    values too (k_eq_v). A layer that `shares` another's K/V projects queries only and attends its source's pool
+    with the K/V the source computed this step (writing them again where they already are: the same bits)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        shard: Shard,
+        window: int | None,
+        shares: bool,
+        k_eq_v: bool,
+    ) -> None:
+        super().__init__(config, backend, shard, window)
+        # The attention whose K/V this one reads (Gemma4Model binds it); a list, so that it is no submodule here.
+        self.source: list[Gemma4Attention] = []
+        parts = [config.q_size] + ([] if shares else [config.kv_size] * (1 if k_eq_v else 2))
+        self.qkv_proj = Linear(config.hidden_size, parts, bias=config.attention_bias)
+        self.v_norm = None if shares else UnscaledRMSNorm(config.head_dim, config.rms_norm_eps)
+        if shares:
+            self.k_norm = None
+        self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = (
+            None  # this step's K/V, for the layers sharing them
+        )
+
+    def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        parts = [p.view(tokens, -1, self.head_dim) for p in self.qkv_proj.forward_shards(x)]
+        q = apply_rotary(self.q_norm(parts[0]), rope)
+        if self.source:
+            k, v = self.source[0].step_kv
+        else:
+            k = parts[1]
+            v = self.v_norm(parts[-1])  # before k's norm and rotation, which may run in k's memory
+            k = apply_rotary(self.k_norm(k), rope)
+            self.step_kv = (k, v)
+        out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale).reshape(tokens, -1)
+        return all_reduce(self.o_proj(out), self.shard)
+
+
+class Gemma4DecoderLayer(DecoderLayer):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, shard: Shard, index: int) -> None:
+        super().__init__(config, backend, shard, index)
+        self.layer_scalar = nn.Parameter(torch.empty(1), requires_grad=False)
+        width = config.per_layer_input_size
+        self.per_layer_input_gate = Linear(config.hidden_size, width, False) if width else None
+        self.per_layer_projection = Linear(width, config.hidden_size, False) if width else None
+        self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if width else None
+
+    def make_attention(
+        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None, index: int
+    ) -> SelfAttention:
+        shares = config.kv_source_of(index) != index
+        return Gemma4Attention(config, backend, shard, window, shares, config.full_k_eq_v and window is None)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        rope: RotaryRows,
+        attn: AttentionMetadata,
+        layer_input: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole residual stream as its first output (the second zeroed): the per-layer input and the layer's
+        scalar come after the MLP's add."""
+        hidden, residual = super().forward(hidden, residual, rope, attn)
+        stream = residual.add_(hidden)
+        if layer_input is not None:
+            gated = gelu_tanh_and_mul(self.per_layer_input_gate(stream), layer_input)
+            stream = stream + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        out = stream * self.layer_scalar
+        return out, residual.zero_()
+
+
+class Gemma4Model(DecoderModel):
+    LAYER = Gemma4DecoderLayer
+
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, vocab_start: int
+    ) -> None:
+        super().__init__(config, backend, shard, vocab_start)
+        for index, layer in enumerate(self.layers):
+            source = config.kv_source_of(index)
+            if source != index:
+                layer.self_attn.source.append(self.layers[source].self_attn)
+        width, layers = config.per_layer_input_size, config.num_hidden_layers
+        if width:
+            self.embed_tokens_per_layer = Embedding(config.per_layer_vocab_size, layers * width)
+            self.per_layer_model_projection = Linear(config.hidden_size, layers * width, False)
+            self.per_layer_projection_norm = RMSNorm(width, config.rms_norm_eps)
+
+
+class Gemma4ForCausalLM(CausalLM):
+    MODEL = Gemma4Model
+    WEIGHT_RENAMES = Gemma3ForCausalLM.WEIGHT_RENAMES
+
+    @staticmethod
+    def checkpoint_tensors(
+        config: ModelConfig, name: str, tensor: torch.Tensor
+    ) -> list[tuple[str, torch.Tensor]]:
+        if name.startswith(_NOT_TEXT):
+            return []
+        return [(name.replace(_TEXT_PREFIX, "model.", 1), tensor)]
+
+    @staticmethod
+    def read_layout(hf_config: dict[str, Any]) -> Layout:
+        for key in ("enable_moe_block", "use_bidirectional_attention"):
+            if hf_config.get(key):
+                raise UnsupportedModelError(f"{key} {hf_config[key]!r} is not supported for Gemma 4 yet")
+        layers = int(hf_config["num_hidden_layers"])
+        types = list(
+            hf_config.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)]
+        )
+        types[-1] = FULL  # as transformers forces it
+        k_eq_v = bool(hf_config.get("attention_k_eq_v", False))
+        full_head_dim, full_kv_heads = _full_layer_shape(hf_config, types, k_eq_v)
+        shared = int(hf_config.get("num_kv_shared_layers") or 0)
+        sources = _kv_sources(types, shared)
+        bias = bool(hf_config.get("attention_bias", False))
+        window = hf_config.get("sliding_window")
+        width = int(hf_config.get("hidden_size_per_layer_input") or 0)
+        return Layout(
+            attention_bias=bias,
+            o_proj_bias=bias,
+            qk_norm=True,
+            sliding_window=None if window is None else int(window),
+            layer_types=tuple(types),
+            sliding_rope_theta=_sliding_rope_theta(hf_config),
+            output_norms=True,
+            final_logit_softcapping=hf_config.get("final_logit_softcapping"),
+            embedding_multiplier=math.sqrt(int(hf_config["hidden_size"])),
+            attention_multiplier=1.0,
+            full_head_dim=full_head_dim,
+            full_kv_heads=full_kv_heads,
+            full_k_eq_v=k_eq_v,
+            value_norm=True,
+            kv_source=sources if shared else None,
+            wide_mlp_layers=tuple(range(layers - shared, layers))
+            if hf_config.get("use_double_wide_mlp")
+            else (),
+            per_layer_input_size=width,
+            per_layer_vocab_size=int(hf_config.get("vocab_size_per_layer_input") or 0) if width else 0,
+        )
+
+    def layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[tuple[torch.Tensor | None]]:
+        """Each layer's slice of the per-layer inputs: (its projection of the scaled token embeddings, normed, plus
+        its rows of the per-layer table, scaled) / sqrt(2), as transformers mixes them."""
+        config, model = self.config, self.model
+        width, layers = config.per_layer_input_size, config.num_hidden_layers
+        if not width:
+            return [(None,)] * layers
+        tokens = hidden.shape[0]
+        projected = model.per_layer_model_projection(hidden) * config.hidden_size**-0.5
+        projected = model.per_layer_projection_norm(projected.view(tokens, layers, width))
+        table = model.embed_tokens_per_layer(input_ids).view(tokens, layers, width) * width**0.5
+        mixed = ((projected + table) * 2.0**-0.5).transpose(0, 1).contiguous()  # a layer's rows side by side
+        return [(mixed[i],) for i in range(layers)]
+
+
+def _full_layer_shape(
+    hf_config: dict[str, Any], types: list[str], k_eq_v: bool
+) -> tuple[int | None, int | None]:
+    """The full layers' head size and KV heads: per_layer_config's (as transformers saves a config), else
+    global_head_dim and, where keys give the values, num_global_key_value_heads."""
+    per_layer = hf_config.get("per_layer_config")
+    if per_layer is not None:  # empty where every layer has the model's shape
+        shapes = {i: per_layer.get(str(i)) or per_layer.get(i) or {} for i in range(len(types))}
+        full = {tuple(sorted(shapes[i].items())) for i, t in enumerate(types) if t == FULL}
+        if len(full) > 1 or any(shapes[i] for i, t in enumerate(types) if t != FULL):
+            raise UnsupportedModelError(
+                "per_layer_config must give every full_attention layer the same shape and no other layer one"
+            )
+        shape = dict(next(iter(full), ()))
+        unknown = set(shape) - {"head_dim", "num_key_value_heads"}
+        if unknown:
+            raise UnsupportedModelError(
+                f"per_layer_config sets {sorted(unknown)}; only head_dim and num_key_value_heads"
+            )
+        return shape.get("head_dim"), shape.get("num_key_value_heads")
+    kv_heads = hf_config.get("num_global_key_value_heads") if k_eq_v else None
+    return int(hf_config.get("global_head_dim") or _GLOBAL_HEAD_DIM), None if kv_heads is None else int(
+        kv_heads
+    )
+
+
+def _kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
+    """Per layer, the layer whose K/V it attends: the last `shared` layers each the last earlier layer of their kind
+    (transformers' kv_sharing_modes)."""
+    first = len(types) - shared
+    if not 0 <= shared < len(types):
+        raise UnsupportedModelError(
+            f"num_kv_shared_layers {shared} must be below num_hidden_layers ({len(types)})"
+        )
+    sources = list(range(len(types)))
+    for i in range(first, len(types)):
+        earlier = [j for j in range(first) if types[j] == types[i]]
+        if not earlier:
+            raise UnsupportedModelError(
+                f"layer {i} shares the K/V of an earlier {types[i]} layer, and there is none before layer {first}"
+            )
+        sources[i] = earlier[-1]
+    return tuple(sources)
