@@ -94,3 +94,56 @@ def test_the_engine_frees_the_sliding_groups_blocks_as_the_window_passes(tiny_ch
     assert done[0]["used_blocks"] == done[1]["used_blocks"] == 0 and done[1]["cached_blocks"] > 0
     whole = LLM(str(tiny_checkpoint("gemma3")), dtype="float32", kv_cache_memory="16M")
     assert whole.generate([prompt], greedy, use_tqdm=False)[0].token_ids == tokens
+
+
+def _gemma4_like(pattern: str, shared: tuple[int, ...] = ()) -> ModelConfig:
+    """_config's layers with full layers of twice the head size (Gemma 4) and `shared`'s layers attending the last
+    earlier layer of their kind."""
+    config = _config(pattern)
+    sources = list(range(len(pattern)))
+    for i in shared:
+        sources[i] = max(j for j in range(i) if pattern[j] == pattern[i] and j not in shared)
+    return dataclasses.replace(config, full_head_dim=32, kv_source=tuple(sources) if shared else ())
+
+
+def test_smaller_pages_see_the_shared_tensor_as_more_pages_and_their_blocks_scale():
+    """Full layers of 32 values a token, sliding ones of 16: the sliding groups' block b is their page 2b, which is
+    the first half of the bytes block b owns in the full layers' view."""
+    config = _gemma4_like("ssf" * 2)
+    groups = kv_groups(config)
+    assert groups.windows == (None, 512, 512) and groups.block_scales == (1, 2, 2)
+    pool = allocate_kv_cache(config, 4, 16, torch.float32, "cpu", groups)
+    full, sliding = pool[groups.pooled_layers.index(2)], pool[groups.pooled_layers.index(0)]
+    assert full.shape == (2, 4, 16, 1, 32) and sliding.shape == (2, 8, 16, 1, 16)
+    assert full.data_ptr() == sliding.data_ptr()  # one tensor per place
+    sliding[0, 2 * 3].fill_(1.0)  # the sliding layer's block 3
+    assert full[0, 3].sum() == 16 * 16 and full[0, :3].sum() == 0 and full[1].sum() == 0
+    per_layer = 2 * 16 * 32 * 4  # the largest row's page, K and V
+    assert kv_cache_bytes_per_block(config, 16, torch.float32) == groups.layers_per_group * per_layer
+
+
+def test_metadata_scales_each_groups_blocks_to_its_pages():
+    from kvd.model.layers.attention import build_attention_metadata
+
+    groups = kv_groups(_gemma4_like("ssf" * 2))
+    attn = build_attention_metadata(
+        [[5, 6]], [20], [20], 16, "cpu", kv_groups=groups, group_tables=[[[1, 2]], [[3, 4]]]
+    )
+    assert attn.block_tables.tolist() == [[5, 6]]
+    assert [g.block_tables.tolist() for g in attn.other_groups] == [[[2, 4]], [[6, 8]]]
+    assert attn.other_groups[0].slot_mapping[:2].tolist() == [32, 33]  # page 2's first slots
+
+
+def test_layers_sharing_kv_keep_no_pool_and_read_their_sources_group():
+    config = _gemma4_like("ssfssf", shared=(4, 5))
+    groups = kv_groups(config)
+    assert groups.pooled_layers == (0, 1, 2, 3)
+    assert groups.layer_group[4] == groups.layer_group[3] and groups.layer_group[5] == groups.layer_group[2]
+    assert groups.layer_slot[4] == groups.layer_slot[5] == -1
+
+
+def test_an_8_bit_pool_of_unlike_rows_is_refused_by_name():
+    from kvd.model.config import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="--kv-cache-dtype auto"):
+        allocate_kv_cache(_gemma4_like("ssf"), 4, 16, torch.int8, "cpu", kv_groups(_gemma4_like("ssf")))

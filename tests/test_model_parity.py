@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -253,6 +254,59 @@ def test_olmo2_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkp
 
     config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint("olmo2") / "config.json").read_text()))
     with pytest.raises(ShardingError, match=r"all their heads at once.*tensor-parallel size of 1"):
+        ShardPlan(config, Shard(0, 2)).local_config()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"enable_moe_block": True}, "enable_moe_block True is not supported for Gemma 4 yet"),
+        ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention 'vision'"),
+        ({"num_kv_shared_layers": 6}, "num_kv_shared_layers 6 must be below num_hidden_layers (6)"),
+        # The shared layers' kind (full) has no earlier layer of its own before them.
+        (
+            {
+                "num_kv_shared_layers": 4,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                "per_layer_config": {"5": {"head_dim": 32}},
+            },
+            "layer 5 shares the K/V of an earlier full_attention layer",
+        ),
+        ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config must give every full_attention"),
+        (
+            {"per_layer_config": {"2": {"sliding_window": 4}, "5": {"sliding_window": 4}}},
+            "['sliding_window']",
+        ),
+    ],
+)
+def test_gemma4_options_kvd_lacks_are_refused_naming_the_field(tiny_checkpoint, overrides, message):
+    config = json.loads((tiny_checkpoint("gemma4") / "config.json").read_text()) | overrides
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        ModelConfig.from_hf_dict(config)
+
+
+def test_gemma4_reads_a_released_checkpoints_config(tiny_checkpoint):
+    """A hub checkpoint's config (Gemma4ForConditionalGeneration, the text model under text_config, the full
+    layers' shape as global_head_dim / num_global_key_value_heads) gives the shape transformers saves."""
+    saved = json.loads((tiny_checkpoint("gemma4_k_eq_v") / "config.json").read_text())
+    text = {k: v for k, v in saved.items() if k not in ("per_layer_config", "architectures")}
+    released = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "text_config": text | {"global_head_dim": 32, "num_global_key_value_heads": 1},
+    }
+    ours, theirs = ModelConfig.from_hf_dict(released), ModelConfig.from_hf_dict(saved)
+    assert (ours.full_head_dim, ours.full_kv_heads, ours.full_k_eq_v) == (32, 1, True)
+    assert dataclasses.replace(ours.layer_config(1), architectures=()) == dataclasses.replace(
+        theirs.layer_config(1), architectures=()
+    )
+    assert ours.layer_config(0).head_dim == 16 and ours.rotary_dim == 32 and ours.sliding_rotary_dim == 16
+
+
+def test_gemma4_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkpoint):
+    from kvd.distributed.shard import Shard, ShardingError, ShardPlan
+
+    config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint("gemma4") / "config.json").read_text()))
+    with pytest.raises(ShardingError, match=r"Gemma 4.*tensor-parallel size of 1"):
         ShardPlan(config, Shard(0, 2)).local_config()
 
 

@@ -165,9 +165,12 @@ def allocate_kv_cache(
     slots = [groups.layer_slot[i] for i in pooled] if groups is not None else range(len(pooled))
     shape = (2, num_blocks, block_size, 1, page)
     tensors = {s: pool_zeros(shape, dtype, torch.device(device)) for s in sorted(set(slots))}
-    views = []
+    views: dict[tuple[int, int, int], torch.Tensor] = {}  # one object per place and shape, as layers share it
+    pool = []
     for layer, slot in zip(pooled, slots, strict=True):
         layer_config = config.layer_config(layer)
-        heads, row = layer_config.num_key_value_heads, pool_row(layer_config, dtype)
-        views.append(tensors[slot].view(2, -1, block_size, heads, row))
-    return views
+        key = (slot, layer_config.num_key_value_heads, pool_row(layer_config, dtype))
+        if key not in views:
+            views[key] = tensors[slot].view(2, -1, block_size, *key[1:])
+        pool.append(views[key])
+    return pool
