@@ -277,6 +277,11 @@ def test_gated_activations_match_torch_on_views_of_one_projection(dtype, kernel)
         assert torch.equal(got, (act.to(dtype).float() * up.float()).to(dtype))
     with pytest.raises(cpu_native.NativeKernelError, match="one stride"):
         kernel(gate.contiguous(), up)
+    # One row's stride is any (a decode step's gate beside a row of a wider table, as Gemma 4's per-layer input):
+    # the kernel takes it, with the row's bits of the batch.
+    wide = torch.zeros(1, 3 * 100, dtype=dtype)
+    wide[:, 100:200] = up[:1]
+    assert torch.equal(kernel(gate[:1].contiguous(), wide[:, 100:200]), got[:1])
 
 
 def test_rms_norm_of_heads_and_of_rows_matches_torch():
