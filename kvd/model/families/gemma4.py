@@ -47,14 +47,13 @@ class Gemma4Attention(SelfAttention):
         super().__init__(config, backend, shard, window)
         # The attention whose K/V this one reads (Gemma4Model binds it); a list, so that it is no submodule here.
         self.source: list[Gemma4Attention] = []
+        self.feeds_others = False  # other layers read this one's K/V: it keeps the step's (step_kv)
         parts = [config.q_size] + ([] if shares else [config.kv_size] * (1 if k_eq_v else 2))
         self.qkv_proj = Linear(config.hidden_size, parts, bias=config.attention_bias)
         self.v_norm = None if shares else UnscaledRMSNorm(config.head_dim, config.rms_norm_eps)
         if shares:
             self.k_norm = None
-        self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = (
-            None  # this step's K/V, for the layers sharing them
-        )
+        self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # with feeds_others: this step's K/V
 
     def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -66,7 +65,8 @@ class Gemma4Attention(SelfAttention):
             k = parts[1]
             v = self.v_norm(parts[-1])  # before k's norm and rotation, which may run in k's memory
             k = apply_rotary(self.k_norm(k), rope)
-            self.step_kv = (k, v)
+            if self.feeds_others:
+                self.step_kv = (k, v)
         out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale).reshape(tokens, -1)
         return all_reduce(self.o_proj(out), self.shard)
 
@@ -116,6 +116,7 @@ class Gemma4Model(DecoderModel):
             source = config.kv_source_of(index)
             if source != index:
                 layer.self_attn.source.append(self.layers[source].self_attn)
+                self.layers[source].self_attn.feeds_others = True
         width, layers = config.per_layer_input_size, config.num_hidden_layers
         if width:
             self.embed_tokens_per_layer = Embedding(config.per_layer_vocab_size, layers * width)
