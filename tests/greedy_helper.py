@@ -87,10 +87,15 @@ def assert_params_equal_hf(
     for name, param in ours.items():
         part = name.split(".")[-2]
         checkpoint_name = loaded.model.rename_weight(name, back=True)
-        sources = (  # a checkpoint that fuses them too (Phi-3), or the parts stacked
+        sources = (  # a checkpoint that fuses them too (Phi-3), or the parts stacked (those it has: Gemma 4's
+            # layers sharing K/V project q alone, its k_eq_v layers q and k)
             [checkpoint_name]
             if checkpoint_name in hf_state
-            else [checkpoint_name.replace(part, p) for p in fused.get(part, (part,))]
+            else [
+                source
+                for p in fused.get(part, (part,))
+                if (source := checkpoint_name.replace(part, p)) in hf_state
+            ]
         )
         expected = torch.cat([hf_state[s] for s in sources])
         if offset and name.endswith("norm.weight"):

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from kvd import LLM, SamplingParams
 from kvd.engine.gpu_memory import DeviceMemory
 from kvd.model.config import ModelConfig, UnsupportedModelError
 from kvd.model.gguf_loader import (
@@ -253,6 +254,24 @@ TINY = {
             "query_pre_attn_scalar": 16,
         },
     ),
+    # Gemma 4 as llama.cpp's converter writes it: sliding layers of head size 16 and a full one of 32 (proportional
+    # RoPE: rope_freqs), the last layer attending layer 1's K/V with a double-wide MLP (per-layer widths), per-layer
+    # inputs.
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "num_kv_shared_layers": 1,
+            "use_double_wide_mlp": True,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 261,  # the tiny vocabulary's, as the released models' tables have
+            "final_logit_softcapping": 5.0,
+        },
+    ),
     # A Gated DeltaNet layer (two value heads a key head: llama.cpp tiles them) before a gated full-attention one.
     "qwen3_5": (
         transformers.Qwen3_5TextConfig,
@@ -320,6 +339,9 @@ def write_tiny_gguf(
     """Convert as llama.cpp does: its tensor names (gguf-py's own map), metadata keys, and for llama the
     q/k row permutation. `tensor_types`: GGUF tensor name -> the type to store it in (else float32)."""
     config = model.config
+    config.allow_global_per_layer_attribute_access = (
+        True  # Gemma 4's: its sliding layers' head_dim, read as such
+    )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     arch = config.model_type.removesuffix("_text")
     # llama.cpp's architecture names (Mixtral is a llama with experts).
@@ -336,14 +358,15 @@ def write_tiny_gguf(
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
+    if arch != "gemma4":  # its widths and head sizes per kind of layer: _gemma4_metadata
+        writer.add_feed_forward_length(config.intermediate_size)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3's: per layer type
     writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if experts:  # as llama.cpp's converter writes a mixture of experts
         writer.add_expert_count(experts)
@@ -367,6 +390,8 @@ def write_tiny_gguf(
         writer.add_logit_scale(config.logits_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "gemma4":
+        _gemma4_metadata(writer, config)
     if arch == "phi3":  # as llama.cpp's converter writes Phi-3's window and LongRoPE
         writer.add_sliding_window(config.sliding_window or 0)
         writer.add_rope_dimension_count(
@@ -408,7 +433,7 @@ def write_tiny_gguf(
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
-        if suffix == "sinks":  # a parameter of the attention module: llama.cpp's attn_sinks.weight
+        if suffix in ("sinks", "layer_scalar"):  # a module's own parameter: llama.cpp adds .weight
             base, suffix = hf_name, "weight"
         data = tensor.numpy()
         if arch in PERMUTED_QK and base.endswith(("q_proj", "k_proj")):
@@ -430,6 +455,38 @@ def write_tiny_gguf(
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
     write_gguf(writer)
+
+
+def _gemma4_metadata(writer: gguf.GGUFWriter, config) -> None:
+    """Gemma 4's keys and rope_freqs tensor as llama.cpp's converter writes them."""
+    layers, full_head_dim = (
+        config.num_hidden_layers,
+        config.per_layer_config[config.layer_types.index("full_attention")],
+    )
+    full_head_dim = full_head_dim.head_dim
+    shared = config.num_kv_shared_layers
+    writer.add_key_length(full_head_dim)
+    writer.add_value_length(full_head_dim)
+    writer.add_uint32("gemma4.attention.key_length_swa", config.head_dim)
+    writer.add_uint32("gemma4.attention.value_length_swa", config.head_dim)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_array(
+        "gemma4.attention.sliding_window_pattern", [t == "sliding_attention" for t in config.layer_types]
+    )
+    writer.add_uint32("gemma4.attention.shared_kv_layers", shared)
+    writer.add_uint32("gemma4.embedding_length_per_layer_input", config.hidden_size_per_layer_input)
+    width = config.intermediate_size
+    writer.add_array(
+        "gemma4.feed_forward_length", [width * (2 if i >= layers - shared else 1) for i in range(layers)]
+    )
+    writer.add_float32("gemma4.final_logit_softcapping", config.final_logit_softcapping)
+    full = config.rope_parameters["full_attention"]
+    writer.add_float32("gemma4.rope.freq_base_swa", config.rope_parameters["sliding_attention"]["rope_theta"])
+    writer.add_rope_dimension_count(full_head_dim)
+    writer.add_uint32("gemma4.rope.dimension_count_swa", config.head_dim)
+    rotated = int(full_head_dim * full["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (full_head_dim // 2 - rotated)
+    writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
 def _qwen35_linear_attention(config, hf_name: str, base: str, suffix: str, data: np.ndarray):
@@ -538,8 +595,19 @@ def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     assert config.rope_theta == hf.rope_parameters.get("full_attention", hf.rope_parameters)["rope_theta"]
     assert config.max_position_embeddings == hf.max_position_embeddings
     assert config.attention_bias == (arch == "qwen2") and config.qk_norm == (
-        arch in ("qwen3", "gemma3", "olmo2")
+        arch in ("qwen3", "gemma3", "gemma4", "olmo2")
     )
+    if arch == "gemma4":  # every shape the checkpoint's config gives, read from llama.cpp's keys
+        from_checkpoint = ModelConfig.from_hf_dict(hf.to_dict() | {"architectures": ["Gemma4ForCausalLM"]})
+        fields = ("full_head_dim", "full_kv_heads", "kv_source", "wide_mlp_layers", "per_layer_input_size")
+        fields += ("per_layer_vocab_size", "layer_types", "rope_scaling", "rotary_dim", "sliding_rope_theta")
+        fields += ("final_logit_softcapping", "attention_window", "full_k_eq_v", "value_norm")
+        assert {f: getattr(config, f) for f in fields} == {f: getattr(from_checkpoint, f) for f in fields}
+        assert (config.full_head_dim, config.kv_source, config.rope_scaling["partial_rotary_factor"]) == (
+            32,
+            (0, 1, 2, 1),
+            0.25,
+        )
     if arch == "phi3":
         assert config.rope_scaling["rope_type"] == "longrope" and config.rope_scaling["long_factor"][1] == 3.0
         assert (config.head_dim, config.rotary_dim) == (16, 8)
@@ -570,6 +638,25 @@ def test_a_phi3_file_runs_its_fused_tensors_in_their_own_type(tmp_path):
             got = cpu_native.dequantize(linear.part_weight(0), 0, torch.empty(rows, linear.in_features))
             want = reference.model.model.layers[i].get_submodule(path).row_weight()
             assert torch.equal(got, want), (i, path)
+
+
+def test_a_gemma4_file_runs_in_its_types(tmp_path):
+    """Q8_0 projections kept in their type: a layer sharing K/V holds q alone, the others q, k and v; greedy tokens as
+    the dequantized model's, through sliding and shared layers (a prompt past the 8-token window)."""
+    path = tmp_path / "tiny-gemma4.gguf"
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"blk.{i}.{kind}.weight": Q.Q8_0 for i in range(4) for kind in kinds if i < 3 or kind[5] != "k"}
+    types.pop("blk.3.attn_v.weight")
+    write_tiny_gguf(tiny_hf_model("gemma4"), path, tensor_types=types)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for quantization in ("gguf", "none"):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, kv_cache_memory="16M")
+        if quantization == "gguf":
+            layers = llm.engine.runner.model.model.layers
+            assert [len(layers[i].self_attn.qkv_proj.out_sizes) for i in range(4)] == [3, 3, 3, 1]
+        tokens.append(llm.generate([list(range(5, 40))], greedy, use_tqdm=False)[0].token_ids)
+    assert tokens[0] == tokens[1]
 
 
 def test_gguf_config_agrees_with_transformers(tmp_path):

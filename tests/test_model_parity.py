@@ -273,6 +273,7 @@ def test_olmo2_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkp
             "layer 5 shares the K/V of an earlier full_attention layer",
         ),
         ({"per_layer_config": {"0": {"head_dim": 32}}}, "per_layer_config must give every full_attention"),
+        ({"vocab_size_per_layer_input": 200}, "vocab_size_per_layer_input 200 is below vocab_size (256)"),
         (
             {"per_layer_config": {"2": {"sliding_window": 4}, "5": {"sliding_window": 4}}},
             "['sliding_window']",

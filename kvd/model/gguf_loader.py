@@ -57,6 +57,10 @@ _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    # Gemma 4's per-layer inputs: their table, the projection of the token embeddings and its norm.
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
 }
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -87,6 +91,15 @@ _ARCH_LAYER_TENSORS = {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "gemma4": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "inp_gate": "per_layer_input_gate",
+        "proj": "per_layer_projection",
+        "post_norm": "post_per_layer_input_norm",
+        "layer_output_scale": "layer_scalar",
+    },
     "olmo2": {
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
@@ -108,10 +121,12 @@ _ARCH_LAYER_TENSORS = {
     },
 }
 # Layer tensors whose Hugging Face name has no .weight (a parameter of the module itself).
-_BARE_TENSORS = {"self_attn.sinks", "linear_attn.dt_bias", "linear_attn.A_log"}
+_BARE_TENSORS = {"self_attn.sinks", "linear_attn.dt_bias", "linear_attn.A_log", "layer_scalar"}
 # llama.cpp stores Gemma's and Qwen3.5's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight
 # alone): as kvd's model holds them, so they load as they are (norms_hold_offset).
 _NORM_SHIFTED = ("gemma3", "qwen35")
+# The token that ends a turn, where a family's files do not mark it as a stop token.
+_TURN_ENDS = {"gemma3": "<end_of_turn>", "gemma4": "<turn|>"}
 # Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
 _SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 # Llama 3.1+ rope scaling: llama.cpp keeps only the per-frequency factors (tensor rope_freqs.weight).
@@ -378,6 +393,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         config |= _moe_config(file, config)
     if arch == "gemma3":
         config |= _gemma3_config(file, config)
+    if arch == "gemma4":
+        config |= _gemma4_config(file, config)
     if arch == "phi3":
         config |= _phi3_config(file, config)
     if arch == "qwen35":
@@ -398,8 +415,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         for k in ("eos", "eot", "eom")
         if f"tokenizer.ggml.{k}_token_id" in md
     ]
-    if arch == "gemma3":  # a Gemma turn ends with <end_of_turn>, which its files do not mark
-        stop += [i for i, t in enumerate(md["tokenizer.ggml.tokens"]) if t == "<end_of_turn>"]
+    if arch in _TURN_ENDS:  # a Gemma turn ends with a token its files do not mark
+        stop += [i for i, t in enumerate(md["tokenizer.ggml.tokens"]) if t == _TURN_ENDS[arch]]
     stop = list(dict.fromkeys(stop))
     if stop:
         config["eos_token_id"] = stop[0] if len(stop) == 1 else stop
@@ -447,6 +464,63 @@ def _gemma3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "rope_local_base_freq": 10000.0,
         "query_pre_attn_scalar": scalar,
         "final_logit_softcapping": md.get("gemma3.final_logit_softcapping"),
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+
+
+def _gemma4_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's keys as llama.cpp's converter writes them: the full layers' head size in key_length and the sliding
+    ones' in key_length_swa, KV heads and MLP widths per layer where they differ, which layers slide, the layers
+    sharing K/V, the per-layer inputs' width, both RoPE bases, and the full layers' rotated share as the count of
+    rope_freqs' factors of 1 (the others, 1e30, stop their pairs)."""
+    md = file.metadata
+
+    def key(name: str) -> Any:
+        if f"gemma4.{name}" not in md:
+            raise GGUFError(f"{file.path}: gemma4 metadata lacks gemma4.{name}")
+        return md[f"gemma4.{name}"]
+
+    sliding = [bool(s) for s in key("attention.sliding_window_pattern")]
+    layers = config["num_hidden_layers"]
+    if len(sliding) != layers or all(sliding):
+        raise GGUFError(
+            f"{file.path}: gemma4.attention.sliding_window_pattern must mark {layers} layers, not all"
+        )
+    full = sliding.index(False)
+    kv_heads, widths = md.get("gemma4.attention.head_count_kv"), md.get("gemma4.feed_forward_length")
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * layers
+    widths = widths if isinstance(widths, list) else [widths] * layers
+    swa = next((kv_heads[i] for i in range(layers) if sliding[i]), kv_heads[full])
+    head_dim, full_head_dim = key("attention.key_length_swa"), key("attention.key_length")
+    factors = file.dequantize(_ROPE_FACTORS).flatten() if _ROPE_FACTORS in file.tensors else None
+    rotated = full_head_dim // 2 if factors is None else int((factors == 1.0).sum())
+    per_layer = md.get("gemma4.embedding_length_per_layer_input") or 0
+    table = file.tensors.get("per_layer_token_embd.weight")
+    return {
+        "head_dim": head_dim,
+        "global_head_dim": full_head_dim,
+        "num_key_value_heads": swa,
+        "num_global_key_value_heads": kv_heads[full],
+        "attention_k_eq_v": f"blk.{full}.attn_v.weight" not in file.tensors,
+        "intermediate_size": widths[0],
+        "use_double_wide_mlp": widths[-1] == 2 * widths[0],
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "sliding_window": key("attention.sliding_window"),
+        "num_kv_shared_layers": md.get("gemma4.attention.shared_kv_layers", 0),
+        "hidden_size_per_layer_input": per_layer,
+        "vocab_size_per_layer_input": table.shape[0] if per_layer and table is not None else 0,
+        "rope_parameters": {
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": md.get("gemma4.rope.freq_base_swa", 1e4),
+            },
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 2 * rotated / full_head_dim,
+                "rope_theta": config["rope_theta"],
+            },
+        },
+        "final_logit_softcapping": md.get("gemma4.final_logit_softcapping"),
         "hidden_activation": "gelu_pytorch_tanh",
     }
 
@@ -519,6 +593,8 @@ def _phi3_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
 
 def _rope_scaling(file: GGUFFile, arch: str) -> dict[str, Any] | None:
     md = file.metadata
+    if arch == "gemma4":
+        return None  # its rope_freqs mark the full layers' unrotated pairs (_gemma4_config)
     if _ROPE_FACTORS in file.tensors:
         return _llama3_rope_scaling(file, arch)
     kind = md.get(f"{arch}.rope.scaling.type", "none")
@@ -673,6 +749,10 @@ def _convert_gguf_tokenizer(file: GGUFFile) -> tuple[Any, dict[str, Any]]:
         raise GGUFError(f"{file.path} has no tokenizer.ggml.tokens: it does not carry a tokenizer")
     if tokenizer_dict.get("tokenizer_type") == "llama":
         init_kwargs.setdefault("add_bos_token", True)  # llama.cpp adds BOS to sentencepiece vocabularies
+    if tokenizer_dict.get("tokenizer_type") == "gemma4":
+        init_kwargs["add_bos_token"] = (
+            False  # its chat template writes <bos> itself (as transformers reads it)
+        )
     tokens = tokenizer_dict["tokens"]
     for name, gguf_name in _SPECIAL_TOKENS.items():
         token_id = md.get(f"tokenizer.ggml.{gguf_name}_token_id")

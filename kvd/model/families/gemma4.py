@@ -153,6 +153,12 @@ class Gemma4ForCausalLM(CausalLM):
         bias = bool(hf_config.get("attention_bias", False))
         window = hf_config.get("sliding_window")
         width = int(hf_config.get("hidden_size_per_layer_input") or 0)
+        table_rows = int(hf_config.get("vocab_size_per_layer_input") or 0) if width else 0
+        if width and table_rows < int(hf_config["vocab_size"]):
+            raise UnsupportedModelError(
+                f"vocab_size_per_layer_input {table_rows} is below vocab_size ({hf_config['vocab_size']}): the tokens "
+                "past it would have no per-layer input"
+            )
         return Layout(
             attention_bias=bias,
             o_proj_bias=bias,
@@ -173,7 +179,7 @@ class Gemma4ForCausalLM(CausalLM):
             if hf_config.get("use_double_wide_mlp")
             else (),
             per_layer_input_size=width,
-            per_layer_vocab_size=int(hf_config.get("vocab_size_per_layer_input") or 0) if width else 0,
+            per_layer_vocab_size=table_rows,
         )
 
     def layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[tuple[torch.Tensor | None]]:
