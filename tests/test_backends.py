@@ -96,6 +96,15 @@ def test_auto_picks_the_best_available(installed, packages, device, dtype, expec
     assert resolve_backend_name("auto", device, dtype) == expected
 
 
+def test_flash_attn_is_not_picked_for_heads_wider_than_it_takes(installed):
+    """Gemma 4's full layers have heads of 512 values; flash-attn 2 takes up to 256."""
+    installed({"flash_attn", "triton"})
+    assert resolve_backend_name("auto", CUDA, torch.bfloat16, 256) == "flash-attn"
+    assert resolve_backend_name("auto", CUDA, torch.bfloat16, 512) == "triton"
+    with pytest.raises(AttentionBackendError, match="heads of up to 256 values; this model has 512"):
+        resolve_backend_name("flash-attn", CUDA, torch.bfloat16, 512)
+
+
 def test_explicit_backends_that_cannot_run_say_why(installed, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     installed({"triton"})

@@ -260,8 +260,8 @@ def test_olmo2_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkp
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"enable_moe_block": True}, "enable_moe_block True is not supported for Gemma 4 yet"),
-        ({"use_bidirectional_attention": "vision"}, "use_bidirectional_attention 'vision'"),
+        ({"enable_moe_block": True}, "enable_moe_block true is not supported for Gemma 4 yet"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention 'all' is not supported"),
         ({"num_kv_shared_layers": 6}, "num_kv_shared_layers 6 must be below num_hidden_layers (6)"),
         # The shared layers' kind (full) has no earlier layer of its own before them.
         (
@@ -293,9 +293,13 @@ def test_gemma4_reads_a_released_checkpoints_config(tiny_checkpoint):
     text = {k: v for k, v in saved.items() if k not in ("per_layer_config", "architectures")}
     released = {
         "architectures": ["Gemma4ForConditionalGeneration"],
-        "text_config": text | {"global_head_dim": 32, "num_global_key_value_heads": 1},
+        # "vision" bidirectional attention (31B's) only concerns image tokens
+        "text_config": text
+        | {"global_head_dim": 32, "num_global_key_value_heads": 1, "use_bidirectional_attention": "vision"},
     }
-    ours, theirs = ModelConfig.from_hf_dict(released), ModelConfig.from_hf_dict(saved)
+    # transformers zero-pads per_layer_config's keys in a model of 10 layers or more
+    padded = saved | {"per_layer_config": {f"{int(k):02d}": v for k, v in saved["per_layer_config"].items()}}
+    ours, theirs = ModelConfig.from_hf_dict(released), ModelConfig.from_hf_dict(padded)
     assert (ours.full_head_dim, ours.full_kv_heads, ours.full_k_eq_v) == (32, 1, True)
     assert dataclasses.replace(ours.layer_config(1), architectures=()) == dataclasses.replace(
         theirs.layer_config(1), architectures=()
@@ -303,12 +307,45 @@ def test_gemma4_reads_a_released_checkpoints_config(tiny_checkpoint):
     assert ours.layer_config(0).head_dim == 16 and ours.rotary_dim == 32 and ours.sliding_rotary_dim == 16
 
 
-def test_gemma4_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["gemma4", "gemma4_k_eq_v"])
+def test_gemma4_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkpoint, family):
     from kvd.distributed.shard import Shard, ShardingError, ShardPlan
 
-    config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint("gemma4") / "config.json").read_text()))
+    config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint(family) / "config.json").read_text()))
     with pytest.raises(ShardingError, match=r"Gemma 4.*tensor-parallel size of 1"):
         ShardPlan(config, Shard(0, 2)).local_config()
+
+
+def test_gemma4_skips_the_kv_weights_of_layers_that_share_kv(tiny_checkpoint, tmp_path):
+    """Google's E2B / E4B checkpoints hold k/v projections and k norms for the layers that read earlier layers' K/V
+    too: they load (and are left unused) as transformers loads them, the logits unchanged; a k/v weight of a layer
+    that projects q alone has no place otherwise."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "e2b_like"
+    shutil.copytree(tiny_checkpoint("gemma4"), folder)
+    weights = load_file(folder / "model.safetensors")
+    for layer, source in ((4, 3), (5, 2)):  # the tiny model's shared layers and their sources
+        for part in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+            weights[f"model.layers.{layer}.self_attn.{part}"] = (
+                weights[f"model.layers.{source}.self_attn.{part}"] + 1
+            )
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.tensor([prompt(7)])
+    with torch.no_grad():
+        assert torch.equal(
+            load_hf_model(folder)(ids).logits, load_hf_model(tiny_checkpoint("gemma4"))(ids).logits
+        )
+    ours, original = load_kvd_model(folder), load_kvd_model(tiny_checkpoint("gemma4"))
+    expected = original.state_dict()
+    assert ours.state_dict().keys() == expected.keys()
+    assert all(torch.equal(value, expected[name]) for name, value in ours.state_dict().items())
+    with pytest.raises(WeightLoadError, match=re.escape("layers.4.self_attn.k_proj.weight' has no place")):
+        ours.load_weights(
+            [("model.layers.4.self_attn.k_proj.weight", weights["model.layers.4.self_attn.k_proj.weight"])]
+        )
 
 
 def test_load_weights_rejects_unknown_missing_and_misshaped(tiny_checkpoint):

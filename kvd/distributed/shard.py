@@ -84,9 +84,9 @@ class ShardPlan(Generic[C]):
                 "this model has linear-attention layers (Gated DeltaNet), whose heads kvd does not split across "
                 "ranks yet: run it at a tensor-parallel size of 1"
             )
-        if getattr(config, "per_layer_input_size", 0) or getattr(config, "kv_source", ()):
+        if getattr(config, "full_head_dim", None) is not None or getattr(config, "kv_source", ()):
             raise ShardingError(
-                "this model has per-layer inputs or layers sharing K/V (Gemma 4), which kvd does not split across "
+                "this model's layers differ in head size or share K/V (Gemma 4), which kvd does not split across "
                 "ranks yet: run it at a tensor-parallel size of 1"
             )
         if config.num_key_value_heads < n:

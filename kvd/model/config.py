@@ -218,6 +218,11 @@ class ModelConfig:
         return LINEAR in self.layer_types
 
     @property
+    def max_head_dim(self) -> int:
+        """The widest attention head of any layer."""
+        return max(self.head_dim, self.full_head_dim or 0)
+
+    @property
     def sliding_rotary_dim(self) -> int:
         """The sliding layers' rotary width: rotary_dim, or their own head size where FULL layers have another."""
         return self.rotary_dim if self.full_head_dim in (None, self.head_dim) else self.head_dim

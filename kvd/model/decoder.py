@@ -386,7 +386,12 @@ class CausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {self.config.model_type} model"
                 )
             target = param.data
-            if shard is not None and hasattr(param, "shard_sizes"):  # else a projection of one part (q alone)
+            if shard is not None and not hasattr(param, "shard_sizes"):  # a projection of one part (q alone)
+                if shard:
+                    raise WeightLoadError(
+                        f"checkpoint tensor {hf_name!r} has no place in {self.config.model_type} model"
+                    )
+            elif shard is not None:
                 sizes = param.shard_sizes
                 target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
             if target.shape != tensor.shape:

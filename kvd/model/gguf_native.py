@@ -205,7 +205,9 @@ def install(
                 continue  # a linear-attention layer has no self_attn, an attention layer no linear_attn
             parent = layer.get_submodule(owner)
             linear = getattr(parent, attr)
-            kinds = kinds[: len(linear.out_sizes)]  # Gemma 4's q alone (K/V shared) or q and k (keys give values)
+            kinds = kinds[
+                : len(linear.out_sizes)
+            ]  # Gemma 4's q alone (K/V shared) or q and k (keys give values)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
             fused = fused_file_tensor(file.architecture, path) if len(kinds) > 1 else None
             if fused is None:

@@ -149,7 +149,7 @@ def load_model(
     logger.info("dtype %s: %s", str(run_dtype).removeprefix("torch."), dtype_choice.reason)
     if isinstance(attention_backend, str):  # picked for the run dtype, which "auto" resolves only here
         attention_backend = create_attention_backend(
-            resolve_backend_name(attention_backend, device, run_dtype)
+            resolve_backend_name(attention_backend, device, run_dtype, config.max_head_dim)
         )
     tokenizer = checkpoint.load_tokenizer()
     if getattr(tokenizer, "chat_template", None) is None:

@@ -7,6 +7,7 @@ projection of the token embeddings, added by each layer through a gate after its
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ from torch import nn
 from kvd.distributed.comm import all_reduce
 from kvd.distributed.shard import Shard
 from kvd.model.config import FULL, SLIDING, Layout, ModelConfig, UnsupportedModelError
-from kvd.model.decoder import CausalLM, DecoderLayer, DecoderModel, SelfAttention
+from kvd.model.decoder import CausalLM, DecoderLayer, DecoderModel, KVCacheNotBoundError, SelfAttention
 from kvd.model.families.gemma3 import Gemma3ForCausalLM, _sliding_rope_theta
-from kvd.model.layers.activation import gelu_tanh_and_mul
+from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm, UnscaledRMSNorm
@@ -28,6 +29,7 @@ from kvd.model.layers.rotary import RotaryRows, apply_rotary
 _TEXT_PREFIX = "model.language_model."
 _NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _GLOBAL_HEAD_DIM = 512  # transformers' default for a config without global_head_dim
+_SHARED_KV_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\.\w+")
 
 
 class Gemma4Attention(SelfAttention):
@@ -56,6 +58,8 @@ class Gemma4Attention(SelfAttention):
         self.step_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # with feeds_others: this step's K/V
 
     def forward(self, x: torch.Tensor, rope: RotaryRows, attn: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise KVCacheNotBoundError("call model.bind_kv_cache(allocate_kv_cache(...)) before forward")
         tokens = x.shape[0]
         parts = [p.view(tokens, -1, self.head_dim) for p in self.qkv_proj.forward_shards(x)]
         q = apply_rotary(self.q_norm(parts[0]), rope)
@@ -79,6 +83,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.per_layer_input_gate = Linear(config.hidden_size, width, False) if width else None
         self.per_layer_projection = Linear(width, config.hidden_size, False) if width else None
         self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if width else None
+        self.per_layer_activation = gated_activation(config.hidden_act)
 
     def make_attention(
         self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None, index: int
@@ -99,7 +104,7 @@ class Gemma4DecoderLayer(DecoderLayer):
         hidden, residual = super().forward(hidden, residual, rope, attn)
         stream = residual.add_(hidden)
         if layer_input is not None:
-            gated = gelu_tanh_and_mul(self.per_layer_input_gate(stream), layer_input)
+            gated = self.per_layer_activation(self.per_layer_input_gate(stream), layer_input)
             stream = stream + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         out = stream * self.layer_scalar
         return out, residual.zero_()
@@ -134,13 +139,21 @@ class Gemma4ForCausalLM(CausalLM):
     ) -> list[tuple[str, torch.Tensor]]:
         if name.startswith(_NOT_TEXT):
             return []
-        return [(name.replace(_TEXT_PREFIX, "model.", 1), tensor)]
+        name = name.replace(_TEXT_PREFIX, "model.", 1)
+        # Google's E2B / E4B checkpoints (and files converted from them) hold K/V projections and norms for the
+        # layers that share another's K/V too, which no layer reads (transformers skips them as well).
+        match = _SHARED_KV_TENSOR.fullmatch(name)
+        if match and config.kv_source_of(int(match[1])) != int(match[1]):
+            return []
+        return [(name, tensor)]
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
-        for key in ("enable_moe_block", "use_bidirectional_attention"):
-            if hf_config.get(key):
-                raise UnsupportedModelError(f"{key} {hf_config[key]!r} is not supported for Gemma 4 yet")
+        if hf_config.get("enable_moe_block"):
+            raise UnsupportedModelError("enable_moe_block true is not supported for Gemma 4 yet")
+        # "vision" only changes the mask over image tokens, which a text model never sees.
+        if hf_config.get("use_bidirectional_attention") == "all":
+            raise UnsupportedModelError("use_bidirectional_attention 'all' is not supported; only causal is")
         layers = int(hf_config["num_hidden_layers"])
         types = list(
             hf_config.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)]
@@ -204,7 +217,8 @@ def _full_layer_shape(
     global_head_dim and, where keys give the values, num_global_key_value_heads."""
     per_layer = hf_config.get("per_layer_config")
     if per_layer is not None:  # empty where every layer has the model's shape
-        shapes = {i: per_layer.get(str(i)) or per_layer.get(i) or {} for i in range(len(types))}
+        by_index = {int(k): v for k, v in per_layer.items()}  # transformers zero-pads the keys ("05")
+        shapes = {i: by_index.get(i) or {} for i in range(len(types))}
         full = {tuple(sorted(shapes[i].items())) for i, t in enumerate(types) if t == FULL}
         if len(full) > 1 or any(shapes[i] for i, t in enumerate(types) if t != FULL):
             raise UnsupportedModelError(

@@ -38,6 +38,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 BACKEND_NAMES = ("auto", *BACKENDS)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256  # flash-attn 2's widest head (Gemma 4's full layers have 512)
 
 
 def _installed(package: str) -> bool:
@@ -49,13 +50,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """The concrete backend for `name` on this device and dtype; raises if it cannot run here."""
+def resolve_backend_name(
+    name: str, device: torch.device | str, dtype: torch.dtype, head_dim: int = 128
+) -> str:
+    """The concrete backend for `name` on this device and dtype, for heads of up to `head_dim` values; raises if it
+    cannot run here."""
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
             return "native" if cpu_native.available() and dtype in _NATIVE_DTYPES else "torch"
-        if dtype in _HALF_DTYPES and _installed("flash_attn"):
+        if dtype in _HALF_DTYPES and _installed("flash_attn") and head_dim <= FLASH_MAX_HEAD_DIM:
             return "flash-attn"
         return "triton" if _installed("triton") else "torch"
     if name == "triton":
@@ -86,6 +90,11 @@ def resolve_backend_name(name: str, device: torch.device | str, dtype: torch.dty
         if dtype not in _HALF_DTYPES:
             raise AttentionBackendError(
                 f"flash-attn computes in float16 or bfloat16, not {dtype}; pass --dtype bfloat16 or pick "
+                "--attention-backend triton"
+            )
+        if head_dim > FLASH_MAX_HEAD_DIM:
+            raise AttentionBackendError(
+                f"flash-attn takes heads of up to {FLASH_MAX_HEAD_DIM} values; this model has {head_dim}: pick "
                 "--attention-backend triton"
             )
         if not _installed("flash_attn"):
