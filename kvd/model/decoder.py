@@ -416,6 +416,14 @@ class CausalLM(nn.Module):
         return name
 
 
+def text_model_name(name: str, not_text: tuple[str, ...]) -> str | None:
+    """A multimodal checkpoint's tensor name as its text model's (model.language_model.X -> model.X), or None for
+    the other towers' (`not_text`: their prefixes), which kvd does not run."""
+    if name.startswith(not_text):
+        return None
+    return name.replace("model.language_model.", "model.", 1)
+
+
 def _our_name(hf_name: str) -> tuple[str, int | None]:
     for hf_part, our_part, shard in _STACKED:
         if hf_part in hf_name:

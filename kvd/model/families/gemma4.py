@@ -6,7 +6,7 @@ projection of the token embeddings, added by each layer through a gate after its
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import re
 from typing import Any
 
@@ -15,18 +15,24 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce
 from kvd.distributed.shard import Shard
-from kvd.model.config import FULL, SLIDING, Layout, ModelConfig, UnsupportedModelError
-from kvd.model.decoder import CausalLM, DecoderLayer, DecoderModel, KVCacheNotBoundError, SelfAttention
-from kvd.model.families.gemma3 import Gemma3ForCausalLM, _sliding_rope_theta
+from kvd.model.config import FULL, Layout, ModelConfig, UnsupportedModelError
+from kvd.model.decoder import (
+    CausalLM,
+    DecoderLayer,
+    DecoderModel,
+    KVCacheNotBoundError,
+    SelfAttention,
+    text_model_name,
+)
+from kvd.model.families.gemma3 import Gemma3ForCausalLM
 from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
 from kvd.model.layers.linear import Embedding, Linear
 from kvd.model.layers.norm import RMSNorm, UnscaledRMSNorm
 from kvd.model.layers.rotary import RotaryRows, apply_rotary
 
-# A released Gemma 4 checkpoint (Gemma4ForConditionalGeneration) holds its text model under this prefix, beside the
-# vision and audio towers, which kvd does not run.
-_TEXT_PREFIX = "model.language_model."
+# A released Gemma 4 checkpoint (Gemma4ForConditionalGeneration) holds its text model beside the vision and audio
+# towers, which kvd does not run.
 _NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
 _GLOBAL_HEAD_DIM = 512  # transformers' default for a config without global_head_dim
 _SHARED_KV_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:k_proj|v_proj|k_norm|v_norm)\.\w+")
@@ -137,9 +143,9 @@ class Gemma4ForCausalLM(CausalLM):
     def checkpoint_tensors(
         config: ModelConfig, name: str, tensor: torch.Tensor
     ) -> list[tuple[str, torch.Tensor]]:
-        if name.startswith(_NOT_TEXT):
+        name = text_model_name(name, _NOT_TEXT)
+        if name is None:
             return []
-        name = name.replace(_TEXT_PREFIX, "model.", 1)
         # Google's E2B / E4B checkpoints (and files converted from them) hold K/V projections and norms for the
         # layers that share another's K/V too, which no layer reads (transformers skips them as well).
         match = _SHARED_KV_TENSOR.fullmatch(name)
@@ -149,22 +155,22 @@ class Gemma4ForCausalLM(CausalLM):
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
+        """Gemma 3's layout (its windows, RoPE bases, norms, scaled embeddings, soft-capping) with plain norm weights,
+        attention unscaled and the last layer full, and Gemma 4's own pieces."""
         if hf_config.get("enable_moe_block"):
             raise UnsupportedModelError("enable_moe_block true is not supported for Gemma 4 yet")
         # "vision" only changes the mask over image tokens, which a text model never sees.
         if hf_config.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError("use_bidirectional_attention 'all' is not supported; only causal is")
-        layers = int(hf_config["num_hidden_layers"])
-        types = list(
-            hf_config.get("layer_types") or [FULL if (i + 1) % 6 == 0 else SLIDING for i in range(layers)]
+        gemma3 = Gemma3ForCausalLM.read_layout(
+            {k: v for k, v in hf_config.items() if k != "use_bidirectional_attention"}
         )
-        types[-1] = FULL  # as transformers forces it
+        types = [*gemma3.layer_types[:-1], FULL]  # as transformers forces the last layer
+        layers = len(types)
         k_eq_v = bool(hf_config.get("attention_k_eq_v", False))
         full_head_dim, full_kv_heads = _full_layer_shape(hf_config, types, k_eq_v)
         shared = int(hf_config.get("num_kv_shared_layers") or 0)
         sources = _kv_sources(types, shared)
-        bias = bool(hf_config.get("attention_bias", False))
-        window = hf_config.get("sliding_window")
         width = int(hf_config.get("hidden_size_per_layer_input") or 0)
         table_rows = int(hf_config.get("vocab_size_per_layer_input") or 0) if width else 0
         if width and table_rows < int(hf_config["vocab_size"]):
@@ -172,16 +178,10 @@ class Gemma4ForCausalLM(CausalLM):
                 f"vocab_size_per_layer_input {table_rows} is below vocab_size ({hf_config['vocab_size']}): the tokens "
                 "past it would have no per-layer input"
             )
-        return Layout(
-            attention_bias=bias,
-            o_proj_bias=bias,
-            qk_norm=True,
-            sliding_window=None if window is None else int(window),
+        return dataclasses.replace(
+            gemma3,
             layer_types=tuple(types),
-            sliding_rope_theta=_sliding_rope_theta(hf_config),
-            output_norms=True,
-            final_logit_softcapping=hf_config.get("final_logit_softcapping"),
-            embedding_multiplier=math.sqrt(int(hf_config["hidden_size"])),
+            norm_weight_offset=0.0,
             attention_multiplier=1.0,
             full_head_dim=full_head_dim,
             full_kv_heads=full_kv_heads,

@@ -9,11 +9,10 @@ from typing import Any
 import torch
 
 from kvd.model.config import FULL, LINEAR, Layout, LinearAttention, ModelConfig, UnsupportedModelError
-from kvd.model.decoder import CausalLM
+from kvd.model.decoder import CausalLM, text_model_name
 
-# A released Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) holds its text model under this prefix, beside
-# the vision tower and the multi-token-prediction layer, which kvd does not run.
-_TEXT_PREFIX = "model.language_model."
+# A released Qwen3.5 checkpoint (Qwen3_5ForConditionalGeneration) holds its text model beside the vision tower and
+# the multi-token-prediction layer, which kvd does not run.
 _NOT_TEXT = ("model.visual.", "mtp.")
 
 
@@ -61,9 +60,8 @@ class Qwen3_5ForCausalLM(CausalLM):
     def checkpoint_tensors(
         config: ModelConfig, name: str, tensor: torch.Tensor
     ) -> list[tuple[str, torch.Tensor]]:
-        if name.startswith(_NOT_TEXT):
-            return []
-        return [(name.replace(_TEXT_PREFIX, "model.", 1), tensor)]
+        name = text_model_name(name, _NOT_TEXT)
+        return [] if name is None else [(name, tensor)]
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
