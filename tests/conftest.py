@@ -137,6 +137,21 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "hidden_size_per_layer_input": 0,
         },
     ),
+    # Gemma 4 (26B-A4B's shape in small): 8 experts, 2 a token, beside each layer's dense MLP.
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        {
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 8,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+    ),
     # Qwen3.5: three Gated DeltaNet layers (value heads two to a key head, a convolution of 4) and a full-attention
     # layer with a gated output and a quarter of each head rotated.
     "qwen3_5": (
@@ -215,9 +230,17 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
             if "norm" in name:
                 param.normal_(1.0, 0.2)
             elif name.endswith(
-                ("mlp.gate.weight", "mlp.router.weight", "block_sparse_moe.gate.weight", "expert_gate.weight")
+                (
+                    "mlp.gate.weight",
+                    "mlp.router.weight",
+                    "block_sparse_moe.gate.weight",
+                    "expert_gate.weight",
+                    "router.proj.weight",
+                )
             ):
                 param.normal_(0.0, 1.0)  # routers: distinct experts for distinct tokens, not a near tie
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # Gemma 4's, 1 as initialized
+                param.uniform_(0.5, 1.5)
             elif name.endswith("bias") or name == "sinks" or name.endswith(".sinks"):
                 param.normal_(0.0, 0.2)
         for name, buffer in model.named_buffers():

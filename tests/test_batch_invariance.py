@@ -51,6 +51,7 @@ MODES = [
     # per-layer inputs; and full layers whose keys give the values.
     ("float32", "int4", "gemma4", "auto"),
     ("bfloat16", "int8", "gemma4_k_eq_v", "auto"),
+    ("float32", "int4", "gemma4_moe", "auto"),  # experts beside the dense MLP
     ("float32", "int4", "olmo2", "auto"),  # no input norms, q/k norms over all heads (the Python loop)
     # Mixtures of experts: tokens that share experts with others and that have one alone, in every format.
     ("float32", "int4", "qwen3_moe", "auto"),

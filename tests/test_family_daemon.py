@@ -13,10 +13,10 @@ from kvd import LLM, SamplingParams
 PROMPT = [(7 * i + 3) % 250 for i in range(30)]  # longer than the tiny Gemma 3's 8-token window
 
 
-FAMILIES = ["granite", "gemma3", "gemma4", "olmo2", "phi3", "qwen3_moe", "gpt_oss", "qwen3_5"]
+FAMILIES = ["granite", "gemma3", "gemma4", "gemma4_moe", "olmo2", "phi3", "qwen3_moe", "gpt_oss", "qwen3_5"]
 # Each family's KV groups' windows: Gemma 3's and gpt-oss's sliding layer a group; Gemma 4's full layer and each of
 # its three sliding layers that keep K/V (the last two layers share earlier ones').
-WINDOWS = {"gemma3": [None, 8], "gpt_oss": [None, 8], "gemma4": [None, 8, 8, 8]}
+WINDOWS = {"gemma3": [None, 8], "gpt_oss": [None, 8], "gemma4": [None, 8, 8, 8], "gemma4_moe": [None, 8]}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

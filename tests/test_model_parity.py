@@ -260,7 +260,14 @@ def test_olmo2_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_checkp
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"enable_moe_block": True}, "enable_moe_block true is not supported for Gemma 4 yet"),
+        (
+            {"enable_moe_block": True},
+            "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size",
+        ),
+        (
+            {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8},
+            "top_k_experts 5 is not between 1 and num_experts (4)",
+        ),
         ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention 'all' is not supported"),
         ({"num_kv_shared_layers": 6}, "num_kv_shared_layers 6 must be below num_hidden_layers (6)"),
         # The shared layers' kind (full) has no earlier layer of its own before them.
@@ -314,6 +321,20 @@ def test_gemma4_is_refused_at_tensor_parallel_before_any_weight_loads(tiny_check
     config = ModelConfig.from_hf_dict(json.loads((tiny_checkpoint(family) / "config.json").read_text()))
     with pytest.raises(ShardingError, match=r"Gemma 4.*tensor-parallel size of 1"):
         ShardPlan(config, Shard(0, 2)).local_config()
+
+
+def test_gemma4_experts_lacking_a_part_are_named(tiny_checkpoint):
+    """The router's scales and the experts' input norm fold into the experts as a layer's parts all arrive: a
+    checkpoint without one of them names what the layer has."""
+    from safetensors.torch import load_file
+
+    weights = load_file(tiny_checkpoint("gemma4_moe") / "model.safetensors")
+    del weights["model.layers.1.router.per_expert_scale"]
+    model = load_kvd_model(tiny_checkpoint("gemma4_moe"))
+    with pytest.raises(
+        WeightLoadError, match=r"only \['experts.down_proj'.* of layer 1's mixture of experts"
+    ):
+        model.load_weights(weights.items())
 
 
 def test_gemma4_skips_the_kv_weights_of_layers_that_share_kv(tiny_checkpoint, tmp_path):

@@ -155,6 +155,17 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual stream before it); the caller adds them (fused into the next norm)."""
+        hidden, residual = self.attend(hidden, residual, rope, attn)
+        return self._output(self.mlp(hidden), self.mlp_output_norm), residual
+
+    def attend(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        rope: RotaryRows,
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its MLP: (the MLP's normed input, the residual stream with the attention's output in)."""
         hidden, residual = _add_and_norm(hidden, residual, self.input_layernorm)
         mixed = (
             self.linear_attn(hidden, attn.recurrent)
@@ -162,8 +173,7 @@ class DecoderLayer(nn.Module):
             else self.self_attn(hidden, rope, attn)
         )
         hidden = self._output(mixed, self.attn_output_norm)
-        hidden, residual = _add_and_norm(hidden, residual, self.post_attention_layernorm)
-        return self._output(self.mlp(hidden), self.mlp_output_norm), residual
+        return _add_and_norm(hidden, residual, self.post_attention_layernorm)
 
     def _output(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """A sublayer's output as the residual stream takes it: normed (Gemma), scaled (Granite; rounded in the

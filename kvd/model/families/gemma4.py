@@ -1,13 +1,16 @@
-"""Gemma 4 (dense text models): Gemma 3's sandwich of norms (plain-weight RMSNorms here), q/k norms and a value norm
-without scale in place of the attention scale, full layers with their own head size (and KV heads where their keys
-also give the values), proportional RoPE on the full layers, the last layers attending earlier layers' K/V (KV
-sharing, with MLPs twice as wide where the config says so), per-layer inputs (a second embedding table mixed with a
-projection of the token embeddings, added by each layer through a gate after its MLP) and a scalar per layer."""
+"""Gemma 4 (text): Gemma 3's sandwich of norms (plain-weight RMSNorms here), q/k norms and a value norm without scale
+in place of the attention scale, full layers with their own head size (and KV heads where their keys also give the
+values), proportional RoPE on the full layers, the last layers attending earlier layers' K/V (KV sharing, with MLPs
+twice as wide where the config says so), per-layer inputs (a second embedding table mixed with a projection of the
+token embeddings, added by each layer through a gate after its MLP), a scalar per layer, and in 26B-A4B a mixture
+of experts beside each layer's dense MLP."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -15,19 +18,21 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce
 from kvd.distributed.shard import Shard
-from kvd.model.config import FULL, Layout, ModelConfig, UnsupportedModelError
+from kvd.model.config import FULL, Layout, ModelConfig, MoE, UnsupportedModelError
 from kvd.model.decoder import (
     CausalLM,
     DecoderLayer,
     DecoderModel,
     KVCacheNotBoundError,
     SelfAttention,
+    WeightLoadError,
     text_model_name,
 )
 from kvd.model.families.gemma3 import Gemma3ForCausalLM
 from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata
 from kvd.model.layers.linear import Embedding, Linear
+from kvd.model.layers.moe import SparseMoE
 from kvd.model.layers.norm import RMSNorm, UnscaledRMSNorm
 from kvd.model.layers.rotary import RotaryRows, apply_rotary
 
@@ -90,6 +95,14 @@ class Gemma4DecoderLayer(DecoderLayer):
         self.per_layer_projection = Linear(width, config.hidden_size, False) if width else None
         self.post_per_layer_input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if width else None
         self.per_layer_activation = gated_activation(config.hidden_act)
+        # The mixture of experts beside the dense MLP (26B-A4B): routed from the residual stream normed without a
+        # scale, the router's scales and the experts' input norm folded into their weights as they load
+        # (Gemma4ForCausalLM.load_weights), each branch's output normed before the two are added.
+        experts = config.moe is not None
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if experts else None
+        self.moe = SparseMoE(config, shard) if experts else None
+        self.moe_input_norm = UnscaledRMSNorm(config.hidden_size, config.rms_norm_eps) if experts else None
+        self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm, copy.deepcopy(norm)
 
     def make_attention(
         self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None, index: int
@@ -107,8 +120,12 @@ class Gemma4DecoderLayer(DecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole residual stream as its first output (the second zeroed): the per-layer input and the layer's
         scalar come after the MLP's add."""
-        hidden, residual = super().forward(hidden, residual, rope, attn)
-        stream = residual.add_(hidden)
+        hidden, residual = self.attend(hidden, residual, rope, attn)
+        out = self.mlp(hidden)
+        if self.moe is not None:
+            routed = self.moe(self.moe_input_norm(residual))
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
+        stream = residual.add_(self.mlp_output_norm(out))
         if layer_input is not None:
             gated = self.per_layer_activation(self.per_layer_input_gate(stream), layer_input)
             stream = stream + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -157,8 +174,6 @@ class Gemma4ForCausalLM(CausalLM):
     def read_layout(hf_config: dict[str, Any]) -> Layout:
         """Gemma 3's layout (its windows, RoPE bases, norms, scaled embeddings, soft-capping) with plain norm weights,
         attention unscaled and the last layer full, and Gemma 4's own pieces."""
-        if hf_config.get("enable_moe_block"):
-            raise UnsupportedModelError("enable_moe_block true is not supported for Gemma 4 yet")
         # "vision" only changes the mask over image tokens, which a text model never sees.
         if hf_config.get("use_bidirectional_attention") == "all":
             raise UnsupportedModelError("use_bidirectional_attention 'all' is not supported; only causal is")
@@ -193,7 +208,13 @@ class Gemma4ForCausalLM(CausalLM):
             else (),
             per_layer_input_size=width,
             per_layer_vocab_size=table_rows,
+            moe=_experts(hf_config, layers) if hf_config.get("enable_moe_block") else None,
         )
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], offset_norms: bool = True
+    ) -> None:
+        super().load_weights(_folded_experts(named_tensors, self.config.hidden_size), offset_norms)
 
     def layer_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> list[tuple[torch.Tensor | None]]:
         """Each layer's slice of the per-layer inputs: (its projection of the scaled token embeddings, normed, plus
@@ -254,3 +275,67 @@ def _kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
             )
         sources[i] = earlier[-1]
     return tuple(sources)
+
+
+def _experts(hf_config: dict[str, Any], layers: int) -> MoE:
+    """The mixture beside every layer's dense MLP: softmax over the experts, the top k's weights rescaled to 1."""
+    experts, top_k = hf_config.get("num_experts"), hf_config.get("top_k_experts")
+    if not experts or not top_k or not hf_config.get("moe_intermediate_size"):
+        raise UnsupportedModelError(
+            "enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size"
+        )
+    if not 0 < int(top_k) <= int(experts):
+        raise UnsupportedModelError(f"top_k_experts {top_k} is not between 1 and num_experts ({experts})")
+    return MoE(
+        int(experts),
+        int(top_k),
+        int(hf_config["moe_intermediate_size"]),
+        normalize_top_k=True,
+        activation=hf_config.get("hidden_activation") or "gelu_pytorch_tanh",
+        dense_layers=tuple(range(layers)),  # each layer's own MLP stays; the experts sit beside it
+    )
+
+
+# A layer's tensors of its mixture, which load folded into one another (_fold).
+_EXPERT_TENSOR = re.compile(
+    r"model\.layers\.(\d+)\.(router\.proj\.weight|router\.scale|router\.per_expert_scale|experts\.gate_up_proj"
+    r"|experts\.down_proj|pre_feedforward_layernorm_2\.weight)"
+)
+_EXPERT_PARTS = 6
+
+
+def _folded_experts(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], hidden_size: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each layer's mixture folded (_fold) once all of its parts have come."""
+    pending: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        match = _EXPERT_TENSOR.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(int(match[1]), {})
+        parts[match[2]] = tensor
+        if len(parts) == _EXPERT_PARTS:
+            yield from _fold(int(match[1]), pending.pop(int(match[1])), hidden_size)
+    if pending:
+        layer, parts = next(iter(pending.items()))
+        raise WeightLoadError(f"checkpoint has only {sorted(parts)} of layer {layer}'s mixture of experts")
+
+
+def _fold(layer: int, parts: dict[str, torch.Tensor], hidden_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' router projects norm(x) x scale / sqrt(hidden) and weighs expert e's output by its
+    per_expert_scale; its experts take norm(x) x the pre_feedforward_layernorm_2 weight: in float32, the scales
+    go into the router's columns, the norm weight into the experts' gate/up columns and each expert's scale into
+    its down rows, so that router and experts both take norm(x) (one input: kvd.model.layers.moe's)."""
+    prefix = f"model.layers.{layer}.moe"
+    scale = parts["router.scale"].float() * hidden_size**-0.5
+    yield f"{prefix}.gate.weight", parts["router.proj.weight"].float() * scale
+    norm = parts["pre_feedforward_layernorm_2.weight"].float()
+    per_expert = parts["router.per_expert_scale"].float()
+    gate_up, down = parts["experts.gate_up_proj"], parts["experts.down_proj"]
+    for e in range(gate_up.shape[0]):
+        gate, up = (gate_up[e].float() * norm).chunk(2)  # transformers' fused rows: gate, then up
+        yield f"{prefix}.experts.{e}.gate_proj.weight", gate
+        yield f"{prefix}.experts.{e}.up_proj.weight", up
+        yield f"{prefix}.experts.{e}.down_proj.weight", down[e].float() * per_expert[e]
