@@ -63,6 +63,14 @@ class EngineArgs:
         "(default: sized by --kv-cache-memory-fraction or --gpu-memory-utilization)",
         type=parse_size,
     )
+    # Bytes or "8G": the weights and pool of every model a process serves (a daemon's models share it).
+    memory: int | str | None = setting(
+        None,
+        "one memory budget for the weights and KV pool of every model served, e.g. 8G: without --kv-cache-memory "
+        "a pool takes --kv-cache-memory-fraction of what the budget has left after its weights; a daemon unloads "
+        "idle models to load another within it (default: no budget)",
+        type=parse_size,
+    )
     kv_cache_memory_fraction: float = setting(
         0.1, "CPU: the share of available memory the KV pool takes without --kv-cache-memory (%(default)s)"
     )
@@ -194,6 +202,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if isinstance(self.memory, str):
+            self.memory = parse_size(self.memory)
+        if self.memory is not None and self.memory <= 0:
+            raise EngineArgsError(f"memory must be a positive number of bytes, got {self.memory}")
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise EngineArgsError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -12,5 +12,13 @@ class RequestRejectedError(ValueError):
         self.field = field
 
 
+class MemoryBudgetError(RequestRejectedError):
+    """A model's weights and smallest KV pool do not fit in what the memory budget has left: `needed` bytes."""
+
+    def __init__(self, message: str, needed: int) -> None:
+        super().__init__(message, "memory")
+        self.needed = needed
+
+
 class RequestTooLongError(RequestRejectedError):
     """The prompt does not fit in max_model_len or in the KV pool."""

@@ -165,6 +165,7 @@ class LLMEngine:
             num_state_slots=self.pool.num_live_states + self.pool.num_checkpoints,
             state_dtype=self.dtype,
         )
+        self.kv_cache_bytes = self.runner.pool_bytes()
         self.metrics = EngineMetrics()
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.requests: dict[Hashable, EngineRequest] = {}
@@ -530,6 +531,7 @@ class LLMEngine:
             },
             "threads": torch.get_num_threads(),
             "weight_bytes": self.weight_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,  # the pool and any recurrent state slots
             "experts": describe_experts(self.runner.model, self.weight_bytes),
             "recurrent_state": self._recurrent_info(),
             "file_types": {name: {"tensors": n, "bytes": b} for name, (n, b) in self.file_types.items()},

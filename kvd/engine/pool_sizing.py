@@ -10,11 +10,12 @@ from dataclasses import dataclass
 import torch
 
 from kvd.engine.engine_args import EngineArgs
-from kvd.engine.errors import RequestRejectedError
+from kvd.engine.errors import MemoryBudgetError, RequestRejectedError
 from kvd.engine.gpu_memory import DeviceMemory, profile_kv_cache_budget
 from kvd.model.decoder import CausalLM
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.recurrent_state import state_bytes_per_slot
+from kvd.parallel.group import weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def plan_pool(
         )
     elif budget is None:
         # The ranks of one host share its memory: each takes its part of the fraction.
-        budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
+        available = _available_memory_bytes() if args.memory is None else args.memory - weight_bytes(model)
+        budget = int(max(0, available) * args.kv_cache_memory_fraction / args.tensor_parallel_size)
     per_state = state_bytes_per_slot(model.config, dtype)
     live = checkpoints = 0
     if per_state:
@@ -79,6 +81,8 @@ def plan_pool(
     num_state_slots = live + checkpoints
     state_bytes = num_state_slots * per_state
     num_blocks = (budget - state_bytes) // per_block
+    if args.memory is not None:
+        num_blocks = _within_budget(args, weight_bytes(model), num_blocks, per_block, state_bytes)
     if num_blocks < 2:
         raise RequestRejectedError(
             f"the KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes"
@@ -92,6 +96,21 @@ def plan_pool(
             "another engine or process holds)"
         )
     return PoolPlan(num_blocks, live, checkpoints, per_state)
+
+
+def _within_budget(args: EngineArgs, weights: int, num_blocks: int, per_block: int, state_bytes: int) -> int:
+    """The blocks that fit the memory budget beside the weights, the state slots and the pool's null block: a pool
+    sized by the fraction shrinks to them, an explicit --kv-cache-memory that does not fit is refused."""
+    room = (args.memory - weights - state_bytes) // per_block - 1
+    wanted = num_blocks if args.kv_cache_memory is not None else 2  # the smallest pool that serves
+    if room >= max(wanted, 2):
+        return min(num_blocks, room)
+    needed = weights + (max(wanted, 2) + 1) * per_block + state_bytes
+    raise MemoryBudgetError(
+        f"the model's weights ({weights} bytes) and its KV pool need {needed} bytes; the memory budget has "
+        f"{args.memory}: raise --memory" + (" or lower --kv-cache-memory" if args.kv_cache_memory else ""),
+        needed,
+    )
 
 
 def _available_memory_bytes() -> int:

@@ -1,6 +1,7 @@
 """Models loaded on demand: a request for a model not loaded waits while it loads (on a thread of its own, the
 other models serving meanwhile; a second request waits for the same load), room is made by unloading the least
-recently used idle model (--max-loaded-models), and an idle model unloads after its keep-alive."""
+recently used idle models (--max-loaded-models, and --memory: the bytes every loaded model's weights and pool
+hold), and an idle model unloads after its keep-alive."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import replace
 
 from kvd.engine.engine_args import EngineArgs
+from kvd.engine.errors import MemoryBudgetError
 from kvd.engine.llm_engine import LLMEngine, release_memory
 from kvd.server import events
 from kvd.server.models import OnLoad, ServedModel
@@ -22,9 +24,8 @@ from kvd.server.worker import Worker
 logger = logging.getLogger("kvd.server")
 
 LOAD_NICE = 10  # the loader thread's niceness: below the loop's, above nothing else's
-LoadResult = tuple[
-    ServedModel, LLMEngine | None, float, str
-]  # the model, its engine or None, seconds, why not
+# The model, its engine (None: it failed), the seconds it took, why not.
+LoadResult = tuple[ServedModel, LLMEngine | None, float, Exception | None]
 
 
 class ModelLoading:
@@ -49,16 +50,33 @@ class ModelLoading:
         if error is not None:
             self._fail(model, error)
             return
-        model.loading = True
         self.state.events.publish_model(events.MODEL_LOADING, model.name)
         logger.info("loading model %s (%s)", model.name, model.spec.source or "the bundled default")
+        self._submit(model)
+
+    def _submit(self, model: ServedModel) -> None:
+        model.loading = True
+        budget = self.engine_args.memory
+        model.granted = 0 if budget is None else budget - self.state.models.held_bytes(besides=model)
         self.worker.submit(model)
 
     def on_loaded(self) -> None:
         """Take the loads the worker finished: serve each model, and let what waited for it go on."""
-        for model, engine, seconds, why in self.worker.results():
+        for model, engine, seconds, error in self.worker.results():
             model.loading = False
+            if isinstance(error, MemoryBudgetError) and model.bytes != error.needed:
+                model.bytes = error.needed  # its size, learned: make room for that and load it once more
+                room = self._make_room(model)
+                if room is None:
+                    self._submit(model)
+                else:
+                    self._fail(model, room)
+                continue
+            if isinstance(error, MemoryBudgetError):
+                self._fail(model, ProtocolError(OVERLOADED, f"model {model.name}: {error}", "model"))
+                continue
             if engine is None:
+                why = f"{type(error).__name__}: {error}"[:300]
                 message = f"model {model.name} failed to load ({why}); see the daemon log"
                 self._fail(model, ProtocolError(INTERNAL, message, "model"))
                 continue
@@ -111,12 +129,16 @@ class ModelLoading:
         with contextlib.suppress(OSError, AttributeError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICE)
         started = time.monotonic()
+        memory = None if self.engine_args.memory is None else model.granted
         try:
-            engine = LLMEngine(replace(self.engine_args, model=model.spec.source))
+            engine = LLMEngine(replace(self.engine_args, model=model.spec.source, memory=memory))
+        except MemoryBudgetError as e:  # what it needs is known now (on_loaded makes room, or says so)
+            logger.warning("model %s does not fit what the memory budget has left: %s", model.name, e)
+            return model, None, time.monotonic() - started, e
         except Exception as e:  # a bad file, a missing id, no memory: this request fails, the others serve on
             logger.exception("model %s failed to load", model.name)
-            return model, None, time.monotonic() - started, f"{type(e).__name__}: {e}"[:300]
-        return model, engine, time.monotonic() - started, ""
+            return model, None, time.monotonic() - started, e
+        return model, engine, time.monotonic() - started, None
 
     def _busy(self) -> set[ServedModel]:
         """Models with a request in flight (in any state) or one waiting for them to load."""
@@ -124,22 +146,40 @@ class ModelLoading:
         return busy | {g.model for s in self.state.sessions for g in s.requests.values()}
 
     def _make_room(self, model: ServedModel) -> ProtocolError | None:
-        """Unload the least recently used idle model if `model` would be one too many; the error if none is."""
-        limit = self.state.config.max_loaded_models
-        live = [m for m in self.state.models if m.engine is not None or m.loading]
-        if limit is None or len(live) < limit:
-            return None
-        busy = self._busy()
-        idle = [m for m in live if m.engine is not None and not m.pinned and m not in busy]
-        if not idle:
+        """Unload the least recently used idle models while `model` would be one too many or would not fit in the
+        memory budget beside the others (its bytes of its last load; unknown before a first, when the load itself
+        finds out); the error if no idle model is left to unload."""
+        limit, budget = self.state.config.max_loaded_models, self.engine_args.memory
+        if budget is not None and model.bytes > budget:  # no unloading makes room: leave the others be
             return ProtocolError(
                 OVERLOADED,
-                f"model {model.name} cannot be loaded now: {len(live)} models are loaded (--max-loaded-models "
-                f"{limit}) and each is busy or pinned; retry when one is idle",
+                f"model {model.name} needs {model.bytes} bytes, more than the whole memory budget ({budget}); "
+                "raise --memory",
                 "model",
             )
-        self.unload(min(idle, key=lambda m: m.last_used))
-        return None
+        while True:
+            live = [m for m in self.state.models if (m.engine is not None or m.loading) and m is not model]
+            held = self.state.models.held_bytes(besides=model)
+            too_many = limit is not None and len(live) >= limit
+            too_big = budget is not None and held + model.bytes > budget
+            if not too_many and not too_big:
+                return None
+            busy = self._busy() - {model}
+            idle = [m for m in live if m.engine is not None and not m.pinned and m not in busy]
+            if idle:
+                self.unload(min(idle, key=lambda m: m.last_used))
+                continue
+            why = (
+                f"{len(live)} models are loaded (--max-loaded-models {limit})"
+                if too_many
+                else f"it needs {model.bytes} bytes and the memory budget ({budget}) has {budget - held} left"
+            )
+            return ProtocolError(
+                OVERLOADED,
+                f"model {model.name} cannot be loaded now: {why}, and every loaded model is busy or pinned; "
+                "retry when one is idle",
+                "model",
+            )
 
     def _fail(self, model: ServedModel, error: ProtocolError) -> None:
         waiting, model.waiting = model.waiting, []

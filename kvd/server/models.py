@@ -44,6 +44,10 @@ class ServedModel:
     num_jobs: int = 0  # its prompts on the prompt worker (which uses its engine's tokenizer)
     idle_since: float | None = None  # since when nothing was in flight for it (None: busy, or unloaded)
     last_used: float = 0.0
+    # Its weights and KV pool in bytes, as its engine holds them (kept when it unloads: what it needs to load
+    # again; 0 before a first load tells it); while it loads, the part of the memory budget it was given.
+    bytes: int = 0
+    granted: int = 0
 
     def attach(self, engine: LLMEngine, config: ServerConfig) -> None:
         """Serve with `engine`, its limits from its context and the daemon's settings."""
@@ -62,6 +66,7 @@ class ServedModel:
         self.engine, self.max_prompt_tokens = engine, limit
         self.max_prompt_bytes = max_prompt_bytes(engine.tokenizer, limit)
         self.max_num_seqs, self.block_size = info["max_num_seqs"], info["block_size"]
+        self.bytes = engine.weight_bytes + engine.kv_cache_bytes
 
     def detach(self) -> None:
         engine, self.engine, self.idle_since = self.engine, None, None
@@ -78,7 +83,7 @@ class ServedModel:
         }
         if self.engine is not None:
             info = visible_info(self.engine.info(), tenant)
-            entry |= {"max_model_len": self.engine.max_model_len, "info": info}
+            entry |= {"max_model_len": self.engine.max_model_len, "bytes": self.bytes, "info": info}
         return entry
 
 
@@ -116,6 +121,15 @@ class ServedModels:
 
     def loaded(self) -> list[ServedModel]:
         return [m for m in self if m.engine is not None]
+
+    def held_bytes(self, besides: ServedModel | None = None) -> int:
+        """The memory budget's bytes the other models hold: loaded ones their weights and pools, loading ones what
+        they were given."""
+        return sum(
+            m.bytes if m.engine is not None else m.granted if m.loading else 0
+            for m in self
+            if m is not besides
+        )
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self._by_name.values())

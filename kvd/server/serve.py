@@ -132,8 +132,10 @@ def serve(
         # The first model and the pinned ones load now; the others on their first request.
         for model in served:
             if model.pinned:
+                budget = engine_args.memory  # each takes its weights and pool from what the others left
+                memory = None if budget is None else budget - sum(m.bytes for m in served if m.engine)
                 with extending_start_timeout(notifier):
-                    engine = LLMEngine(replace(engine_args, model=model.spec.source))
+                    engine = LLMEngine(replace(engine_args, model=model.spec.source, memory=memory))
                 if model.spec.source is None:
                     model.name = engine.model_name
                 model.attach(engine, config)
