@@ -122,6 +122,11 @@ def test_the_gateway_lists_and_serves_every_model(daemon: DaemonProcess):
         timeout=60,
     ).json()
     assert reply["message"]["thinking"]
+    # Ollama's running models with what each holds: its weights and KV pool (list_models' bytes).
+    ps = httpx.get(f"{daemon.base_url}/api/ps", timeout=30).json()["models"]
+    with daemon.client() as client:
+        sizes = {m["name"]: m["bytes"] for m in client.list_models() if m["loaded"]}
+    assert {m["name"]: m["size"] for m in ps} == {f"{name}:latest": size for name, size in sizes.items()}
     metrics = httpx.get(f"{daemon.base_url}/metrics", timeout=30).text
     for name in ("smol", "thinker"):  # each loaded model's engine, labelled
         assert f'kvd_running_sequences{{model="{name}"}}' in metrics

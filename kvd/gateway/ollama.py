@@ -187,7 +187,7 @@ def _model_card(gateway: Gateway, model: ServedModel) -> dict:
         "name": tagged,
         "model": tagged,
         "modified_at": _timestamp(gateway.started),
-        "size": 0,
+        "size": info.get("weight_bytes", 0) + info.get("kv_cache_bytes", 0),  # what it holds loaded (0: not)
         "digest": hashlib.sha256(name.encode()).hexdigest(),
         "details": details,
     }
