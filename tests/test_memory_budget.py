@@ -6,6 +6,7 @@ a model needs."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from kvd.engine.errors import MemoryBudgetError
 from kvd_client import Client, OverloadedError
 
 HI = [{"role": "user", "content": "Hi"}]
-POOL = "1M"  # each model's explicit pool; with its ~0.5 MB of weights two models fit the daemon's budget, not three
-BUDGET = "3584K"
+POOL = "32M"  # each model's explicit pool; with its ~0.5 MB of weights two models fit the daemon's budget, not three
+BUDGET = "80M"
 
 
 def test_an_engine_takes_its_pool_from_what_the_budget_leaves(tmp_path: Path):
@@ -54,7 +55,8 @@ def test_models_share_the_budget_and_idle_ones_make_room(tmp_path: Path):
             assert sum(sizes.values()) <= parse_size(BUDGET)
             kvd.chat(HI, model="c", max_tokens=2)  # no room for a third: b, idle and not pinned, unloads
             assert _loaded(kvd) == {"a", "c"}
-            assert sum(m["bytes"] for m in kvd.list_models() if m["loaded"]) <= parse_size(BUDGET)
+            sizes_now = {m["name"]: m["bytes"] for m in kvd.list_models() if m["loaded"]}
+            assert sum(sizes_now.values()) <= parse_size(BUDGET)
             # c busy and a pinned: b, whose size its first load told, cannot be placed.
             streaming, done = threading.Event(), threading.Event()
             thread = threading.Thread(target=_stream, args=(daemon, streaming, done))
@@ -68,6 +70,12 @@ def test_models_share_the_budget_and_idle_ones_make_room(tmp_path: Path):
             finally:
                 done.set()
                 thread.join(60)
+            # Unloading gives back what the budget counted for it, as the process's resident memory shows.
+            _wait_for(lambda: not kvd.stats("c")["num_running"])  # the stream's abort has landed
+            before = _resident_bytes(daemon)
+            assert kvd.unload("c") and _loaded(kvd) == {"a"}
+            returned = before - _resident_bytes(daemon)
+            assert abs(returned - sizes_now["c"]) < 0.1 * sizes_now["c"], (returned, sizes_now["c"])
         assert "unloaded" in daemon.log()
     finally:
         assert daemon.stop() == 0, daemon.log()
@@ -83,3 +91,15 @@ def _stream(daemon, streaming: threading.Event, done: threading.Event) -> None:
 
 def _loaded(kvd: Client) -> set[str]:
     return {m["name"] for m in kvd.list_models() if m["loaded"]}
+
+
+def _resident_bytes(daemon) -> int:
+    status = Path(f"/proc/{daemon.proc.pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
