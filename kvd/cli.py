@@ -208,7 +208,8 @@ def _serve(args: argparse.Namespace) -> int:
         models, args.model = args.model or [], None
         engine_args = from_flags(EngineArgs, args)
         config = from_flags(ServerConfig, args)
-        serve(engine_args, config, from_flags(GatewaySettings, args), models)
+        tables = getattr(args, "model_tables", None)  # a config file's [[models]] settings
+        serve(engine_args, config, from_flags(GatewaySettings, args), models, tables)
     except (ListenError, ValueError, FileNotFoundError, GatewayConfigError) as e:
         # Configuration and input mistakes: one clear line, no traceback.
         print(f"kvd serve: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from daemon_fixtures import REPO, DaemonProcess, daemon_env
+from daemon_fixtures import REPO, DaemonProcess, daemon_env, start_daemon
 from gateway_fixtures import gateway_daemon
 from tiny_models import save_tiny_llama, save_tiny_reasoning_llama
 
@@ -216,6 +216,47 @@ def test_serve_refuses_impossible_model_settings_before_loading(flags: list[str]
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--model", "a=x", "--model", "b=y", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
     assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("table", "says"),
+    [
+        ('path = "x"\nblock_size = 32', "models[0]: block_size cannot be set per model"),
+        ('name = "a"', "models[0] needs a path"),
+        ('path = "x"\nkv_cache_memory = "lots"', "models[0].kv_cache_memory"),
+        ('path = "x"\npinned = "yes"', "models[0].pinned must be true or false"),
+    ],
+)
+def test_a_config_files_model_tables_are_checked_before_loading(tmp_path: Path, table: str, says: str):
+    config = tmp_path / "kvd.toml"
+    config.write_text(f"[[models]]\n{table}\n")
+    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--config", str(config)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_each_model_of_a_config_file_has_its_own_settings(tmp_path: Path):
+    """[[models]] tables: a model pinned with its own context and dtype beside one with the daemon's."""
+    folder = tmp_path / "models"
+    for name in ("first", "small"):
+        save_tiny_llama(folder / name)
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        f'model = "{folder / "first"}"\n'
+        "[[models]]\n"
+        f'name = "small"\npath = "{folder / "small"}"\n'
+        'max_model_len = 64\ndtype = "bfloat16"\nkv_cache_memory = "2M"\npinned = true\n'
+    )
+    daemon = start_daemon(tmp_path, "--config", str(config))
+    try:
+        with daemon.client() as client:
+            assert _loaded(client) == ["first", "small"]  # pinned: loaded at start
+            small, first = client.info("small"), client.info("first")
+            assert (small["max_model_len"], small["dtype"]) == (64, "bfloat16")
+            assert first["max_model_len"] > 64 and first["dtype"] == "float32"
+            assert client.chat(HI, model="small", max_tokens=2).token_ids
+    finally:
+        assert daemon.stop() == 0, daemon.log()
 
 
 def _kvd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:

@@ -227,3 +227,13 @@ def test_the_example_config_sets_every_serve_flag_with_a_value_it_accepts():
             assert not isinstance(value, bool), name
             converted = action.type(str(value)) if action.type else str(value)
             assert action.choices is None or converted in action.choices, name
+    # The [[models]] example: a table of a model's own settings.
+    from kvd.server.model_specs import MODEL_SETTINGS
+
+    table = tomllib.loads("\n".join(re.findall(r"^#   ([a-z_]+ = .*)$", example, re.M)))
+    assert "# [[models]]" in example and {"name", "path"} <= set(table) <= {
+        "name",
+        "path",
+        "pinned",
+        *MODEL_SETTINGS,
+    }

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvd.server.model_specs import MODEL_SETTINGS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the 3.10 fallback, a declared dependency there
@@ -29,6 +31,11 @@ def apply_config_file(parser: argparse.ArgumentParser, path: Path) -> None:
         raise ConfigFileError(f"{path} is not valid TOML: {e}") from None
     flags = _flags(parser)
     defaults = {}
+    if "models" in settings:  # [[models]] tables: more --model values, each with its own settings
+        values, tables = _model_tables(settings.pop("models"), f"{path}: models", flags)
+        models = settings.get("model", [])
+        settings["model"] = [*([models] if isinstance(models, str) else models), *values]
+        defaults["model_tables"] = tables
     for key, value in settings.items():
         action = flags.get(key)
         if action is None:
@@ -38,6 +45,38 @@ def apply_config_file(parser: argparse.ArgumentParser, path: Path) -> None:
             )
         defaults[action.dest] = _convert(action, value, f"{path}: {key}")
     parser.set_defaults(**defaults)
+
+
+def _model_tables(
+    tables: Any, where: str, flags: dict[str, argparse.Action]
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """([[models]] as --model values (NAME=PATH, or PATH), each value's own settings: MODEL_SETTINGS, checked and
+    converted as their flags' values are, and pinned)."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise ConfigFileError(f"{where} must be [[models]] tables, each with a path")
+    values, settings = [], {}
+    for i, table in enumerate(tables):
+        table = dict(table)
+        path, name = table.pop("path", None), table.pop("name", None)
+        if not isinstance(path, str) or (name is not None and not isinstance(name, str)):
+            raise ConfigFileError(
+                f"{where}[{i}] needs a path (a folder, a .gguf file or a hub id) and may give a name"
+            )
+        unknown = sorted(set(table) - {*MODEL_SETTINGS, "pinned"})
+        if unknown:
+            raise ConfigFileError(
+                f"{where}[{i}]: {', '.join(unknown)} cannot be set per model; a model's own settings are "
+                + ", ".join((*MODEL_SETTINGS, "pinned"))
+            )
+        if not isinstance(table.get("pinned", False), bool):
+            raise ConfigFileError(f"{where}[{i}].pinned must be true or false")
+        value = path if name is None else f"{name}={path}"
+        values.append(value)
+        settings[value] = {
+            key: v if key == "pinned" else _convert(flags[key.replace("_", "-")], v, f"{where}[{i}].{key}")
+            for key, v in table.items()
+        }
+    return values, settings
 
 
 def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -10,7 +10,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import replace
 
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.errors import MemoryBudgetError
@@ -131,7 +130,7 @@ class ModelLoading:
         started = time.monotonic()
         memory = None if self.engine_args.memory is None else model.granted
         try:
-            engine = LLMEngine(replace(self.engine_args, model=model.spec.source, memory=memory))
+            engine = LLMEngine(model.spec.engine_args(self.engine_args, memory=memory))
         except MemoryBudgetError as e:  # what it needs is known now (on_loaded makes room, or says so)
             logger.warning("model %s does not fit what the memory budget has left: %s", model.name, e)
             return model, None, time.monotonic() - started, e

@@ -7,9 +7,8 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -84,12 +83,14 @@ def serve(
     config: ServerConfig,
     http: GatewaySettings | None = None,
     models: Sequence[str] = (),
+    model_tables: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Run the daemon; with config.http, its gateway too (`http`: that gateway's settings). `models`: the
-    `--model` values (kvd.server.model_specs); none: engine_args.model alone."""
+    `--model` values (kvd.server.model_specs); none: engine_args.model alone. `model_tables`: a config file's
+    settings of some of them (kvd.server.config_file)."""
     http = http or GatewaySettings()
     specs = (
-        model_specs(models, config.models_dir)
+        model_specs(models, config.models_dir, model_tables)
         if models or config.models_dir
         else [ModelSpec(None, engine_args.model)]
     )
@@ -99,7 +100,7 @@ def serve(
         # Another host's rank: no socket, no engine; it runs rank 0's steps until rank 0 stops it.
         from kvd.worker.run import run_worker
 
-        raise SystemExit(run_worker(replace(engine_args, model=specs[0].source)))
+        raise SystemExit(run_worker(specs[0].engine_args(engine_args)))
     endpoint = resolve_endpoint(config.listen)
     check_endpoint(endpoint, config)
     events_endpoint = parse_endpoint(config.events) if config.events else None
@@ -127,7 +128,8 @@ def serve(
         # file's stem, the folder's name or the hub id; the bundled default (a daemon's only model) by its file.
         for i, spec in enumerate(specs):
             name = spec.name or spec.default_name()
-            served.append(ServedModel(name, spec, pinned=i == 0 or name in config.pin))
+            spec.engine_args(engine_args)  # its own settings checked before anything loads
+            served.append(ServedModel(name, spec, pinned=i == 0 or name in config.pin or spec.pinned))
         _check_pins(config, served)
         # The first model and the pinned ones load now; the others on their first request.
         for model in served:
@@ -135,7 +137,7 @@ def serve(
                 budget = engine_args.memory  # each takes its weights and pool from what the others left
                 memory = None if budget is None else budget - sum(m.bytes for m in served if m.engine)
                 with extending_start_timeout(notifier):
-                    engine = LLMEngine(replace(engine_args, model=model.spec.source, memory=memory))
+                    engine = LLMEngine(model.spec.engine_args(engine_args, memory=memory))
                 if model.spec.source is None:
                     model.name = engine.model_name
                 model.attach(engine, config)
