@@ -145,7 +145,7 @@ def test_the_fair_queue_takes_turns_and_skips_clients_at_their_cap():
     queue.push(capped, pending(capped, 0))
     queue.push(single, pending(single, 0))
     order = []
-    while (turn := queue.pop(lambda s: s is not capped)) is not None:
+    while (turn := queue.pop(lambda s: None if s is capped else s.pending[0])) is not None:
         order.append((turn[0].identity, turn[1].id))
     assert order[:3] == [(b"flood", 0), (b"single", 0), (b"flood", 1)]
     assert [i for who, i in order if who == b"flood"] == [0, 1, 2, 3, 4]
@@ -166,7 +166,7 @@ def test_users_take_turns_whatever_their_number_of_connections():
         one.requests[i] = generation
         queue.push(one, generation)
     order = []
-    while (turn := queue.pop(lambda s: True)) is not None:
+    while (turn := queue.pop(lambda s: s.pending[0])) is not None:
         order.append(turn[0].tenant)
     # Every other admission is the single-connection user's until its queue is empty.
     assert order[:6] == ["uid:1", "uid:2"] * 3

@@ -259,6 +259,26 @@ def test_each_model_of_a_config_file_has_its_own_settings(tmp_path: Path):
         assert daemon.stop() == 0, daemon.log()
 
 
+def test_a_request_for_one_model_does_not_wait_behind_the_same_clients_for_another(tmp_path: Path):
+    """One client: a long generation fills model a's engine (one sequence at most), a second for a waits; its
+    request for b runs meanwhile (admission takes a client's oldest generation for each model)."""
+    for name in ("a", "b"):
+        save_tiny_llama(tmp_path / name)
+    flags = ["--model", f"a={tmp_path / 'a'}", "--model", f"b={tmp_path / 'b'}", "--pin", "b"]
+    daemon = start_daemon(tmp_path, *flags, "--max-num-seqs", "1")
+    try:
+        with daemon.client(timeout=60) as client:
+            long = client.stream_chat(HI, model="a", max_tokens=3000, ignore_eos=True)
+            assert next(iter(long)).token_ids  # a's engine holds it
+            waiting = client.stream_chat(HI, model="a", max_tokens=2, ignore_eos=True)
+            assert client.chat(HI, model="b", max_tokens=2, ignore_eos=True).token_ids
+            assert client.stats("a")["num_running"] == 1  # b's reply came while the long one still runs
+            long.close()  # aborts it: the waiting one runs
+            assert len([t for chunk in waiting for t in chunk.token_ids]) == 2
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
 def _kvd(daemon: DaemonProcess, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "kvd.cli", *args, "--endpoint", daemon.endpoint]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=daemon_env(), timeout=120)

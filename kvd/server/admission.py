@@ -26,10 +26,13 @@ class Admission:
         # An engine holds at most max_num_seqs requests, running and waiting; all of them are ours.
         room = model.max_num_seqs - state.num_in_engine(model)
 
-        def may_admit(session: ClientSession) -> bool:
-            return session.pending[0].model is model and self._may_admit(session, model)
+        def pick(session: ClientSession) -> Generation | None:
+            # The client's oldest generation for this model: one queued for a model whose engine is full does not
+            # hold back its generations for another.
+            generation = next((g for g in session.pending if g.model is model), None)
+            return generation if generation is not None and self._may_admit(session, generation) else None
 
-        while room > 0 and (turn := state.queue.pop(may_admit)) is not None:
+        while room > 0 and (turn := state.queue.pop(pick)) is not None:
             session, generation = turn
             try:
                 self._add(generation)
@@ -78,7 +81,7 @@ class Admission:
         self.replies.send(session.identity, reply)
         self.state.sessions.release_if_idle(session)
 
-    def _may_admit(self, session: ClientSession, model: ServedModel) -> bool:
+    def _may_admit(self, session: ClientSession, generation: Generation) -> bool:
         config = self.state.config
         cap = config.max_running_per_client
         if cap is not None and session.num_in_engine >= cap:
@@ -86,7 +89,7 @@ class Admission:
         block_cap = config.max_blocks_per_client
         if block_cap is None or not session.num_in_engine:
             return True  # a client's first generation always runs, however large
-        wanted = _num_blocks(session.pending[0].num_prompt_tokens, model)
+        wanted = _num_blocks(generation.num_prompt_tokens, generation.model)
         return _blocks_held(session) + wanted <= block_cap
 
 

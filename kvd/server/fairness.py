@@ -31,11 +31,14 @@ class FairQueue:
             self._tenants.append(session.tenant)
         clients.append(session)
 
-    def pop(self, may_admit: Callable[[ClientSession], bool]) -> tuple[ClientSession, Generation] | None:
-        """The oldest queued generation of the next client in turn that `may_admit` (under its quotas)."""
+    def pop(
+        self, pick: Callable[[ClientSession], Generation | None]
+    ) -> tuple[ClientSession, Generation] | None:
+        """The generation `pick` takes (under its quotas; a model's engine, its oldest queued for that model) of
+        the next client in turn that has one."""
         for _ in range(len(self._tenants)):
             tenant = self._tenants.popleft()
-            turn = self._next_client(self._clients[tenant], may_admit)
+            turn = self._next_client(self._clients[tenant], pick)
             if self._clients[tenant]:
                 self._tenants.append(tenant)
             else:
@@ -46,7 +49,7 @@ class FairQueue:
 
     @staticmethod
     def _next_client(
-        clients: deque[ClientSession], may_admit: Callable[[ClientSession], bool]
+        clients: deque[ClientSession], pick: Callable[[ClientSession], Generation | None]
     ) -> tuple[ClientSession, Generation] | None:
         for _ in range(len(clients)):
             session = clients.popleft()
@@ -54,8 +57,10 @@ class FairQueue:
                 session.has_turn = False
                 continue
             clients.append(session)
-            if may_admit(session):
-                return session, session.pending.popleft()
+            generation = pick(session)
+            if generation is not None:
+                session.pending.remove(generation)
+                return session, generation
         return None
 
     def __len__(self) -> int:
