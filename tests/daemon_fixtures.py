@@ -112,7 +112,7 @@ def start_daemon(
     workdir: Path,
     *args: str,
     model: Path | None = None,
-    kv_cache_memory: str = TINY_KV_MEMORY,
+    kv_cache_memory: str | None = TINY_KV_MEMORY,
     default_endpoint: bool = False,
     ready_timeout: float = 180.0,
     listen: str | None = None,
@@ -125,7 +125,7 @@ def start_daemon(
     env = daemon_env()
     # One torch thread: on a small shared machine more threads only contend (and in-process references use one).
     cmd = [sys.executable, "-m", "kvd.cli", "serve", "--dtype", "float32", "--threads", "1"]
-    cmd += ["--kv-cache-memory", kv_cache_memory, *args]
+    cmd += [*(["--kv-cache-memory", kv_cache_memory] if kv_cache_memory else []), *args]
     if default_endpoint:
         env["XDG_RUNTIME_DIR"] = str(workdir)
     else:

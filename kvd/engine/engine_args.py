@@ -206,6 +206,11 @@ class EngineArgs:
             self.memory = parse_size(self.memory)
         if self.memory is not None and self.memory <= 0:
             raise EngineArgsError(f"memory must be a positive number of bytes, got {self.memory}")
+        if self.memory is not None and self.tensor_parallel_size > 1:
+            # Each rank holds a slice of the weights and its own pool: one budget would count rank 0's alone.
+            raise EngineArgsError(
+                "memory is not supported with tensor parallel yet: size each rank's pool with kv_cache_memory"
+            )
         if not isinstance(self.device, str) or not _DEVICE.match(self.device):
             raise EngineArgsError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.num_threads is not None and self.num_threads < 1:

@@ -89,13 +89,13 @@ class ModelRunner:
                 )
                 self.graphs.capture()
 
-    @torch.inference_mode()
     def pool_bytes(self) -> int:
         """Bytes the KV pool and the recurrent state slots hold (each tensor once: the layers share views)."""
         tensors = [*self.kv_caches, *(t for state in self.states for t in (state.conv, state.state))]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         return sum(storages.values())
 
+    @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """Compute the chunks' K/V; the final hidden states and each chunk's first row in them.
 

@@ -51,6 +51,8 @@ def plan_pool(
             "kv_cache_memory",
         )
     if budget is None and baseline is not None:
+        # With --memory the pool takes its fraction of what the weights leave of it, within what the device allows.
+        share = None if args.memory is None else _share(args, weight_bytes(model))
         budget = profile_kv_cache_budget(
             model,
             args.block_size,
@@ -60,10 +62,12 @@ def plan_pool(
             args.gpu_memory_utilization,
             baseline,
         )
+        budget = budget if share is None else min(budget, share)
+    elif budget is None and args.memory is not None:
+        budget = _share(args, weight_bytes(model))
     elif budget is None:
         # The ranks of one host share its memory: each takes its part of the fraction.
-        available = _available_memory_bytes() if args.memory is None else args.memory - weight_bytes(model)
-        budget = int(max(0, available) * args.kv_cache_memory_fraction / args.tensor_parallel_size)
+        budget = int(_available_memory_bytes() * args.kv_cache_memory_fraction / args.tensor_parallel_size)
     per_state = state_bytes_per_slot(model.config, dtype)
     live = checkpoints = 0
     if per_state:
@@ -98,13 +102,18 @@ def plan_pool(
     return PoolPlan(num_blocks, live, checkpoints, per_state)
 
 
+def _share(args: EngineArgs, weights: int) -> int:
+    """A pool sized by the memory budget: --kv-cache-memory-fraction of what the weights leave of it."""
+    return int(max(0, args.memory - weights) * args.kv_cache_memory_fraction)
+
+
 def _within_budget(args: EngineArgs, weights: int, num_blocks: int, per_block: int, state_bytes: int) -> int:
     """The blocks that fit the memory budget beside the weights, the state slots and the pool's null block: a pool
     sized by the fraction shrinks to them, an explicit --kv-cache-memory that does not fit is refused."""
     room = (args.memory - weights - state_bytes) // per_block - 1
     wanted = num_blocks if args.kv_cache_memory is not None else 2  # the smallest pool that serves
     if room >= max(wanted, 2):
-        return min(num_blocks, room)
+        return min(max(num_blocks, 2), room)  # a fraction too small for two blocks takes two, where they fit
     needed = weights + (max(wanted, 2) + 1) * per_block + state_bytes
     raise MemoryBudgetError(
         f"the model's weights ({weights} bytes) and its KV pool need {needed} bytes; the memory budget has "

@@ -34,6 +34,8 @@ def apply_config_file(parser: argparse.ArgumentParser, path: Path) -> None:
     if "models" in settings:  # [[models]] tables: more --model values, each with its own settings
         values, tables = _model_tables(settings.pop("models"), f"{path}: models", flags)
         models = settings.get("model", [])
+        if not isinstance(models, str | list):
+            raise ConfigFileError(f"{path}: model takes a string or a list of strings, got {models!r}")
         settings["model"] = [*([models] if isinstance(models, str) else models), *values]
         defaults["model_tables"] = tables
     for key, value in settings.items():

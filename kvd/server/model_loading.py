@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.errors import MemoryBudgetError
@@ -32,6 +33,11 @@ class ModelLoading:
         self.state = state
         self.engine_args = engine_args
         self.worker: Worker[ServedModel, LoadResult] = Worker(self._load, "kvd-models")
+        # Loads run one at a time (one loader thread): the others wait here, so that each is given what the memory
+        # budget has left when it starts.
+        self._queue: deque[ServedModel] = deque()
+        self._running: ServedModel | None = None
+        self._retried: set[ServedModel] = set()  # loaded once more after a first try told their size
 
     def ensure(self, model: ServedModel, then: OnLoad) -> None:
         """Run `then` once `model` is loaded (now, if it is), or with the error that keeps it from loading."""
@@ -45,32 +51,44 @@ class ModelLoading:
         model.waiting.append(then)
         if model.loading:
             return
-        error = self._make_room(model)
-        if error is not None:
-            self._fail(model, error)
-            return
+        model.loading = True  # from now on its requests wait for this one load
         self.state.events.publish_model(events.MODEL_LOADING, model.name)
         logger.info("loading model %s (%s)", model.name, model.spec.source or "the bundled default")
-        self._submit(model)
+        self._queue.append(model)
+        self._start_next()
 
-    def _submit(self, model: ServedModel) -> None:
-        model.loading = True
-        budget = self.engine_args.memory
-        model.granted = 0 if budget is None else budget - self.state.models.held_bytes(besides=model)
-        self.worker.submit(model)
+    def _start_next(self) -> None:
+        """Start the next queued load, if none runs: room made for it, and under a memory budget what the others
+        leave given to it."""
+        while self._running is None and self._queue:
+            model = self._queue.popleft()
+            error = self._make_room(model)
+            budget = self.engine_args.memory
+            if error is None and budget is not None:
+                model.granted = budget - self.state.models.held_bytes(besides=model)
+                if model.granted <= 0:  # nothing left, and no idle model to unload: its size is unknown yet
+                    error = self._overloaded(model, "the memory budget is held by busy or pinned models")
+            if self.state.draining:
+                error = ProtocolError(SHUTTING_DOWN, "the daemon is shutting down and loads no model")
+            if error is not None:
+                model.loading = False
+                self._fail(model, error)
+                continue
+            self._running = model
+            self.worker.submit(model)
 
     def on_loaded(self) -> None:
         """Take the loads the worker finished: serve each model, and let what waited for it go on."""
         for model, engine, seconds, error in self.worker.results():
-            model.loading = False
-            if isinstance(error, MemoryBudgetError) and model.bytes != error.needed:
-                model.bytes = error.needed  # its size, learned: make room for that and load it once more
-                room = self._make_room(model)
-                if room is None:
-                    self._submit(model)
-                else:
-                    self._fail(model, room)
+            self._running, model.granted = None, 0
+            retry = model not in self._retried and model.waiting and not self.state.draining
+            if isinstance(error, MemoryBudgetError) and retry:
+                model.bytes = error.needed  # its size, learned: room is made for that, and it loads once more
+                self._retried.add(model)
+                self._queue.appendleft(model)
                 continue
+            model.loading = False
+            self._retried.discard(model)
             if isinstance(error, MemoryBudgetError):
                 self._fail(model, ProtocolError(OVERLOADED, f"model {model.name}: {error}", "model"))
                 continue
@@ -93,6 +111,7 @@ class ModelLoading:
             waiting, model.waiting = model.waiting, []
             for then in waiting:
                 then(None)
+        self._start_next()
 
     def expire(self) -> None:
         """Unload each model idle for longer than its keep-alive (pinned models stay)."""
@@ -157,7 +176,7 @@ class ModelLoading:
                 "model",
             )
         while True:
-            live = [m for m in self.state.models if (m.engine is not None or m.loading) and m is not model]
+            live = [m for m in self.state.models if m.engine is not None and m is not model]
             held = self.state.models.held_bytes(besides=model)
             too_many = limit is not None and len(live) >= limit
             too_big = budget is not None and held + model.bytes > budget
@@ -173,12 +192,16 @@ class ModelLoading:
                 if too_many
                 else f"it needs {model.bytes} bytes and the memory budget ({budget}) has {budget - held} left"
             )
-            return ProtocolError(
-                OVERLOADED,
-                f"model {model.name} cannot be loaded now: {why}, and every loaded model is busy or pinned; "
-                "retry when one is idle",
-                "model",
-            )
+            return self._overloaded(model, why)
+
+    @staticmethod
+    def _overloaded(model: ServedModel, why: str) -> ProtocolError:
+        return ProtocolError(
+            OVERLOADED,
+            f"model {model.name} cannot be loaded now: {why}, and every loaded model is busy or pinned; retry "
+            "when one is idle",
+            "model",
+        )
 
     def _fail(self, model: ServedModel, error: ProtocolError) -> None:
         waiting, model.waiting = model.waiting, []

@@ -136,6 +136,10 @@ def serve(
             if model.pinned:
                 budget = engine_args.memory  # each takes its weights and pool from what the others left
                 memory = None if budget is None else budget - sum(m.bytes for m in served if m.engine)
+                if memory is not None and memory <= 0:
+                    raise ValueError(
+                        f"--memory {budget}: the models loaded before {model.name} hold all of it; raise it"
+                    )
                 with extending_start_timeout(notifier):
                     engine = LLMEngine(model.spec.engine_args(engine_args, memory=memory))
                 if model.spec.source is None:
