@@ -116,7 +116,9 @@ def test_models_share_the_budget_and_idle_ones_make_room(tmp_path: Path):
             before = _resident_bytes(daemon)
             assert kvd.unload("c") and _loaded(kvd) == {"a"}
             # The loop drops its last reference to the engine on its next turn.
-            _wait_for(lambda: abs(before - _resident_bytes(daemon) - sizes_now["c"]) < 0.1 * sizes_now["c"], 10)
+            _wait_for(
+                lambda: abs(before - _resident_bytes(daemon) - sizes_now["c"]) < 0.1 * sizes_now["c"], 10
+            )
         assert "unloaded" in daemon.log()
     finally:
         assert daemon.stop() == 0, daemon.log()
