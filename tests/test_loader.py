@@ -912,3 +912,18 @@ def test_max_model_len_is_capped_at_the_models_positions(caplog):
     assert not caplog.records
     assert config.cap_max_model_len(1_000_000) == 8192
     assert "max_model_len 1000000 is more than the 8192 positions" in caplog.text
+
+
+def test_a_tokenizer_parsed_ahead_serves_its_models_load(tmp_path):
+    """A daemon parses the tokenizers of its on-demand models at start (a parse holds the interpreter's lock): the
+    load takes that one; a folder changed since is parsed again."""
+    from tiny_models import save_tiny_llama
+
+    from kvd.model import loader
+
+    folder = save_tiny_llama(tmp_path / "m")
+    loader.preload_tokenizer(str(folder))
+    parsed = loader._PARSED_TOKENIZERS[loader._tokenizer_key(folder)]
+    assert load_model(str(folder), dtype="float32").tokenizer is parsed
+    os.utime(folder / "config.json", ns=(1, 1))  # another model in its place
+    assert load_model(str(folder), dtype="float32").tokenizer is not parsed

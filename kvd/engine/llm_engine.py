@@ -53,7 +53,7 @@ from kvd.request.tool_validate import Tool
 
 if TYPE_CHECKING:
     from kvd.parallel.launch import TensorParallel
-from kvd.model.loader import load_model
+from kvd.model.loader import load_model, preload_tokenizer
 
 logger = logging.getLogger("kvd.engine")
 
@@ -549,6 +549,12 @@ def release_memory() -> None:
     pages handed back to the system, so that an unloaded model's memory shows as free."""
     gc.collect()
     return_freed_heap()
+
+
+def read_tokenizer_ahead(model: str | None) -> None:
+    """Parse a model's tokenizer now, for an engine of it later (a daemon's model loaded on demand: the parse holds
+    the interpreter's lock, which the daemon's streams need)."""
+    preload_tokenizer(model)
 
 
 def _state_slots(pool: PoolPlan, args: EngineArgs) -> StateSlots | None:

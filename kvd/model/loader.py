@@ -151,7 +151,7 @@ def load_model(
         attention_backend = create_attention_backend(
             resolve_backend_name(attention_backend, device, run_dtype, config.max_head_dim)
         )
-    tokenizer = checkpoint.load_tokenizer()
+    tokenizer = _PARSED_TOKENIZERS.get(_tokenizer_key(gguf_path or path)) or checkpoint.load_tokenizer()
     if getattr(tokenizer, "chat_template", None) is None:
         tokenizer.chat_template = family_class(config.model_type).CHAT_TEMPLATE
     name = str(model) if model is not None and not Path(model).expanduser().exists() else path.stem
@@ -300,6 +300,26 @@ def _resolve_quantization(mode: str, checkpoint: _Checkpoint, device: torch.devi
             f"quantization {mode!r} runs on CPU only (torch's weight-only CPU kernels); use none on {device}"
         )
     return mode
+
+
+# Tokenizers parsed ahead of their models' loads (preload_tokenizer), by file and modification time: the tokenizers
+# library holds the interpreter's lock while it parses one (~0.1 s for a 50k vocabulary), which a daemon loading a
+# model on demand would otherwise take from the streams of the models it serves.
+_PARSED_TOKENIZERS: dict[tuple[str, int], Any] = {}
+
+
+def preload_tokenizer(model: str | os.PathLike[str] | None) -> None:
+    """Parse the tokenizer of `model` now, for its load later (a daemon's models loaded on demand)."""
+    path = resolve_model_path(model)
+    gguf_path = _gguf_file(path)
+    checkpoint = _open_gguf(gguf_path) if gguf_path is not None else _open_folder(path)
+    _PARSED_TOKENIZERS[_tokenizer_key(gguf_path or path)] = checkpoint.load_tokenizer()
+
+
+def _tokenizer_key(path: Path) -> tuple[str, int]:
+    """A model file's or folder's identity for the parsed tokenizers: its path and when it last changed."""
+    marker = path if path.is_file() else path / "config.json"
+    return str(path.resolve()), marker.stat().st_mtime_ns if marker.exists() else 0
 
 
 def _gguf_file(path: Path) -> Path | None:

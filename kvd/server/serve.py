@@ -145,11 +145,24 @@ def serve(
                 if model.spec.source is None:
                     model.name = engine.model_name
                 model.attach(engine, config)
+        _preload_tokenizers([m for m in served if not m.pinned])
         models = ServedModels(served)
         _serve_models(models, engine_args, endpoint, events_endpoint, config, notifier, http)
     finally:
         for model in served:
             model.detach()  # stops the other tensor-parallel ranks
+
+
+def _preload_tokenizers(models: list[ServedModel]) -> None:
+    """Parse the tokenizers of the models loaded on demand now, while no stream waits on the interpreter's lock
+    (a parse holds it); a model whose tokenizer does not parse says so when it loads."""
+    from kvd.engine.llm_engine import read_tokenizer_ahead
+
+    for model in models:
+        try:
+            read_tokenizer_ahead(model.spec.source)
+        except Exception as e:  # its first request's load reports it, as for any model that does not load
+            logger.warning("model %s: its tokenizer could not be read ahead: %s", model.name, e)
 
 
 def _check_pins(config: ServerConfig, served: list[ServedModel]) -> None:
