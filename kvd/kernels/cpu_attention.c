@@ -1105,6 +1105,51 @@ static inline int64_t window_blocks(int64_t ctx, int64_t window, int64_t block_s
     return window && ctx > window ? (ctx - window) / block_size : 0;
 }
 
+// The dispatch's cases: head size and dtype as constants for the common ones, so the inner loops keep no
+// branches. Each case is a function of its own: inlined into one body, their dozen copies of the loops made the
+// compiler's register allocation superlinear (16 s for this file, against about 1 s for each of the others).
+#define UNIT_PARAMS                                                                                               \
+    const void *q, void *out, const char *keys, const char *values, int bf16, int64_t s, int64_t rows, int64_t kvh, \
+        int64_t group, int64_t D, int64_t q_stride, int64_t H, int64_t block_size, int64_t slot_bytes,            \
+        const int32_t *table, int64_t ctx, int64_t window, const float *sinks, float scale, float *work,          \
+        kv_stream *st
+#define UNIT_CASE(NAME, CALL)                                      \
+    static __attribute__((noinline)) void NAME(UNIT_PARAMS) {      \
+        (void)bf16, (void)rows, (void)D;                           \
+        CALL;                                                      \
+    }
+#define GROUP_CASE(FN, HEAD_DIM, BF16)                                                                             \
+    UNIT_CASE(FN##_##HEAD_DIM##_##BF16, FN(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H,     \
+                                           block_size, slot_bytes, table, ctx, window, sinks, scale, work, st))
+GROUP_CASE(attend_group, 64, 0)
+GROUP_CASE(attend_group, 64, 1)
+GROUP_CASE(attend_group, 128, 0)
+GROUP_CASE(attend_group, 128, 1)
+GROUP_CASE(attend_group, D, bf16)
+GROUP_CASE(attend_group8, 64, 0)
+GROUP_CASE(attend_group8, 64, 1)
+GROUP_CASE(attend_group8, 128, 0)
+GROUP_CASE(attend_group8, 128, 1)
+GROUP_CASE(attend_group8, D, bf16)
+#if KVD_AMX
+#define CHUNK_CASE(HEAD_DIM, KIND, Q_BF16)                                                                     \
+    UNIT_CASE(attend_chunk_##HEAD_DIM##_##KIND##_##Q_BF16,                                                     \
+              attend_chunk(q, out, keys, values, KIND, Q_BF16, s, rows, kvh, group, HEAD_DIM, q_stride, H,     \
+                           block_size, slot_bytes, table, ctx, window, sinks, scale, (char*)work, st))
+CHUNK_CASE(64, 1, 1)
+CHUNK_CASE(128, 1, 1)
+CHUNK_CASE(D, 1, 1)
+CHUNK_CASE(64, KV_INT8, 0)
+CHUNK_CASE(64, KV_INT8, 1)
+CHUNK_CASE(128, KV_INT8, 0)
+CHUNK_CASE(128, KV_INT8, 1)
+CHUNK_CASE(D, KV_INT8, bf16)
+#undef CHUNK_CASE
+#endif
+#undef GROUP_CASE
+#undef UNIT_CASE
+#undef UNIT_PARAMS
+
 // Rows that attend together: runs of up to `most` consecutive rows of one prompt (the same blocks, contexts c,
 // c + 1, ...), run u from row first[u], count[u] rows. Returns the number of runs.
 static int64_t row_runs(const int32_t* tables, int64_t width, const int32_t* lens, int64_t S, int64_t block_size,
@@ -1193,16 +1238,12 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
                 const int64_t skip = window_blocks(context_lens[s], window, block_size);
                 const int32_t* table = block_tables + s * table_width + skip;
                 const int64_t ctx = context_lens[s] - skip * block_size;
-                // Head size and dtype as constants for the common cases, so the inner loops keep no branches.
-#define ATTEND(HEAD_DIM, BF16)                                                                                   \
-    attend_group(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes, table, \
-                 ctx, window, sinks, scale, work, st)
-#define ATTEND8(HEAD_DIM, BF16)                                                                        \
-    attend_group8(q, out, keys, values, BF16, s, kvh, group, HEAD_DIM, q_stride, H, block_size, slot_bytes,  \
-                  table, ctx, window, sinks, scale, work, st)
-#define ATTEND_CHUNK(HEAD_DIM, KIND, Q_BF16)                                                                  \
-    attend_chunk(q, out, keys, values, KIND, Q_BF16, s, count[u], kvh, group, HEAD_DIM, q_stride, H, block_size, \
-                 slot_bytes, table, ctx, window, sinks, scale, (char*)work, st)
+#define UNIT_ARGS                                                                                             \
+    q, out, keys, values, bf16, s, count[u], kvh, group, D, q_stride, H, block_size, slot_bytes, table, ctx, window, \
+        sinks, scale, work, st
+#define ATTEND(HEAD_DIM, BF16) attend_group_##HEAD_DIM##_##BF16(UNIT_ARGS)
+#define ATTEND8(HEAD_DIM, BF16) attend_group8_##HEAD_DIM##_##BF16(UNIT_ARGS)
+#define ATTEND_CHUNK(HEAD_DIM, KIND, Q_BF16) attend_chunk_##HEAD_DIM##_##KIND##_##Q_BF16(UNIT_ARGS)
 #if KVD_AMX
                 if (tiles && !kv8 && D == 64)
                     ATTEND_CHUNK(64, 1, 1);
@@ -1233,6 +1274,7 @@ int kvd_paged_attention(const void* q, int64_t q_stride, void* out, const void* 
 #undef ATTEND
 #undef ATTEND8
 #undef ATTEND_CHUNK
+#undef UNIT_ARGS
             }
         }
 #if KVD_AMX
