@@ -65,10 +65,19 @@ def load_with_private_cache(model: str | None, tmp_path_factory) -> LoadedModel:
 
 def transformers_gguf(path: Path) -> tuple[torch.nn.Module, object]:
     """(model, tokenizer) as transformers loads a GGUF file itself, the model in float32, for eval."""
+    import gguf
+    import pytest
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers parses the file's metadata three times (its config, its weights, its tokenizer): about 30 s
+    # each for a 262k-token vocabulary, read one string at a time through numpy views of the file. The same
+    # reader (gguf's own) serves the three.
+    reader = gguf.GGUFReader(path)
+    opened = gguf.GGUFReader
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda p, *a, **k: reader if Path(p) == path else opened(p, *a, **k))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        return model.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def assert_params_equal_hf(
