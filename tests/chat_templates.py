@@ -117,3 +117,55 @@ LLAMA3_1 = """\
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}
 """
+
+# Gemma 4: a system turn (with <|think|> when thinking is on) holds each tool as <|tool>declaration:NAME{...}<tool|>;
+# an assistant's calls are <|tool_call>call:NAME{key:value,...}<tool_call|>, strings inside <|"|> quotes and keys
+# bare; each result follows its call as <|tool_response>response:NAME{value:...}<tool_response|> in the same model
+# turn, after which the model goes on in that turn; the generation prompt closes an empty thought channel when
+# thinking is off.
+GEMMA4 = """\
+{%- macro value(v) -%}
+    {%- if v is string -%}{{- '<|"|>' + v + '<|"|>' -}}
+    {%- elif v is boolean -%}{{- 'true' if v else 'false' -}}
+    {%- elif v is mapping -%}{{- '{' -}}{%- for k, x in v | dictsort -%}{{- k + ':' + value(x) -}}
+        {%- if not loop.last -%},{%- endif -%}{%- endfor -%}{{- '}' -}}
+    {%- elif v is sequence -%}{{- '[' -}}{%- for x in v -%}{{- value(x) -}}{%- if not loop.last -%},{%- endif -%}
+        {%- endfor -%}{{- ']' -}}
+    {%- elif v is none -%}{{- 'null' -}}
+    {%- else -%}{{- v -}}{%- endif -%}
+{%- endmacro -%}
+{%- set thinking = enable_thinking is defined and enable_thinking -%}
+{{- bos_token -}}
+{%- set ns = namespace(rest=messages, last='') -%}
+{%- if thinking or tools or (messages and messages[0].role == 'system') -%}
+    {{- '<|turn>system\\n' -}}{%- if thinking -%}{{- '<|think|>\\n' -}}{%- endif -%}
+    {%- if messages and messages[0].role == 'system' -%}
+        {{- messages[0].content | trim -}}{%- set ns.rest = messages[1:] -%}
+    {%- endif -%}
+    {%- for tool in tools or [] -%}
+        {{- '<|tool>declaration:' + tool.function.name + '{description:<|"|>' + (tool.function.description or '')
+            + '<|"|>,parameters:' + value(tool.function.parameters) + '}<tool|>' -}}
+    {%- endfor -%}
+    {{- '<turn|>\\n' -}}
+{%- endif -%}
+{%- for m in ns.rest -%}
+    {%- if m.role == 'tool' -%}
+        {{- '<|tool_response>response:' + (m.name or 'tool') + '{value:' + value(m.content) + '}<tool_response|>' -}}
+        {%- set ns.last = 'tool' -%}
+    {%- else -%}
+        {%- if ns.last != 'tool' or m.role != 'assistant' -%}
+            {%- if ns.last == 'tool' -%}{{- '<turn|>\\n' -}}{%- endif -%}
+            {{- '<|turn>' + ('model' if m.role == 'assistant' else m.role) + '\\n' -}}
+        {%- endif -%}
+        {{- (m.content or '') | trim -}}
+        {%- for call in m.tool_calls or [] -%}
+            {{- '<|tool_call>call:' + call.function.name + value(call.function.arguments) + '<tool_call|>' -}}
+        {%- endfor -%}
+        {%- if m.tool_calls -%}{%- set ns.last = 'tool' -%}{%- else -%}{{- '<turn|>\\n' -}}{%- set ns.last = '' -%}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and ns.last != 'tool' -%}
+    {{- '<|turn>model\\n' -}}{%- if not thinking -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}
+{%- endif -%}
+"""

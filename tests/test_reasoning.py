@@ -64,6 +64,55 @@ def test_the_parser_splits_at_every_cut_as_it_does_whole(text: str, opened: bool
     assert _split(ReasoningParser(FMT, opened), list(text)) == expected
 
 
+CHANNEL = ReasoningFormat("<|channel>", "<channel|>", 300, 301, frozenset({WHITESPACE}), label="thought")
+
+
+@pytest.mark.parametrize(
+    ("text", "opened", "expected"),
+    [
+        ("<|channel>thought\nweigh it\n<channel|>Yes.", False, ("weigh it", "Yes.")),
+        ("<|channel>thought\n<channel|>\nYes.", False, ("", "Yes.")),  # an empty channel
+        ("<|channel>thoughtful words<channel|>x", False, ("ful words", "x")),  # the label only is dropped
+        ("<|channel>musing<channel|>x", False, ("musing", "x")),  # no label
+        ("<|channel>thou", False, ("", "")),  # cut inside the label
+        ("Plain <|channel> kept", False, ("", "Plain <|channel> kept")),
+        ("thought\nstep<channel|>done", True, ("step", "done")),
+    ],
+)
+def test_gemma4s_thought_channel_splits_at_every_cut(text: str, opened: bool, expected: tuple[str, str]):
+    for cut in range(len(text) + 1):
+        assert _split(ReasoningParser(CHANNEL, opened), [text[:cut], text[cut:]]) == expected, cut
+    assert _split(ReasoningParser(CHANNEL, opened), list(text)) == expected
+
+
+def test_gemma4s_channel_is_detected_where_its_markers_are_plain_tokens():
+    from chat_templates import GEMMA4
+
+    tokenizer = byte_level_tokenizer()
+    assert detect_reasoning(tokenizer, GEMMA4) is None  # markers in pieces
+    tokenizer.add_tokens(["<|channel>", "<channel|>"])
+    fmt = detect_reasoning(tokenizer, GEMMA4)
+    assert fmt is not None and (fmt.start, fmt.end, fmt.label) == ("<|channel>", "<channel|>", "thought")
+    assert fmt.info() == {"start": "<|channel>thought", "end": "<channel|>"}
+    # Thinking off: the generation prompt closes an empty channel, which leaves no section open.
+    off = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        chat_template=GEMMA4,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    on = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}],
+        add_generation_prompt=True,
+        chat_template=GEMMA4,
+        tokenize=False,
+        enable_thinking=True,
+    )
+    assert off.endswith("<|channel>thought\n<channel|>") and on.endswith("<|turn>model\n")
+    assert not fmt.opened_by(tokenizer.encode(off, add_special_tokens=False))
+
+
 def test_a_format_needs_both_markers_as_plain_tokens_and_a_template_that_closes_them():
     tokenizer = reasoning_tokenizer()
     fmt = detect_reasoning(tokenizer, tokenizer.chat_template)

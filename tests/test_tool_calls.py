@@ -61,6 +61,8 @@ TOOLS = parse_tools([WEATHER, ADD])
 HERMES = ToolTemplate(ToolFormat.HERMES, native=True)
 LLAMA3 = ToolTemplate(ToolFormat.LLAMA3_JSON, native=True)
 PYTHONIC = ToolTemplate(ToolFormat.PYTHONIC, native=False)  # Gemma's, through kvd's prompt
+GEMMA4 = ToolTemplate(ToolFormat.GEMMA4, native=True)  # its markers in pieces in this tokenizer
+GEMMA4_MARKERS = ["<|tool_call>", "<tool_call|>", '<|"|>']
 
 
 @pytest.fixture(scope="module")
@@ -485,10 +487,40 @@ PYTHONIC_CASES = [
     ("The list: [add(a=1)]", "The list: [add(a=1)]", []),
     ("[]", "[]", []),
 ]
+Q = '<|"|>'
+GEMMA4_CASES = [
+    (
+        f"<|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>",
+        "",
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        f"Let me look.<|tool_call>call:add{{a:1,b:-2.5e1}}<tool_call|><|tool_call>call:get_weather{{city:{Q}a, b: {{c}}{Q},"
+        f"unit:{Q}c{Q}}}<tool_call|>",
+        "Let me look.",
+        [("add", {"a": 1, "b": -25.0}), ("get_weather", {"city": "a, b: {c}", "unit": "c"})],
+    ),
+    # Nested objects with bare or quoted keys, arrays, true / false / null, whitespace between.
+    (
+        f"<|tool_call>call:add{{ a: {{x:[1, true, null], {Q}y z{Q}:false}}, b:[] }}<tool_call|> Done.",
+        "Done.",
+        [("add", {"a": {"x": [1, True, None], "y z": False}, "b": []})],
+    ),
+    (
+        "<|tool_call>call:sub{a:1}<tool_call|>",
+        "<|tool_call>call:sub{a:1}<tool_call|>",
+        [],
+    ),  # not a tool
+    ("<|tool_call>call:add{a:1} x<tool_call|>", "<|tool_call>call:add{a:1} x<tool_call|>", []),
+    (f"<|tool_call>call:add{{a:{Q}open}}<tool_call|>", f"<|tool_call>call:add{{a:{Q}open}}<tool_call|>", []),
+    ("<|tool_call>add(a=1)<tool_call|>", "<|tool_call>add(a=1)<tool_call|>", []),
+    ("1 <| 2 and <tool_call> stay text", "1 <| 2 and <tool_call> stay text", []),
+]
 PARSER_CASES = (
     [(HERMES, *case) for case in HERMES_CASES]
     + [(LLAMA3, *case) for case in LLAMA3_CASES]
     + [(PYTHONIC, *case) for case in PYTHONIC_CASES]
+    + [(GEMMA4, *case) for case in GEMMA4_CASES]
 )
 
 
@@ -536,6 +568,8 @@ CUT_CASES = [
     (LLAMA3, '{"name": "add", "parameters": {"a": 1', '{"name": "add", "parameters": {"a": 1', []),
     (PYTHONIC, '[get_weather(city="Paris"), add(a=1, b', "", [("get_weather", {"city": "Paris"})]),
     (PYTHONIC, "[add(a=1", "[add(a=1", []),  # no whole call: a list or a call, no telling
+    (GEMMA4, "Sure. <|tool_call>call:add{a:1,b", "Sure.", []),
+    (GEMMA4, "<|tool_call>call:add{a:1,b:2}<tool_call|><|tool_c", "", [("add", {"a": 1, "b": 2})]),
 ]
 
 
@@ -602,6 +636,8 @@ def _call_text(template: ToolTemplate, name: str, arguments: object) -> str:
         return "[" + pythonic_call(name, arguments) + "]"
     if template.format is ToolFormat.LLAMA3_JSON:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+    if template.format is ToolFormat.GEMMA4:
+        return f"<|tool_call>call:{name}{_gemma4_value(arguments)}<tool_call|>"
     return (
         "<tool_call>\n"
         + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
@@ -609,13 +645,28 @@ def _call_text(template: ToolTemplate, name: str, arguments: object) -> str:
     )
 
 
+def _gemma4_value(value: object) -> str:
+    """A JSON value as Gemma 4 writes it in a call (strings in <|"|> quotes, keys bare)."""
+    if isinstance(value, str):
+        return Q + value + Q
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_gemma4_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(map(_gemma4_value, value)) + "]"
+    return json.dumps(value)
+
+
 def _join(template: ToolTemplate, texts: list[str]) -> str:
+    if template.format is ToolFormat.GEMMA4:
+        return "".join(texts)
     if template.format is ToolFormat.PYTHONIC:
         return "[" + ", ".join(t[1:-1] for t in texts) + "]"
     return ("; " if template.format is ToolFormat.LLAMA3_JSON else "\n").join(texts)
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize(
+    "template", [HERMES, LLAMA3, PYTHONIC, GEMMA4], ids=["hermes", "llama3_json", "pythonic", "gemma4"]
+)
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 def test_required_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
     grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel)
@@ -636,13 +687,17 @@ def test_required_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
     weather = _call_text(template, "get_weather", {"city": "Paris", "unit": "c"})
     if template.format is ToolFormat.PYTHONIC:  # one space after ",", none around "="
         refused += [weather.replace(", ", ","), weather.replace("=", " = ")]
+    elif template.format is ToolFormat.GEMMA4:  # no spaces, keys bare, strings in <|"|> quotes
+        refused += [weather.replace(",", ", "), weather.replace("city:", '"city":'), weather.replace(Q, '"')]
     else:  # not json.dumps' spacing: too little, or too much
         refused += [weather.replace('", "', '","'), weather.replace('{"', '{ "')]
     for text in refused:
         assert not _accepts(ll_tokenizer, hf_tokenizer, grammar, text), text
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize(
+    "template", [HERMES, LLAMA3, PYTHONIC, GEMMA4], ids=["hermes", "llama3_json", "pythonic", "gemma4"]
+)
 @pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
 def test_named_grammar(ll_tokenizer, hf_tokenizer, template, parallel):
     grammar = tool_call_grammar(TOOLS, ToolChoice("named", "add"), template, parallel)
@@ -660,7 +715,7 @@ def test_no_grammar_unless_a_call_is_forced(mode):
     assert tool_call_grammar(TOOLS, ToolChoice(mode), HERMES, parallel=True) is None
 
 
-@pytest.mark.parametrize("template", [HERMES, PYTHONIC], ids=["hermes", "pythonic"])
+@pytest.mark.parametrize("template", [HERMES, PYTHONIC, GEMMA4], ids=["hermes", "pythonic", "gemma4"])
 def test_grammar_keeps_the_refs_of_a_schema(ll_tokenizer, hf_tokenizer, template):
     tools = parse_tools(
         _function(
@@ -696,7 +751,9 @@ def test_forced_arguments_take_only_the_listed_properties_unless_the_schema_open
         assert _accepts(ll_tokenizer, hf_tokenizer, grammar, extra) == extra_allowed
 
 
-@pytest.mark.parametrize("template", [HERMES, LLAMA3, PYTHONIC], ids=["hermes", "llama3_json", "pythonic"])
+@pytest.mark.parametrize(
+    "template", [HERMES, LLAMA3, PYTHONIC, GEMMA4], ids=["hermes", "llama3_json", "pythonic", "gemma4"]
+)
 def test_text_the_grammar_accepts_parses_into_the_calls(ll_tokenizer, hf_tokenizer, template):
     grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel=True)
     text = _join(
@@ -723,3 +780,91 @@ def test_text_the_grammar_accepts_parses_into_the_calls(ll_tokenizer, hf_tokeniz
         ("get_weather", '{"city": "Zürich", "unit": "c"}'),
         ("add", '{"a": -1, "b": 0}'),
     ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gemma 4: its markers as tokens of their own, as in its tokenizer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4_tokenizers(hf_tokenizer):
+    tokenizer = copy.deepcopy(hf_tokenizer)
+    tokenizer.add_tokens(GEMMA4_MARKERS)
+    return tokenizer, llguidance.hf.from_tokenizer(tokenizer)
+
+
+def test_gemma4s_template_is_detected_with_its_marker_tokens(gemma4_tokenizers):
+    tokenizer, _ = gemma4_tokenizers
+    found = detect_tool_template(chat_templates.GEMMA4, tokenizer)
+    assert found.format is ToolFormat.GEMMA4 and found.native
+    assert dict(found.marker_ids) == {m: tokenizer.convert_tokens_to_ids(m) for m in GEMMA4_MARKERS}
+    assert detect_tool_template(chat_templates.GEMMA4) == GEMMA4  # no tokenizer: no ids
+
+
+def test_gemma4_template_renders_tools_calls_and_results(gemma4_tokenizers):
+    tokenizer, _ = gemma4_tokenizers
+    messages = [
+        {"role": "user", "content": "Weather in Oslo, then 2 + 3?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                _call("c1", "get_weather", '{"city": "Oslo"}'),
+                _call("c2", "add", '{"a": 2, "b": 3}'),
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "name": "add", "content": "5"},
+    ]
+    text = _render(tokenizer, chat_templates.GEMMA4, messages, TOOLS)
+    assert '<|tool>declaration:get_weather{description:<|"|>Current weather of a city<|"|>' in text
+    assert (
+        f"<|tool_call>call:get_weather{{city:{Q}Oslo{Q}}}<tool_call|><|tool_call>call:add{{a:2,b:3}}<tool_call|>"
+        f"<|tool_response>response:get_weather{{value:{Q}sunny{Q}}}<tool_response|>"
+    ) in text
+    assert text.endswith(f"response:add{{value:{Q}5{Q}}}<tool_response|>")  # the model goes on in its turn
+
+
+def test_gemma4_grammar_names_its_marker_tokens(gemma4_tokenizers):
+    """With the markers as tokens the grammar takes them alone (never spelled in pieces), and a string may hold
+    any text, "<" included, up to its closing quote token."""
+    tokenizer, ll = gemma4_tokenizers
+    template = detect_tool_template(chat_templates.GEMMA4, tokenizer)
+    grammar = tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel=True)
+    ids = dict(template.marker_ids)
+    assert f"<[{ids['<|tool_call>']}]>" in grammar
+    text = _join(
+        template,
+        [
+            _call_text(template, "get_weather", {"city": "a <b> & <|c", "unit": "c"}),
+            _call_text(template, "add", {"a": -1, "b": 0}),
+        ],
+    )
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert tokens.count(ids[Q]) == 4 and tokens.count(ids["<|tool_call>"]) == 2
+    matcher = _matcher(ll, grammar)
+    assert matcher.consume_tokens(tokens) and matcher.is_accepting()
+    # The same text spelled without the marker tokens is refused.
+    pieces = [
+        t
+        for piece in re.split(r"(<\|tool_call>|<tool_call\|>|<\|\"\|>)", text)
+        for t in _pieces(tokenizer, piece)
+    ]
+    assert pieces != tokens and tokenizer.decode(pieces) == text
+    assert not _matcher(ll, grammar).consume_tokens(pieces)
+    parser = ToolCallParser(template, TOOLS, forced=True)
+    content = "".join(parser.feed(tokenizer.decode([t])) for t in tokens)
+    rest, calls, reason = parser.finish("stop")
+    assert content + rest == "" and reason == "tool_calls"
+    assert _calls(calls) == [
+        ("get_weather", {"city": "a <b> & <|c", "unit": "c"}),
+        ("add", {"a": -1, "b": 0}),
+    ]
+
+
+def _pieces(tokenizer, text: str) -> list[int]:
+    """`text` as tokens, a marker spelled one character at a time."""
+    if text in GEMMA4_MARKERS:
+        return [t for c in text for t in tokenizer.encode(c, add_special_tokens=False)]
+    return tokenizer.encode(text, add_special_tokens=False)

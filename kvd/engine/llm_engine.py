@@ -100,7 +100,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size, self.eos_token_ids)
         self.pooling, self.pooling_reason = choose_pooling(args.pooling, loaded.path, loaded.name)
         chat_template = getattr(loaded.tokenizer, "chat_template", None)
-        self.tool_template = detect_tool_template(chat_template)
+        self.tool_template = detect_tool_template(chat_template, loaded.tokenizer)
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         self.reasoning = detect_reasoning(self.tokenizer, chat_template)

@@ -13,9 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# The markers of the one section format served: Qwen3, Qwen3.5, QwQ, DeepSeek-R1, SmolLM3 and their kin.
+# The markers of the section formats served: Qwen3, Qwen3.5, QwQ, DeepSeek-R1, SmolLM3 and their kin; and Gemma 4's
+# thought channel, `<|channel>thought\n ... <channel|>` (its label is neither reasoning nor answer).
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+CHANNEL_OPEN = "<|channel>"
+CHANNEL_CLOSE = "<channel|>"
+CHANNEL_LABEL = "thought"
 EFFORTS = ("low", "medium", "high")
 
 
@@ -29,6 +33,7 @@ class ReasoningFormat:
     start_id: int
     end_id: int
     whitespace_ids: frozenset[int] = frozenset()
+    label: str = ""  # written right after the start marker: the channel's name, dropped from the reasoning
 
     def opened_by(self, prompt_ids: Sequence[int]) -> bool:
         """The prompt leaves a section open (templates that start the answer inside one, like Qwen3.5's): the
@@ -40,17 +45,22 @@ class ReasoningFormat:
         return False
 
     def info(self) -> dict[str, str]:
-        return {"start": self.start, "end": self.end}
+        return {"start": self.start + self.label, "end": self.end}
 
 
 def detect_reasoning(tokenizer: Any, chat_template: str | None) -> ReasoningFormat | None:
     """The model's thinking section, or None: its template must write the end marker, and its tokenizer must
     have both markers as single tokens that are not special (special tokens are left out of the output's text,
     which the section is split from)."""
-    if THINK_CLOSE not in (chat_template or ""):
+    template = chat_template or ""
+    if THINK_CLOSE in template:
+        start, end, label = THINK_OPEN, THINK_CLOSE, ""
+    elif CHANNEL_CLOSE in template and CHANNEL_OPEN + CHANNEL_LABEL in template:
+        start, end, label = CHANNEL_OPEN, CHANNEL_CLOSE, CHANNEL_LABEL
+    else:
         return None
     ids = []
-    for marker in (THINK_OPEN, THINK_CLOSE):
+    for marker in (start, end):
         encoded = tokenizer.encode(marker, add_special_tokens=False)
         added = tokenizer.added_tokens_decoder.get(encoded[0]) if len(encoded) == 1 else None
         if len(encoded) != 1 or (added is not None and added.special):
@@ -58,7 +68,7 @@ def detect_reasoning(tokenizer: Any, chat_template: str | None) -> ReasoningForm
         ids.append(encoded[0])
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
     whitespace = frozenset(i for i, text in enumerate(texts) if text and not text.strip())
-    return ReasoningFormat(THINK_OPEN, THINK_CLOSE, ids[0], ids[1], whitespace)
+    return ReasoningFormat(start, end, ids[0], ids[1], whitespace, label)
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,7 @@ class ReasoningParser:
         self._state = _State.THINKING if opened else _State.BEFORE
         self._held = ""  # text that may still be part of a marker, or whitespace whose side is not known yet
         self._started = False  # a word of reasoning came: whitespace before it is dropped
+        self._labelled = not fmt.label  # the channel's label (if the format has one) is behind
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, answer) that `text` completes."""
@@ -178,6 +189,12 @@ class ReasoningParser:
                 else:
                     self._state = _State.ANSWER
             elif self._state is _State.THINKING:
+                if not self._labelled:
+                    if self.fmt.label.startswith(held):
+                        break  # the label's beginning: wait for more
+                    self._labelled = True
+                    if held.startswith(self.fmt.label):
+                        self._held = held = held[len(self.fmt.label) :]
                 if not self._started:
                     self._held = held = held.lstrip()
                     self._started = bool(held)
@@ -208,7 +225,7 @@ class ReasoningParser:
         """What is held when the output ends: an unfinished section's last reasoning, or the answer's rest."""
         held, self._held = self._held, ""
         if self._state is _State.THINKING:
-            return held.rstrip(), ""
+            return ("" if not self._labelled else held.rstrip()), ""  # unlabelled: a beginning of the label
         if self._state is _State.AFTER:
             return "", ""
         return "", held  # the answer, or what began like a marker and ended there

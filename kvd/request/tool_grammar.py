@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvd.request.gemma4_calls import calls_grammar
 from kvd.request.json_schema import closed_schema
 from kvd.request.tool_render import HERMES_CLOSE, HERMES_OPEN, ToolFormat, ToolTemplate
 from kvd.request.tool_validate import Tool, ToolChoice, ToolError
@@ -29,6 +30,10 @@ def tool_call_grammar(
         raise ToolError("tool_choice", "no tool to call")
     if template.format is ToolFormat.PYTHONIC:
         return _pythonic_grammar(chosen, many)
+    if template.format is ToolFormat.GEMMA4:
+        return calls_grammar(
+            [(tool.name, tool.parameters) for tool in chosen], many, dict(template.marker_ids)
+        )
     key = "parameters" if template.format is ToolFormat.LLAMA3_JSON else "arguments"
     schema = _calls_schema(chosen, key)
     if template.format is ToolFormat.LLAMA3_JSON:

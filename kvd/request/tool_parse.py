@@ -6,9 +6,19 @@ import ast
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.request.tool_render import HERMES_CLOSE, HERMES_OPEN, PYTHON_TAG, ToolFormat, ToolTemplate
+from kvd.request.gemma4_calls import read_call
+from kvd.request.tool_render import (
+    GEMMA4_CLOSE,
+    GEMMA4_OPEN,
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    PYTHON_TAG,
+    ToolFormat,
+    ToolTemplate,
+)
 from kvd.request.tool_validate import Tool
 
 
@@ -31,73 +41,6 @@ def _longest_marker_prefix(text: str, marker: str) -> int:
     return 0
 
 
-@dataclass
-class _Hermes:
-    """<tool_call> blocks amid text; whitespace next to a parsed call is dropped, the rest of the text kept."""
-
-    names: set[str]
-    calls: list[ToolCall] = field(default_factory=list)
-    buffer: str = ""  # text not yet settled
-    in_call: bool = False  # buffer is the inside of an open <tool_call> block
-    before: str = ""  # the whitespace before the open block: content again if the block is no call
-    after_call: bool = False  # whitespace now follows a parsed call
-
-    def feed(self, text: str) -> str:
-        self.buffer += text
-        out: list[str] = []
-        while True:
-            if self.in_call:
-                end = self.buffer.find(HERMES_CLOSE)
-                if end < 0:
-                    return "".join(out)
-                block, self.buffer = self.buffer[:end], self.buffer[end + len(HERMES_CLOSE) :]
-                out.append(self._close(block, closed=True))
-                continue
-            if self.after_call:
-                self.buffer = self.buffer.lstrip()
-                if not self.buffer:
-                    return "".join(out)
-                self.after_call = False
-            start = self.buffer.find(HERMES_OPEN)
-            if start >= 0:
-                text_before = self.buffer[:start]
-                stripped = text_before.rstrip()
-                out.append(stripped)
-                self.before = text_before[len(stripped) :]
-                self.buffer = self.buffer[start + len(HERMES_OPEN) :]
-                self.in_call = True
-                continue
-            # Hold back trailing whitespace and anything that may be the start of a marker.
-            held = _longest_marker_prefix(self.buffer, HERMES_OPEN)
-            settled = self.buffer[: len(self.buffer) - held]
-            keep = settled.rstrip()
-            out.append(keep)
-            self.buffer = self.buffer[len(keep) :]
-            return "".join(out)
-
-    def _close(self, block: str, closed: bool) -> str:
-        """Content for a finished block: none if it is a call, else the block as it came."""
-        self.in_call = False
-        call = _hermes_call(block, self.names)
-        if call is not None:
-            self.calls.append(call)
-            self.after_call = True
-            return ""
-        tail = HERMES_CLOSE if closed else ""
-        return f"{self.before}{HERMES_OPEN}{block}{tail}"
-
-    def finish(self, cut: bool) -> str:
-        if self.in_call:
-            block, self.buffer = self.buffer, ""
-            content = self._close(block, closed=False)
-            # A block cut short by max_tokens is an unfinished call, not content.
-            return "" if cut else content
-        rest, self.buffer = self.buffer, ""
-        if cut:  # the start of a <tool_call> marker, cut short, is no content either
-            rest = rest[: len(rest) - _longest_marker_prefix(rest, HERMES_OPEN)].rstrip()
-        return rest
-
-
 def _hermes_call(block: str, names: set[str]) -> ToolCall | None:
     try:
         value, end = json.JSONDecoder().raw_decode(block.strip())
@@ -116,6 +59,82 @@ def _as_call(value: object, names: set[str]) -> ToolCall | None:
     if not isinstance(arguments, dict):
         return None
     return _new_call(value["name"], arguments)
+
+
+def _gemma4_call(block: str, names: set[str]) -> ToolCall | None:
+    found = read_call(block, names)
+    return _new_call(*found) if found else None
+
+
+@dataclass
+class _Tagged:
+    """Call blocks between an open and a close marker amid text (Hermes' <tool_call>, Gemma 4's <|tool_call>);
+    whitespace next to a parsed call is dropped, the rest of the text kept."""
+
+    names: set[str]
+    open: str = HERMES_OPEN
+    close: str = HERMES_CLOSE
+    read: Callable[[str, set[str]], ToolCall | None] = _hermes_call  # a block's call, or None
+    calls: list[ToolCall] = field(default_factory=list)
+    buffer: str = ""  # text not yet settled
+    in_call: bool = False  # buffer is the inside of an open <tool_call> block
+    before: str = ""  # the whitespace before the open block: content again if the block is no call
+    after_call: bool = False  # whitespace now follows a parsed call
+
+    def feed(self, text: str) -> str:
+        self.buffer += text
+        out: list[str] = []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(self.close)
+                if end < 0:
+                    return "".join(out)
+                block, self.buffer = self.buffer[:end], self.buffer[end + len(self.close) :]
+                out.append(self._close(block, closed=True))
+                continue
+            if self.after_call:
+                self.buffer = self.buffer.lstrip()
+                if not self.buffer:
+                    return "".join(out)
+                self.after_call = False
+            start = self.buffer.find(self.open)
+            if start >= 0:
+                text_before = self.buffer[:start]
+                stripped = text_before.rstrip()
+                out.append(stripped)
+                self.before = text_before[len(stripped) :]
+                self.buffer = self.buffer[start + len(self.open) :]
+                self.in_call = True
+                continue
+            # Hold back trailing whitespace and anything that may be the start of a marker.
+            held = _longest_marker_prefix(self.buffer, self.open)
+            settled = self.buffer[: len(self.buffer) - held]
+            keep = settled.rstrip()
+            out.append(keep)
+            self.buffer = self.buffer[len(keep) :]
+            return "".join(out)
+
+    def _close(self, block: str, closed: bool) -> str:
+        """Content for a finished block: none if it is a call, else the block as it came."""
+        self.in_call = False
+        call = self.read(block, self.names)
+        if call is not None:
+            self.calls.append(call)
+            self.after_call = True
+            return ""
+        tail = self.close if closed else ""
+        return f"{self.before}{self.open}{block}{tail}"
+
+    def finish(self, cut: bool) -> str:
+        if self.in_call:
+            block, self.buffer = self.buffer, ""
+            content = self._close(block, closed=False)
+            # A block cut short by max_tokens is an unfinished call, not content.
+            return "" if cut else content
+        rest, self.buffer = self.buffer, ""
+        if cut:  # the start of a <tool_call> marker, cut short, is no content either
+            rest = rest[: len(rest) - _longest_marker_prefix(rest, self.open)].rstrip()
+        return rest
 
 
 @dataclass
@@ -282,7 +301,8 @@ class ToolCallParser:
         parsers = {
             ToolFormat.LLAMA3_JSON: _Llama3,
             ToolFormat.PYTHONIC: _Pythonic,
-            ToolFormat.HERMES: _Hermes,
+            ToolFormat.HERMES: _Tagged,
+            ToolFormat.GEMMA4: lambda names: _Tagged(names, GEMMA4_OPEN, GEMMA4_CLOSE, _gemma4_call),
         }
         self._impl = parsers[template.format](names)
         self.forced = forced

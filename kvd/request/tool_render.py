@@ -18,23 +18,34 @@ HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 GEMMA_TURN = "<start_of_turn>"  # Gemma's chat templates: their models call tools in the pythonic format
+# Gemma 4's: a call is <|tool_call>call:NAME{key:value,...}<tool_call|>, each string inside <|"|> quotes.
+GEMMA4_OPEN = "<|tool_call>"
+GEMMA4_CLOSE = "<tool_call|>"
+GEMMA4_QUOTE = '<|"|>'
 
 
 class ToolFormat(Enum):
     HERMES = "hermes"  # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
     LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}}
     PYTHONIC = "pythonic"  # [name(key=value, ...), ...]: the list of calls Google documents for Gemma
+    GEMMA4 = "gemma4"  # <|tool_call>call:name{key:<|"|>text<|"|>, ...}<tool_call|>
 
 
 @dataclass(frozen=True)
 class ToolTemplate:
     format: ToolFormat
     native: bool  # True: the model's own chat template renders tools; False: kvd's fallback prompt
+    # The format's markers that the tokenizer holds as one token each, with its id: a forced call's grammar
+    # names the token (a grammar's text would be spelled in pieces the model never wrote).
+    marker_ids: tuple[tuple[str, int], ...] = ()
 
 
-def detect_tool_template(chat_template: str | None) -> ToolTemplate:
+def detect_tool_template(chat_template: str | None, tokenizer: Any = None) -> ToolTemplate:
     """How the model with this chat template calls tools, and whether the template itself renders them."""
     text = chat_template or ""
+    if GEMMA4_OPEN in text:
+        markers = (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)
+        return ToolTemplate(ToolFormat.GEMMA4, native=True, marker_ids=_single_tokens(tokenizer, markers))
     if HERMES_OPEN in text:  # Qwen2.5, Qwen3, Hermes
         return ToolTemplate(ToolFormat.HERMES, native=True)
     if PYTHON_TAG in text or ('"parameters"' in text and ("ipython" in text or "tools" in text)):
@@ -46,6 +57,17 @@ def detect_tool_template(chat_template: str | None) -> ToolTemplate:
     ):  # Gemma 3: no tools in its template, calls as Google's function-calling guide has them
         return ToolTemplate(ToolFormat.PYTHONIC, native=False)
     return ToolTemplate(ToolFormat.HERMES, native=False)
+
+
+def _single_tokens(tokenizer: Any, markers: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    if tokenizer is None:
+        return ()
+    found = []
+    for marker in markers:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1:
+            found.append((marker, ids[0]))
+    return tuple(found)
 
 
 def render_messages(
