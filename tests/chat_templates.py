@@ -135,7 +135,7 @@ GEMMA4 = """\
     {%- else -%}{{- v -}}{%- endif -%}
 {%- endmacro -%}
 {%- set thinking = enable_thinking is defined and enable_thinking -%}
-{{- bos_token -}}
+{{- bos_token or "" -}}
 {%- set ns = namespace(rest=messages, last='') -%}
 {%- if thinking or tools or (messages and messages[0].role == 'system') -%}
     {{- '<|turn>system\\n' -}}{%- if thinking -%}{{- '<|think|>\\n' -}}{%- endif -%}

@@ -215,13 +215,19 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
-    """Save a random float32 model of `family` (see TINY_FAMILIES) and a tiny tokenizer; returns the folder."""
+def save_tiny_checkpoint(
+    family: str, folder: Path, seed: int = 0, tokenizer: object = None, **settings: object
+) -> Path:
+    """Save a random float32 model of `family` (see TINY_FAMILIES) with config `settings` over its own, and a tiny
+    tokenizer (or `tokenizer`, the vocabulary then as large as it is); returns the folder."""
     import transformers
     from tiny_models import byte_level_tokenizer
 
     class_name, extra = TINY_FAMILIES[family]
-    config = getattr(transformers, class_name)(**(_TINY | extra))
+    vocab = {} if tokenizer is None else {"vocab_size": len(tokenizer)}
+    if tokenizer is not None and "vocab_size_per_layer_input" in extra:
+        vocab["vocab_size_per_layer_input"] = len(tokenizer)
+    config = getattr(transformers, class_name)(**(_TINY | extra | vocab | settings))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -247,7 +253,8 @@ def save_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
             if name.endswith("layer_scalar"):  # Gemma 4's, 1 as initialized
                 buffer.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
-    byte_level_tokenizer().save_pretrained(folder)  # load_model wants one; these tests feed token ids
+    # load_model wants one; most tests feed token ids
+    (byte_level_tokenizer() if tokenizer is None else tokenizer).save_pretrained(folder)
     return folder
 
 

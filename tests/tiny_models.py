@@ -76,3 +76,19 @@ def save_tiny_reasoning_llama(path: Path) -> Path:
     save_tiny_llama(path)
     reasoning_tokenizer().save_pretrained(path)
     return path
+
+
+# Gemma 4's markers: turns, the thought channel, tool declarations, calls, results and string quotes, each a token
+# of its own that decodes to its text (as in Gemma 4's tokenizer, where they are not special).
+GEMMA4_MARKERS = ["<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>"]
+GEMMA4_MARKERS += ["<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
+
+
+def gemma4_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with Gemma 4's markers and a template in Gemma 4's format (tests/chat_templates)."""
+    from chat_templates import GEMMA4
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_tokens(GEMMA4_MARKERS)
+    tokenizer.chat_template = GEMMA4
+    return tokenizer
