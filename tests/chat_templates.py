@@ -169,3 +169,39 @@ GEMMA4 = """\
     {{- '<|turn>model\\n' -}}{%- if not thinking -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}
 {%- endif -%}
 """
+
+# gpt-oss (OpenAI's harmony format): turns `<|start|>ROLE<|message|>...<|end|>`, the tools as a TypeScript-like
+# namespace in the developer turn, an assistant's call as a message to `functions.NAME` on the commentary channel
+# ending in <|call|>, a result as a message from that function; the generation prompt opens an assistant turn
+# whose header the model writes.
+HARMONY = """\
+{%- set ns = namespace(last='') -%}
+{{- '<|start|>system<|message|>You are ChatGPT.\\nReasoning: ' + (reasoning_effort or 'medium') + '\\n\\n' -}}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' -}}
+{%- if tools -%}{{- "\\nCalls to these tools must go to the commentary channel: 'functions'." -}}{%- endif -%}
+{{- '<|end|>' -}}
+{%- if tools -%}
+    {{- '<|start|>developer<|message|># Tools\\n\\n## functions\\n\\nnamespace functions {\\n' -}}
+    {%- for tool in tools -%}
+        {{- '\\n// ' + (tool.function.description or '') + '\\ntype ' + tool.function.name + ' = (_: ' -}}
+        {{- tool.function.parameters | tojson + ') => any;\\n' -}}
+    {%- endfor -%}
+    {{- '\\n} // namespace functions<|end|>' -}}
+{%- endif -%}
+{%- for m in messages -%}
+    {%- if m.role == 'assistant' and m.tool_calls -%}
+        {%- set call = m.tool_calls[0].function -%}
+        {{- '<|start|>assistant to=functions.' + call.name + '<|channel|>commentary json<|message|>' -}}
+        {{- call.arguments | tojson + '<|call|>' -}}
+        {%- set ns.last = call.name -%}
+    {%- elif m.role == 'assistant' -%}
+        {{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' -}}
+    {%- elif m.role == 'tool' -%}
+        {{- '<|start|>functions.' + ns.last + ' to=assistant<|channel|>commentary<|message|>' -}}
+        {{- m.content | tojson + '<|end|>' -}}
+    {%- else -%}
+        {{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}
+"""

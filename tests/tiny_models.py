@@ -92,3 +92,26 @@ def gemma4_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer.add_tokens(GEMMA4_MARKERS)
     tokenizer.chat_template = GEMMA4
     return tokenizer
+
+
+HARMONY_MARKERS = [
+    "<|start|>",
+    "<|channel|>",
+    "<|message|>",
+    "<|end|>",
+    "<|call|>",
+    "<|return|>",
+    "<|constrain|>",
+]
+
+
+def harmony_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with harmony's markers as special tokens (as gpt-oss's are), <|return|> its
+    end of sequence, and a template in the harmony format (tests/chat_templates)."""
+    from chat_templates import HARMONY
+
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    tokenizer.eos_token = "<|return|>"
+    tokenizer.chat_template = HARMONY
+    return tokenizer

@@ -14,9 +14,14 @@ class IncrementalDetokenizer:
     """Turns generated token ids into text, never emitting half of a multi-byte UTF-8 character."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int], stop: list[str]
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
@@ -71,8 +76,9 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, final: bool) -> str:
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=True)
+        skip = self.skip_special_tokens
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        full = decode(self.token_ids[self.prefix_offset :], skip_special_tokens=skip)
         if not final and (len(full) <= len(prefix) or full.endswith(_REPLACEMENT_CHAR)):
             return ""
         self.prefix_offset = max(self.read_offset, len(self.token_ids) - _CONTEXT_TOKENS)

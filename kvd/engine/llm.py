@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
-from kvd.request.reasoning import ReasoningParser, check_reasoning, parse_reasoning
+from kvd.request.reasoning import check_reasoning, parse_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -87,8 +87,7 @@ class LLM:
         tools = tools or []
         choice = parse_tool_choice(tool_choice, tools)
         reasoning = parse_reasoning(think, reasoning_effort, reasoning_budget)
-        fmt = self.engine.reasoning
-        check_reasoning(reasoning, fmt, self.engine.reads_effort)
+        check_reasoning(reasoning, self.engine.reasoning, self.engine.reads_effort)
         for conversation in conversations:
             check_history(list(conversation))
         prompts = [self.engine.apply_chat_template(list(c), tools or None, reasoning) for c in conversations]
@@ -100,7 +99,7 @@ class LLM:
             if parsed
             else None
         )
-        params = _per_prompt(params, len(prompts))
+        params = [self.engine.chat_params(p) for p in _per_prompt(params, len(prompts))]
         if grammar is not None:
             params = [replace(p, grammar=grammar) for p in params]
         constraints = [
@@ -109,8 +108,8 @@ class LLM:
         ]
         outputs = self._complete(prompts, params, use_tqdm, constraints)
         for out, ids in zip(outputs, prompts, strict=True):
-            if fmt is not None:
-                parser = ReasoningParser(fmt, fmt.opened_by(ids))
+            parser = self.engine.chat_parser(ids, parsed)
+            if parser is not None:
                 thought, answer = parser.feed(out.text)
                 last, rest = parser.finish()
                 out.reasoning, out.text = thought + last, answer + rest

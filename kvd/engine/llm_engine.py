@@ -46,7 +46,8 @@ from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.moe import describe_experts
 from kvd.parallel.group import fingerprint, weight_bytes
-from kvd.request.reasoning import ReasoningRequest, detect_reasoning
+from kvd.request.harmony import HARMONY_REASONING, HarmonyParser, detect_harmony
+from kvd.request.reasoning import ReasoningParser, ReasoningRequest, detect_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
 from kvd.request.tool_validate import Tool
@@ -104,6 +105,7 @@ class LLMEngine:
         # OpenAI's developer role reaches a template without one as system.
         self.developer_role = "developer" in (chat_template or "")
         self.reasoning = detect_reasoning(self.tokenizer, chat_template)
+        self.harmony = detect_harmony(self.tokenizer, chat_template)  # gpt-oss's channels
         self.reads_effort = "reasoning_effort" in (chat_template or "")  # gpt-oss's template does
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
         self.pool = plan_pool(args, loaded.model, self.kv_dtype, self.dtype, max_model_len, baseline)
@@ -201,6 +203,19 @@ class LLMEngine:
             self.tokenizer, messages, tools or [], self.tool_template, self.developer_role, kwargs
         )
 
+    def chat_params(self, params: SamplingParams) -> SamplingParams:
+        """A chat's sampling parameters on this model: a harmony chat's text keeps its markers (its parser's)."""
+        return replace(params, skip_special_tokens=False) if self.harmony else params
+
+    def chat_parser(self, prompt_ids: list[int], calls: bool) -> ReasoningParser | HarmonyParser | None:
+        """What splits a chat's output into its reasoning and its answer on this model (None: it does not reason);
+        `calls`: the chat has tools whose calls the answer's parser reads."""
+        if self.harmony:
+            return HarmonyParser(calls)
+        if self.reasoning is not None:
+            return ReasoningParser(self.reasoning, self.reasoning.opened_by(prompt_ids))
+        return None
+
     def chat_constraint(
         self, matcher: llguidance.LLMatcher | None, prompt_ids: list[int], reasoning: ReasoningRequest
     ) -> ReasoningGate | llguidance.LLMatcher | None:
@@ -231,7 +246,7 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop, params.skip_special_tokens)
         request = EngineRequest(request_id, seq, params, detok, generator, matcher=matcher)
         if self.speculator and params.speculative:
             self.speculator.start(request)
@@ -524,7 +539,7 @@ class LLMEngine:
             "pooling": self.pooling,
             "pooling_reason": self.pooling_reason,
             "structured_output": LIBRARY,
-            "reasoning": self.reasoning.info() if self.reasoning is not None else None,
+            "reasoning": HARMONY_REASONING if self.harmony else self.reasoning and self.reasoning.info(),
             "tools": {
                 "format": self.tool_template.format.value,
                 "template": "model" if self.tool_template.native else "kvd",

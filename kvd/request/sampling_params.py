@@ -50,6 +50,8 @@ class SamplingParams:
     grammar: str | None = None
     # False: no speculative drafts for this request (they never change its tokens, only how many a step gives).
     speculative: bool = True
+    # False: special tokens' text stays in the output's (a harmony chat's, which its parser splits at them).
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

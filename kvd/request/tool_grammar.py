@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from kvd.request.gemma4_calls import calls_grammar
+from kvd.request.harmony import call_grammar
 from kvd.request.json_schema import closed_schema
 from kvd.request.tool_render import HERMES_CLOSE, HERMES_OPEN, ToolFormat, ToolTemplate
 from kvd.request.tool_validate import Tool, ToolChoice, ToolError
@@ -30,6 +31,10 @@ def tool_call_grammar(
         raise ToolError("tool_choice", "no tool to call")
     if template.format is ToolFormat.PYTHONIC:
         return _pythonic_grammar(chosen, many)
+    if template.format is ToolFormat.HARMONY:  # one call a message: never several
+        return call_grammar(
+            [(tool.name, {**closed_schema(tool.parameters), "x-guidance": _JSON_STYLE}) for tool in chosen]
+        )
     if template.format is ToolFormat.GEMMA4:
         return calls_grammar(
             [(tool.name, tool.parameters) for tool in chosen], many, dict(template.marker_ids)

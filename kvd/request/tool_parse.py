@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.request.gemma4_calls import read_call
+from kvd.request.harmony import CALL_CLOSE, CALL_OPEN, MESSAGE
 from kvd.request.tool_render import (
     GEMMA4_CLOSE,
     GEMMA4_OPEN,
@@ -64,6 +65,16 @@ def _as_call(value: object, names: set[str]) -> ToolCall | None:
 def _gemma4_call(block: str, names: set[str]) -> ToolCall | None:
     found = read_call(block, names)
     return _new_call(*found) if found else None
+
+
+def _harmony_call(block: str, names: set[str]) -> ToolCall | None:
+    """`NAME<|message|>ARGS` (kvd.request.harmony hands a call over so)."""
+    name, _, arguments = block.partition(MESSAGE)
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return None
+    return _new_call(name, value) if name in names and isinstance(value, dict) else None
 
 
 @dataclass
@@ -303,6 +314,7 @@ class ToolCallParser:
             ToolFormat.PYTHONIC: _Pythonic,
             ToolFormat.HERMES: _Tagged,
             ToolFormat.GEMMA4: lambda names: _Tagged(names, GEMMA4_OPEN, GEMMA4_CLOSE, _gemma4_call),
+            ToolFormat.HARMONY: lambda names: _Tagged(names, CALL_OPEN, CALL_CLOSE, _harmony_call),
         }
         self._impl = parsers[template.format](names)
         self.forced = forced

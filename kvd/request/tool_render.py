@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from kvd.request.harmony import CHANNEL
 from kvd.request.tool_validate import Tool, arguments_object
 
 # The markers a model writes around its calls; the grammar and the output parser use them too.
@@ -29,6 +30,7 @@ class ToolFormat(Enum):
     LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}}
     PYTHONIC = "pythonic"  # [name(key=value, ...), ...]: the list of calls Google documents for Gemma
     GEMMA4 = "gemma4"  # <|tool_call>call:name{key:<|"|>text<|"|>, ...}<tool_call|>
+    HARMONY = "harmony"  # gpt-oss: a message to functions.NAME, its content the arguments' JSON
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ def detect_tool_template(chat_template: str | None, tokenizer: Any = None) -> To
     if GEMMA4_OPEN in text:
         markers = (GEMMA4_OPEN, GEMMA4_CLOSE, GEMMA4_QUOTE)
         return ToolTemplate(ToolFormat.GEMMA4, native=True, marker_ids=_single_tokens(tokenizer, markers))
+    if CHANNEL in text and "to=" in text:
+        return ToolTemplate(ToolFormat.HARMONY, native=True)
     if HERMES_OPEN in text:  # Qwen2.5, Qwen3, Hermes
         return ToolTemplate(ToolFormat.HERMES, native=True)
     if PYTHON_TAG in text or ('"parameters"' in text and ("ipython" in text or "tools" in text)):

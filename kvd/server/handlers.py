@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import kvd
 from kvd.engine.llm_engine import LLMEngine, RequestRejectedError
-from kvd.request.reasoning import ReasoningError, ReasoningParser, check_reasoning
+from kvd.request.reasoning import ReasoningError, check_reasoning
 from kvd.request.sampling_params import MAX_LOGPROBS
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -322,11 +322,11 @@ class RequestHandler:
         engine = generation.model.engine
         params, field = message.params, None
         chat = message.messages is not None
-        if chat and engine.reasoning is not None:
-            generation.reasoning_parser = ReasoningParser(
-                engine.reasoning, engine.reasoning.opened_by(prompt_ids)
-            )
-        if message.tools and message.tool_choice.mode != "none":
+        calls = bool(message.tools) and message.tool_choice.mode != "none"
+        if chat:
+            generation.params = engine.chat_params(generation.params)  # what the engine is given (admission)
+            generation.reasoning_parser = engine.chat_parser(prompt_ids, calls)
+        if calls:
             grammar = tool_call_grammar(
                 message.tools, message.tool_choice, engine.tool_template, message.parallel_tool_calls
             )

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvd.request.harmony import HarmonyParser
 from kvd.request.reasoning import ReasoningParser
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_parse import ToolCallParser
@@ -59,7 +60,9 @@ class Generation:
     engine_ids: list[int] = field(default_factory=list)
     matcher: Any = None  # the compiled grammar (structured output, forced tool calls), handed to the engine
     tool_parser: ToolCallParser | None = None  # chat with tools: splits the output into content and calls
-    reasoning_parser: ReasoningParser | None = None  # a reasoning model's chat: the thinking section apart
+    reasoning_parser: ReasoningParser | HarmonyParser | None = (
+        None  # a reasoning model's chat: the thinking section apart
+    )
     embed: EmbedJob | None = None
     prompt_logprobs: list[dict | None] | None = None
     # Non-streaming requests collect their output here for the single final reply.
