@@ -49,10 +49,16 @@ class SelfAttention(nn.Module):
     """With tensor parallelism: this rank's heads and KV heads (config is the rank's slice); o is
     row-parallel, so its partial sums are all-reduced. A sliding layer (`window`) attends over its last
     `window` tokens, given its KV group's metadata (CausalLM.kv_groups). With config.attention_output_gate the
-    query projection holds, head by head, the query and then a gate whose sigmoid scales the head's output."""
+    query projection holds, head by head, the query and then a gate whose sigmoid scales the head's output.
+    `kv_parts`: the projections after the query's, keys' and values' (a family's layer may project fewer)."""
 
     def __init__(
-        self, config: ModelConfig, backend: AttentionBackend, shard: Shard, window: int | None
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        shard: Shard,
+        window: int | None,
+        kv_parts: int = 2,
     ) -> None:
         super().__init__()
         self.shard = shard
@@ -65,7 +71,7 @@ class SelfAttention(nn.Module):
         self.output_gate = config.attention_output_gate
         q_size = config.q_size * (2 if self.output_gate else 1)
         self.qkv_proj = Linear(
-            config.hidden_size, [q_size, config.kv_size, config.kv_size], bias=config.attention_bias
+            config.hidden_size, [q_size] + [config.kv_size] * kv_parts, bias=config.attention_bias
         )
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm_all_heads = config.qk_norm_all_heads

@@ -57,12 +57,10 @@ class Gemma4Attention(SelfAttention):
         shares: bool,
         k_eq_v: bool,
     ) -> None:
-        super().__init__(config, backend, shard, window)
+        super().__init__(config, backend, shard, window, kv_parts=0 if shares else 1 if k_eq_v else 2)
         # The attention whose K/V this one reads (Gemma4Model binds it); a list, so that it is no submodule here.
         self.source: list[Gemma4Attention] = []
         self.feeds_others = False  # other layers read this one's K/V: it keeps the step's (step_kv)
-        parts = [config.q_size] + ([] if shares else [config.kv_size] * (1 if k_eq_v else 2))
-        self.qkv_proj = Linear(config.hidden_size, parts, bias=config.attention_bias)
         self.v_norm = None if shares else UnscaledRMSNorm(config.head_dim, config.rms_norm_eps)
         if shares:
             self.k_norm = None
