@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tiny_models import HARMONY_MARKERS, byte_level_tokenizer, harmony_tokenizer
 
 from kvd.request.harmony import HARMONY_REASONING, HarmonyParser, detect_harmony
-from kvd.request.reasoning import detect_reasoning
+from kvd.request.reasoning import ReasoningError, ReasoningRequest, check_reasoning, detect_reasoning
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
 from kvd.request.tool_render import ToolFormat, detect_tool_template
@@ -67,11 +67,15 @@ CASES = [
     ("<|channel|>final<|message|>a <| b and <|mess", "", "a <| b and <|mess", []),
     ("<|channel|>final<|message|>x<|channel|>analysis<|message|>y<|end|>", "y", "x", []),
     ("<|channel|>analys", "", "", []),  # a header cut short
+    # A call to a function the request has not given is dropped, as a built-in tool's is.
+    ('<|channel|>commentary to=functions.get_time<|message|>{"zone": "cet"}<|call|>', "", "", []),
+    # A final message whose words could begin nothing but text: streamed whole, "to" and "functions." included.
+    ("<|channel|>final<|message|>Go to functions. Now", "", "Go to functions. Now", []),
 ]
 
 
 def _split(pieces: list[str], calls: bool = True) -> tuple[str, str, list[tuple]]:
-    parser = HarmonyParser(calls)
+    parser = HarmonyParser(frozenset({"get_weather"}) if calls else frozenset())
     tool_parser = ToolCallParser(detect_tool_template(HARMONY), TOOLS)
     reasoning, answer = "", ""
     for piece in pieces:
@@ -101,16 +105,16 @@ PIECES = st.sampled_from(
 def test_any_run_of_markers_and_text_ends_and_leaves_no_marker(pieces: list[str], calls: bool):
     """Whatever a model writes (a random one writes markers anywhere), the parser returns, and neither the
     reasoning nor the answer holds a marker (a call's hand-over to the tool parser aside)."""
-    parser = HarmonyParser(calls)
+    parser = HarmonyParser(frozenset({"get_weather"}) if calls else frozenset())
     texts = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     reasoning, answer = "".join(r for r, _ in texts), "".join(a for _, a in texts)
-    answer = re.sub(r"to=functions\.[^<]*<\|message\|>|<\|call\|>", "", answer)
+    answer = re.sub(r"<\|start\|>functions\.get_weather<\|message\|>|<\|call\|>", "", answer)
     assert not any(marker in reasoning + answer for marker in HARMONY_MARKERS), (reasoning, answer)
 
 
 def test_without_tools_a_call_is_dropped_and_analysis_tokens_are_counted():
     assert _split([CALL], calls=False) == ("", "", [])
-    parser = HarmonyParser(calls=False)
+    parser = HarmonyParser()
     steps = ["<|channel|>", "analysis", "<|message|>", "a", "b", "<|end|>", "<|start|>", "assistant"]
     steps += ["<|channel|>", "final", "<|message|>", "c"]
     for piece in steps:
@@ -118,6 +122,27 @@ def test_without_tools_a_call_is_dropped_and_analysis_tokens_are_counted():
         parser.feed(piece)
     # The analysis message's tokens: from its <|message|> marker to its end marker
     assert parser.num_tokens == 4
+
+
+def test_an_answer_cut_by_max_tokens_keeps_its_last_words_and_other_special_tokens_go():
+    for words in ["I went", "Go to", "a <"]:
+        parser = HarmonyParser(frozenset({"get_weather"}))
+        tool_parser = ToolCallParser(detect_tool_template(HARMONY), TOOLS)
+        _, answer = parser.feed("<|channel|>final<|message|>" + words)
+        content = tool_parser.feed(answer) + tool_parser.feed(parser.finish()[1])
+        rest, calls, reason = tool_parser.finish("length")
+        assert (content + rest, calls, reason) == (words.rstrip(" <"), [], "length")
+    parser = HarmonyParser(drop=("<|endoftext|>",))
+    assert parser.feed("<|channel|>final<|message|>a<|endoftext|>b<|endoftext|>") == ("", "ab")
+
+
+def test_a_harmony_model_takes_think_and_effort_but_no_budget():
+    always = dict(fmt=None, reads_effort=True, always_reasons=True)
+    check_reasoning(ReasoningRequest(think=True, effort="high"), **always)
+    check_reasoning(ReasoningRequest(think=False), **always)
+    with pytest.raises(ReasoningError) as e:
+        check_reasoning(ReasoningRequest(think=True, budget=10), **always)
+    assert e.value.field == "reasoning_budget"
 
 
 def test_detection_needs_the_template_and_the_marker_tokens():

@@ -868,3 +868,35 @@ def _pieces(tokenizer, text: str) -> list[int]:
     if text in GEMMA4_MARKERS:
         return [t for c in text for t in tokenizer.encode(c, add_special_tokens=False)]
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_gemma4_grammar_keeps_each_tools_refs_and_quotes_keys_it_cannot_write_bare(gemma4_tokenizers):
+    """Two tools whose $defs share a name resolve each to its own (a cache keyed across tools once mixed them),
+    and a property named "a:b" is written quoted, which the parser reads back."""
+    tokenizer, ll = gemma4_tokenizers
+    template = detect_tool_template(chat_templates.GEMMA4, tokenizer)
+
+    def tool(name: str, item: dict, key: str = "x") -> dict:
+        parameters = {"type": "object", "properties": {key: {"$ref": "#/$defs/Item"}}, "required": [key]}
+        return {
+            "type": "function",
+            "function": {"name": name, "parameters": {**parameters, "$defs": {"Item": item}}},
+        }
+
+    tools = parse_tools([tool("ints", {"type": "integer"}), tool("texts", {"type": "string"}, key="a:b")])
+    grammar = tool_call_grammar(tools, ToolChoice("required"), template, parallel=False)
+
+    def accepts(text: str) -> bool:
+        matcher = _matcher(ll, grammar)
+        return (
+            matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+            and matcher.is_accepting()
+        )
+
+    assert accepts("<|tool_call>call:ints{x:3}<tool_call|>")
+    quoted = f"<|tool_call>call:texts{{{Q}a:b{Q}:{Q}hi{Q}}}<tool_call|>"
+    assert accepts(quoted) and not accepts(quoted.replace(f"{Q}hi{Q}", "3"))
+    assert not accepts('<|tool_call>call:ints{x:<|"|>3<|"|>}<tool_call|>')
+    parser = ToolCallParser(template, tools, forced=True)
+    parser.feed(quoted)
+    assert _calls(parser.finish("stop")[1]) == [("texts", {"a:b": "hi"})]

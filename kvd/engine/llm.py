@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.llm_engine import LLMEngine
 from kvd.engine.outputs import CompletionOutput, RequestOutput
-from kvd.request.reasoning import check_reasoning, parse_reasoning
+from kvd.request.reasoning import parse_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -87,7 +87,7 @@ class LLM:
         tools = tools or []
         choice = parse_tool_choice(tool_choice, tools)
         reasoning = parse_reasoning(think, reasoning_effort, reasoning_budget)
-        check_reasoning(reasoning, self.engine.reasoning, self.engine.reads_effort)
+        self.engine.check_reasoning(reasoning)
         for conversation in conversations:
             check_history(list(conversation))
         prompts = [self.engine.apply_chat_template(list(c), tools or None, reasoning) for c in conversations]
@@ -108,7 +108,7 @@ class LLM:
         ]
         outputs = self._complete(prompts, params, use_tqdm, constraints)
         for out, ids in zip(outputs, prompts, strict=True):
-            parser = self.engine.chat_parser(ids, parsed)
+            parser = self.engine.chat_parser(ids, frozenset(t.name for t in tools if parsed))
             if parser is not None:
                 thought, answer = parser.feed(out.text)
                 last, rest = parser.finish()

@@ -46,8 +46,8 @@ from kvd.model.layers.attention.selector import resolve_block_size
 from kvd.model.layers.kv_cache import kv_cache_bytes_per_block
 from kvd.model.layers.moe import describe_experts
 from kvd.parallel.group import fingerprint, weight_bytes
-from kvd.request.harmony import HARMONY_REASONING, HarmonyParser, detect_harmony
-from kvd.request.reasoning import ReasoningParser, ReasoningRequest, detect_reasoning
+from kvd.request.harmony import HARMONY_MARKERS, HARMONY_REASONING, HarmonyParser, detect_harmony
+from kvd.request.reasoning import ReasoningParser, ReasoningRequest, check_reasoning, detect_reasoning
 from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_render import detect_tool_template
 from kvd.request.tool_validate import Tool
@@ -203,15 +203,22 @@ class LLMEngine:
             self.tokenizer, messages, tools or [], self.tool_template, self.developer_role, kwargs
         )
 
+    def check_reasoning(self, request: ReasoningRequest) -> None:
+        """ReasoningError if this model cannot do what a chat asks of its reasoning."""
+        check_reasoning(request, self.reasoning, self.reads_effort, always_reasons=self.harmony)
+
     def chat_params(self, params: SamplingParams) -> SamplingParams:
         """A chat's sampling parameters on this model: a harmony chat's text keeps its markers (its parser's)."""
         return replace(params, skip_special_tokens=False) if self.harmony else params
 
-    def chat_parser(self, prompt_ids: list[int], calls: bool) -> ReasoningParser | HarmonyParser | None:
+    def chat_parser(
+        self, prompt_ids: list[int], calls: frozenset[str]
+    ) -> ReasoningParser | HarmonyParser | None:
         """What splits a chat's output into its reasoning and its answer on this model (None: it does not reason);
-        `calls`: the chat has tools whose calls the answer's parser reads."""
+        `calls`: the names of the chat's tools whose calls the answer's parser reads."""
         if self.harmony:
-            return HarmonyParser(calls)
+            others = tuple(t for t in self.tokenizer.all_special_tokens if t not in HARMONY_MARKERS)
+            return HarmonyParser(calls, others)
         if self.reasoning is not None:
             return ReasoningParser(self.reasoning, self.reasoning.opened_by(prompt_ids))
         return None

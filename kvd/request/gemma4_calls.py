@@ -16,6 +16,7 @@ from kvd.request.tool_render import GEMMA4_CLOSE, GEMMA4_OPEN, GEMMA4_QUOTE
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _WORDS = {"true": True, "false": False, "null": None}
 _MAX_DEPTH = 64
+_BARE_KEY = re.compile(r"[^\s:{}\[\],<]+")  # a key read_call reads without quotes
 
 
 class _Unreadable(ValueError):
@@ -122,7 +123,7 @@ class _Grammar:
     def __init__(self, marker_ids: dict[str, int]) -> None:
         self.rules: list[str] = []
         self.root: dict = {}  # the schema "#" refs point into (the tool's parameters)
-        self.refs: dict[tuple[int, str], str] = {}  # (root, ref) -> its rule, so a recursive ref is one rule
+        self.refs: dict[str, str] = {}  # the tool's refs -> their rules, so that a recursive ref is one rule
         self.term = {m: f"<[{marker_ids[m]}]>" if m in marker_ids else json.dumps(m) for m in _MARKERS}
         quote = self.term[GEMMA4_QUOTE]
         # Between quote tokens a string may hold anything; between quotes spelled as text, no "<".
@@ -177,16 +178,15 @@ class _Grammar:
 
     def _ref(self, ref: str) -> str:
         """A "#/..." ref's rule, into the tool's parameters; any value for a ref elsewhere."""
-        key = (id(self.root), ref)
-        if key in self.refs:
-            return self.refs[key]
-        target: object = self.root if ref.startswith("#") else None
+        if ref in self.refs:
+            return self.refs[ref]
+        target: object = self.root if ref == "#" or ref.startswith("#/") else None
         for part in ref[2:].split("/") if ref.startswith("#/") else []:
             step = part.replace("~1", "/").replace("~0", "~")
             target = target.get(step) if isinstance(target, dict) else None
         if not isinstance(target, dict):
             return "g_any"
-        name = self.refs[key] = self.rule("g_any")  # its body once the ref's value is known (it may recur)
+        name = self.refs[ref] = self.rule("g_any")  # its body once the ref's value is known (it may recur)
         self.rules[int(name[2:])] = f"{name}: {self.value(target)}"
         return name
 
@@ -197,7 +197,7 @@ class _Grammar:
         properties = schema.get("properties") or {}
         required = [k for k in properties if k in set(schema.get("required") or ())]
         optional = [k for k in properties if k not in required]
-        pair = {key: f"{json.dumps(key + ':')} {self.value(properties[key])}" for key in properties}
+        pair = {key: f"{self._key(key)} {self.value(properties[key])}" for key in properties}
         tail = ""
         for k in reversed(range(len(optional))):
             rest = f' ("," {tail})? | {tail}' if tail else ""
@@ -207,12 +207,18 @@ class _Grammar:
             parts = f'{parts} ("," {tail})?' if required else f"{tail}?"
         return parts
 
+    def _key(self, key: str) -> str:
+        """`key:` as Gemma writes it: bare, or quoted where read_call could not read it bare."""
+        if _BARE_KEY.fullmatch(key):
+            return json.dumps(key + ":")
+        return f'{self.term[GEMMA4_QUOTE]} {json.dumps(key)} {self.term[GEMMA4_QUOTE]} ":"'
+
     def _literal(self, value: object) -> str:
         """A JSON value written as Gemma writes it, in the grammar's terms."""
         if isinstance(value, str):
             return f"{self.term[GEMMA4_QUOTE]} {json.dumps(value)} {self.term[GEMMA4_QUOTE]}"
         if isinstance(value, dict):
-            inner = ' "," '.join(f"{json.dumps(k + ':')} {self._literal(v)}" for k, v in value.items())
+            inner = ' "," '.join(f"{self._key(k)} {self._literal(v)}" for k, v in value.items())
             return f'"{{" {inner} "}}"'
         if isinstance(value, list):
             return '"[" ' + ' "," '.join(self._literal(v) for v in value) + ' "]"'
@@ -227,7 +233,7 @@ def calls_grammar(tools: list[tuple[str, dict]], many: bool, marker_ids: dict[st
     g = _Grammar(marker_ids)
     options = []
     for name, schema in tools:
-        g.root = closed_schema(schema)
+        g.root, g.refs = closed_schema(schema), {}
         options.append(g.rule(f'{json.dumps("call:" + name + "{")} {g.members(g.root)} "}}"'))
     call = f"call: {g.term[GEMMA4_OPEN]} ({' | '.join(options)}) {g.term[GEMMA4_CLOSE]}"
     start = "start: call+" if many else "start: call"

@@ -18,11 +18,13 @@ from typing import Any
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
-# What the tool parser reads: the call's open marker (the function's name follows) and its close.
-CALL_OPEN = "to=functions."
+# What the tool parser reads: the call's open marker (the function's name follows) and its close; markers, so
+# that no answer's text (from which they are all taken) can begin one.
+CALL_OPEN = START + "functions."
 CALL_CLOSE = CALL
 _CLOSING = (END, CALL, RETURN, START)  # end a message (dropped)
 _MARKERS = (*_CLOSING, CHANNEL, MESSAGE, CONSTRAIN)  # any other in a message's content begins a header
+HARMONY_MARKERS = frozenset(_MARKERS)
 # How a message's header begins (the first one right after the prompt's `<|start|>assistant`); output that begins
 # otherwise is no message (a grammar's JSON, say) and is all answer.
 _HEADER_STARTS = (CHANNEL, "to=", CONSTRAIN, "assistant", START, MESSAGE)
@@ -89,11 +91,13 @@ class _Pieces:
 
 class HarmonyParser:
     """Splits a harmony chat's text (markers kept) into its reasoning and its answer as it streams, and counts the
-    tokens of analysis messages. `calls`: the request has tools, so a function's call goes to the answer (for the
-    tool parser); without them it is dropped."""
+    tokens of analysis messages. `calls`: the request's tools, whose calls go to the answer (for the tool parser);
+    a call to any other function is dropped. `drop`: the tokenizer's other special tokens, taken out where they
+    come (an end of sequence's text, say)."""
 
-    def __init__(self, calls: bool) -> None:
+    def __init__(self, calls: frozenset[str] = frozenset(), drop: tuple[str, ...] = ()) -> None:
         self.calls = calls
+        self.drop = drop
         self.num_tokens = 0
         self._held = ""
         self._route: str | None = None  # None: reading a header
@@ -117,16 +121,19 @@ class HarmonyParser:
                     break
                 header, self._held = self._held[:at], self._held[at + len(MESSAGE) :]
                 self._route = _route(header)
-                if self._route == "call" and not self.calls:
-                    self._route = "drop"
                 if self._route == "call":
                     name = _RECIPIENT.search(header).group(1)[len("functions.") :]
+                    self._route = "call" if name in self.calls else "drop"
+                if self._route == "call":
                     out.add("call", f"{CALL_OPEN}{name}{MESSAGE}")
                 continue
-            ends = [(i, m) for m in _MARKERS if (i := self._held.find(m)) >= 0]
+            ends = [(i, m) for m in (*_MARKERS, *self.drop) if (i := self._held.find(m)) >= 0]
             if ends:
                 at, marker = min(ends)
                 out.add(self._route, self._held[:at])
+                if marker in self.drop:
+                    self._held = self._held[at + len(marker) :]
+                    continue
                 self._close(out)
                 # A message's header follows (after <|start|>, whose role "assistant" is part of it); a header's
                 # marker where content was stays for the header.

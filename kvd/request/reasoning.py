@@ -118,10 +118,19 @@ def parse_reasoning(think: object, effort: object, budget: object) -> ReasoningR
     return ReasoningRequest(think, effort, budget)
 
 
-def check_reasoning(request: ReasoningRequest, fmt: ReasoningFormat | None, reads_effort: bool) -> None:
+def check_reasoning(
+    request: ReasoningRequest, fmt: ReasoningFormat | None, reads_effort: bool, always_reasons: bool = False
+) -> None:
     """Refuse reasoning asked of a model whose template has no thinking section (think false is allowed); an
-    effort needs a template that reads one (gpt-oss's) or a section (which it turns on)."""
+    effort needs a template that reads one (gpt-oss's) or a section (which it turns on). A model that
+    `always_reasons` (harmony's analysis channel) takes think and effort but no budget, which it cannot keep."""
     if fmt is not None:
+        return
+    if always_reasons:
+        if request.budget is not None:
+            raise ReasoningError(
+                "reasoning_budget", "this model's analysis channel cannot be cut at a budget; leave it unset"
+            )
         return
     why = "this model's chat template has no thinking section; leave it unset"
     if request.think:

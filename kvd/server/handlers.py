@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import kvd
 from kvd.engine.llm_engine import LLMEngine, RequestRejectedError
-from kvd.request.reasoning import ReasoningError, check_reasoning
+from kvd.request.reasoning import ReasoningError
 from kvd.request.sampling_params import MAX_LOGPROBS
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
@@ -299,7 +299,7 @@ class RequestHandler:
         """The prompt's token ids, and the request field they came from."""
         if message.messages is not None:
             try:
-                check_reasoning(message.reasoning, engine.reasoning, engine.reads_effort)
+                engine.check_reasoning(message.reasoning)
             except ReasoningError as e:
                 raise ProtocolError(BAD_REQUEST, str(e), e.field) from None
             try:
@@ -322,7 +322,8 @@ class RequestHandler:
         engine = generation.model.engine
         params, field = message.params, None
         chat = message.messages is not None
-        calls = bool(message.tools) and message.tool_choice.mode != "none"
+        # The tools whose calls are read from the output: none with tool_choice "none".
+        calls = frozenset(t.name for t in message.tools or [] if message.tool_choice.mode != "none")
         if chat:
             generation.params = engine.chat_params(generation.params)  # what the engine is given (admission)
             generation.reasoning_parser = engine.chat_parser(prompt_ids, calls)
