@@ -95,19 +95,15 @@ def test_gemma4s_channel_is_detected_where_its_markers_are_plain_tokens():
     assert fmt is not None and (fmt.start, fmt.end, fmt.label) == ("<|channel>", "<channel|>", "thought")
     assert fmt.info() == {"start": "<|channel>thought", "end": "<channel|>"}
     # Thinking off: the generation prompt closes an empty channel, which leaves no section open.
-    off = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}],
-        add_generation_prompt=True,
-        chat_template=GEMMA4,
-        tokenize=False,
-        enable_thinking=False,
-    )
-    on = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "hi"}],
-        add_generation_prompt=True,
-        chat_template=GEMMA4,
-        tokenize=False,
-        enable_thinking=True,
+    off, on = (
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}],
+            add_generation_prompt=True,
+            chat_template=GEMMA4,
+            tokenize=False,
+            enable_thinking=think,
+        )
+        for think in (False, True)
     )
     assert off.endswith("<|channel>thought\n<channel|>") and on.endswith("<|turn>model\n")
     assert not fmt.opened_by(tokenizer.encode(off, add_special_tokens=False))

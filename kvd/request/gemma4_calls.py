@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 from kvd.request.json_schema import closed_schema
 from kvd.request.tool_render import GEMMA4_CLOSE, GEMMA4_OPEN, GEMMA4_QUOTE
@@ -72,12 +73,25 @@ def _value(text: str, i: int, depth: int) -> tuple[object, int]:
     raise _Unreadable(f"no value at {i}")
 
 
+def _sequence(text: str, i: int, close: str, read: Callable[[int], int]) -> int:
+    """Elements, each read by `read` (index in, index after it out), separated by "," up to `close`; the index
+    after `close`."""
+    i = _skip(text, i)
+    if text.startswith(close, i):
+        return i + 1
+    while True:
+        i = _skip(text, read(i))
+        if text.startswith(close, i):
+            return i + 1
+        if not text.startswith(",", i):
+            raise _Unreadable(f"no ',' before {close!r}")
+        i += 1
+
+
 def _members(text: str, i: int, depth: int) -> tuple[dict, int]:
     out: dict = {}
-    i = _skip(text, i)
-    if text.startswith("}", i):
-        return out, i + 1
-    while True:
+
+    def member(i: int) -> int:
         i = _skip(text, i)
         if text.startswith(GEMMA4_QUOTE, i):  # a key may be quoted as a string is
             key, i = _value(text, i, depth + 1)
@@ -91,28 +105,20 @@ def _members(text: str, i: int, depth: int) -> tuple[dict, int]:
         if not text.startswith(":", i):
             raise _Unreadable("no ':' after a key")
         out[key], i = _value(text, i + 1, depth + 1)
-        i = _skip(text, i)
-        if text.startswith("}", i):
-            return out, i + 1
-        if not text.startswith(",", i):
-            raise _Unreadable("no ',' between members")
-        i += 1
+        return i
+
+    return out, _sequence(text, i, "}", member)
 
 
 def _items(text: str, i: int, depth: int) -> tuple[list, int]:
     out: list = []
-    i = _skip(text, i)
-    if text.startswith("]", i):
-        return out, i + 1
-    while True:
-        item, i = _value(text, i, depth + 1)
-        out.append(item)
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return out, i + 1
-        if not text.startswith(",", i):
-            raise _Unreadable("no ',' between items")
-        i += 1
+
+    def item(i: int) -> int:
+        value, i = _value(text, i, depth + 1)
+        out.append(value)
+        return i
+
+    return out, _sequence(text, i, "]", item)
 
 
 class _Grammar:
