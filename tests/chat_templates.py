@@ -183,7 +183,7 @@ HARMONY = """\
 {%- if tools -%}
     {{- '<|start|>developer<|message|># Tools\\n\\n## functions\\n\\nnamespace functions {\\n' -}}
     {%- for tool in tools -%}
-        {{- '\\n// ' + (tool.function.description or '') + '\\ntype ' + tool.function.name + ' = (_: ' -}}
+        {{- '\\n// ' + tool.function.description + '\\ntype ' + tool.function.name + ' = (_: ' -}}
         {{- tool.function.parameters | tojson + ') => any;\\n' -}}
     {%- endfor -%}
     {{- '\\n} // namespace functions<|end|>' -}}

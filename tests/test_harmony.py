@@ -18,7 +18,7 @@ from kvd.request.harmony import HARMONY_REASONING, HarmonyParser, detect_harmony
 from kvd.request.reasoning import ReasoningError, ReasoningRequest, check_reasoning, detect_reasoning
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
-from kvd.request.tool_render import ToolFormat, detect_tool_template
+from kvd.request.tool_render import ToolFormat, detect_tool_template, render_messages
 from kvd.request.tool_validate import ToolChoice, parse_tools
 
 TOOLS = parse_tools(
@@ -143,6 +143,18 @@ def test_a_harmony_model_takes_think_and_effort_but_no_budget():
     with pytest.raises(ReasoningError) as e:
         check_reasoning(ReasoningRequest(think=True, budget=10), **always)
     assert e.value.field == "reasoning_budget"
+
+
+def test_a_tool_without_a_description_renders():
+    """The harmony template writes every tool's description (gpt-oss's fails on an undefined one)."""
+    tokenizer = harmony_tokenizer()
+    template = detect_tool_template(HARMONY, tokenizer)
+    bare = parse_tools([{"type": "function", "function": {"name": "now"}}])
+    conversation, tools = render_messages([{"role": "user", "content": "hi"}], bare, template, False)
+    text = tokenizer.apply_chat_template(
+        conversation, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert "\n// \ntype now = " in text
 
 
 def test_detection_needs_the_template_and_the_marker_tokens():

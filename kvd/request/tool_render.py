@@ -80,7 +80,9 @@ def render_messages(
     """(conversation, tools) for tokenizer.apply_chat_template(conversation, tools=tools)."""
     conversation = [_template_message(m, i, developer_role) for i, m in enumerate(messages)]
     if template.native:
-        return conversation, [_tool_spec(tool) for tool in tools] or None
+        # gpt-oss's template writes every tool's description (an undefined one fails it): "" for none.
+        described = template.format is ToolFormat.HARMONY
+        return conversation, [_tool_spec(tool, described) for tool in tools] or None
     return _fallback_conversation(conversation, tools, template.format), None
 
 
@@ -106,10 +108,10 @@ def _template_message(message: dict, index: int, developer_role: bool) -> dict:
     return out
 
 
-def _tool_spec(tool: Tool) -> dict:
+def _tool_spec(tool: Tool, described: bool = False) -> dict:
     function: dict[str, Any] = {"name": tool.name}
-    if tool.description is not None:
-        function["description"] = tool.description
+    if tool.description is not None or described:
+        function["description"] = tool.description or ""
     function["parameters"] = tool.parameters
     return {"type": "function", "function": function}
 
