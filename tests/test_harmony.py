@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import HARMONY_MARKERS, byte_level_tokenizer, harmony_tokenizer
 
+from kvd.engine.grammar import GrammarCompiler
 from kvd.request.harmony import HARMONY_REASONING, HarmonyParser, detect_harmony
 from kvd.request.reasoning import ReasoningError, ReasoningRequest, check_reasoning, detect_reasoning
+from kvd.request.sampling_params import SamplingParams
 from kvd.request.tool_grammar import tool_call_grammar
 from kvd.request.tool_parse import ToolCallParser
 from kvd.request.tool_render import ToolFormat, detect_tool_template, render_messages
@@ -189,3 +191,28 @@ def test_the_forced_call_grammar_takes_the_markers_as_tokens_and_reads_back():
     ids = tokenizer.encode(text, add_special_tokens=False)
     decoded = tokenizer.decode(ids, skip_special_tokens=False)
     assert _split([decoded]) == ("", "", [("Oslo", 3)])
+
+
+def test_a_json_answer_and_a_forced_call_may_follow_an_analysis():
+    """In a harmony chat the grammar holds for the final message (or the call), after any analysis the model
+    writes first; outside a chat it holds from the first token."""
+    tokenizer = harmony_tokenizer()
+    grammars = GrammarCompiler(tokenizer, len(tokenizer), {tokenizer.eos_token_id})
+    params = SamplingParams(json_schema={"type": "object", "properties": {"ok": {"type": "boolean"}}})
+    analysis = "<|channel|>analysis<|message|>Weigh {it}: < or >?<|end|><|start|>assistant"
+
+    def accepts(matcher, text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    final = '<|channel|>final<|message|>{"ok": true}'
+    for text, in_chat in [(analysis + final, True), (final, True), ('{"ok": true}', False)]:
+        assert accepts(grammars.matcher(params, harmony=True), text) is in_chat, text
+        assert accepts(grammars.matcher(params), text) is not in_chat, text
+    assert not accepts(grammars.matcher(params, harmony=True), final.replace("true", '"yes"'))
+    template = detect_tool_template(HARMONY, tokenizer)
+    forced = SamplingParams(
+        grammar=tool_call_grammar(TOOLS, ToolChoice("required"), template, parallel=False)
+    )
+    call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
+    assert accepts(grammars.matcher(forced), analysis + call) and accepts(grammars.matcher(forced), call)

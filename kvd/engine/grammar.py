@@ -11,6 +11,7 @@ import llguidance.hf
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from kvd.request.harmony import answer_grammar
 from kvd.request.json_schema import closed_schema
 from kvd.request.sampling_params import SamplingParams
 
@@ -47,23 +48,27 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_compiled = 0
 
-    def matcher(self, params: SamplingParams, namespace: str = "") -> llguidance.LLMatcher | None:
+    def matcher(
+        self, params: SamplingParams, namespace: str = "", harmony: bool = False
+    ) -> llguidance.LLMatcher | None:
         """A matcher at the start of the request's grammar, or None without one; raises GrammarError.
 
         `namespace` keys the cache (the daemon's tenant): a cached grammar answers measurably faster than a
-        compile, which would tell one tenant which schemas another used recently."""
+        compile, which would tell one tenant which schemas another used recently. `harmony`: a harmony chat's,
+        where a JSON answer is the final message's, after any analysis."""
         structured = params.structured
         if structured is None:
             return None
         name, value = structured
-        key = (namespace, name, _text(name, value))
+        harmony = harmony and name in ("json_schema", "json_object")
+        key = (namespace, name + " in harmony" * harmony, _text(name, value))
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
                 return template.deep_copy()
             tokenizer = self._llg_tokenizer()
-        template = self._compile(name, key[2], tokenizer)  # outside the lock: may take a while
+        template = self._compile(name, key[2], tokenizer, harmony)  # outside the lock: may take a while
         with self._lock:
             self._cache[key] = template
             self.num_compiled += 1
@@ -78,11 +83,13 @@ class GrammarCompiler:
             )
         return self._tokenizer
 
-    def _compile(self, name: str, text: str, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    def _compile(
+        self, name: str, text: str, tokenizer: llguidance.LLTokenizer, harmony: bool
+    ) -> llguidance.LLMatcher:
         if len(text) > MAX_GRAMMAR_CHARS:
             raise GrammarError(name, f"is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS}")
         try:
-            grammar = _grammar(name, text)
+            grammar = _grammar(name, text, harmony)
         except ValueError as e:
             raise GrammarError(name, str(e)) from None
         # llguidance's default limits bound a grammar's size and each mask step's work (a hostile schema fails).
@@ -101,20 +108,26 @@ def _text(name: str, value: object) -> str:
     return str(value)
 
 
-def _grammar(name: str, text: str) -> str:
-    if name == "json_schema":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not valid JSON: {e}") from None
-        if not isinstance(schema, dict | bool):
-            raise ValueError("a JSON schema is an object (or true/false)")
-        return llguidance.LLMatcher.grammar_from_json_schema(closed_schema(schema), defaults=JSON_OPTIONS)
-    if name == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+def _grammar(name: str, text: str, harmony: bool = False) -> str:
+    if name in ("json_schema", "json_object"):
+        schema = _schema(text) if name == "json_schema" else {"type": "object"}
+        if harmony:  # the final message's content
+            schema = schema if isinstance(schema, dict) else {} if schema else {"not": {}}
+            return answer_grammar("%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}))
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     if name == "regex":
         return llguidance.LLMatcher.grammar_from_regex(text)
     return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def _schema(text: str) -> dict | bool:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON: {e}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError("a JSON schema is an object (or true/false)")
+    return closed_schema(schema)
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], matchers: list[llguidance.LLMatcher]) -> torch.Tensor:

@@ -103,7 +103,7 @@ class LLM:
         if grammar is not None:
             params = [replace(p, grammar=grammar) for p in params]
         constraints = [
-            self.engine.chat_constraint(self.engine.compile_grammar(p), ids, reasoning)
+            self.engine.chat_constraint(self.engine.compile_grammar(p, chat=True), ids, reasoning)
             for p, ids in zip(params, prompts, strict=True)
         ]
         outputs = self._complete(prompts, params, use_tqdm, constraints)

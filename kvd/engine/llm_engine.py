@@ -274,11 +274,14 @@ class LLMEngine:
         request.embedding = EmbeddingState(self.pooling)
         self._queue(request)
 
-    def compile_grammar(self, params: SamplingParams, namespace: str = "") -> llguidance.LLMatcher | None:
+    def compile_grammar(
+        self, params: SamplingParams, namespace: str = "", chat: bool = False
+    ) -> llguidance.LLMatcher | None:
         """A fresh matcher for the request's structured-output field (None without one); thread-safe.
-        `namespace`: whose grammar cache (GrammarCompiler.matcher)."""
+        `namespace`: whose grammar cache (GrammarCompiler.matcher). In a harmony model's `chat` a JSON answer
+        is its final message, after any analysis."""
         try:
-            return self.grammars.matcher(params, namespace)
+            return self.grammars.matcher(params, namespace, harmony=chat and self.harmony)
         except GrammarError as e:
             raise RequestRejectedError(str(e), e.field) from None
 

@@ -42,16 +42,28 @@ def detect_harmony(tokenizer: Any, chat_template: str | None) -> bool:
     )
 
 
+# A grammar's rule for the analysis a harmony answer may begin with (its content free up to its end marker),
+# in llguidance's Lark with the markers as its special tokens: a forced call or a JSON answer comes after it.
+ANALYSIS_RULE = 'analysis: <|channel|> "analysis" <|message|> /(?s:.*)/ <|end|> <|start|> "assistant"'
+FINAL_HEADER = '<|channel|> "final" <|message|>'  # the answer's message header, in the same terms
+
+
 def call_grammar(tools: list[tuple[str, dict]]) -> str:
-    """The grammar (llguidance's Lark, markers as its special tokens) of one call, in the header kvd reads, to
-    any of `tools` ((name, arguments schema) pairs)."""
+    """The grammar of one call, in the header kvd reads, to any of `tools` ((name, arguments schema) pairs),
+    after the analysis the model may write first."""
     rules = [
         f'call_{i}: {json.dumps(name + " ")} <|constrain|> "json" <|message|> %json {json.dumps(schema)}'
         for i, (name, schema) in enumerate(tools)
     ]
     options = " | ".join(f"call_{i}" for i in range(len(tools)))
-    return (
-        "%llguidance {}\n" + f'start: <|channel|> "commentary to=functions." ({options})\n' + "\n".join(rules)
+    start = f'start: analysis? <|channel|> "commentary to=functions." ({options})'
+    return "%llguidance {}\n" + "\n".join([start, ANALYSIS_RULE, *rules])
+
+
+def answer_grammar(body: str) -> str:
+    """The grammar of a final message whose content is `body` (a Lark expression), after the analysis."""
+    return "%llguidance {}\n" + "\n".join(
+        [f"start: analysis? {FINAL_HEADER} body", ANALYSIS_RULE, f"body: {body}"]
     )
 
 

@@ -336,7 +336,7 @@ class RequestHandler:
                 params, field = replace(params, grammar=grammar), "tools"
         try:
             engine.check_params(params)
-            generation.matcher = engine.compile_grammar(params, tenant)
+            generation.matcher = engine.compile_grammar(params, tenant, chat)
             if chat:
                 generation.matcher = engine.chat_constraint(generation.matcher, prompt_ids, message.reasoning)
         except RequestRejectedError as e:
