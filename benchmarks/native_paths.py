@@ -199,15 +199,15 @@ def cases(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], object],
     if args.prefill_tokens:
         yield from prefill_cases(args.prefill_tokens)
     if args.engine:
-        # --quick: outputs of 8-32 tokens, enough to compare the builds' tokens
-        outputs = "8,32" if args.quick else "32,256"
-        yield engine_case(args.engine, args.engine_requests, args.engine_prompt_tokens, outputs)
+        # --quick: prompts of 16-64 tokens and outputs of 8-32, enough to compare the builds' tokens
+        inputs, outputs = ("16,64", "8,32") if args.quick else ("64,512", "32,256")
+        yield engine_case(args.engine, args.engine_requests, args.engine_prompt_tokens, inputs, outputs)
 
 
 def engine_case(
-    mode: str, requests: int, prompt_tokens: int = 0, outputs: str = "32,256"
+    mode: str, requests: int, prompt_tokens: int = 0, inputs: str = "64,512", outputs: str = "32,256"
 ) -> tuple[str, Callable[[], object], int]:
-    """benchmarks.throughput's workload (inputs 64-512, `outputs` tokens), or 4 prompts of prompt_tokens with one
+    """benchmarks.throughput's workload (`inputs` and `outputs` tokens: 64-512 and 32-256), or 4 prompts of prompt_tokens with one
     output token each, through one engine, from an empty prefix cache each time; the call returns the token ids
     (which the two builds print as equal or not) and the count of tokens its speed is reported in."""
     from benchmarks.host import bundled_gguf
@@ -229,7 +229,7 @@ def engine_case(
         workload = make_workload(4, vocab, f"{prompt_tokens},{prompt_tokens}", "1,1", 0)
         name, counted = f"engine {mode} prefill 4x{prompt_tokens}", 4 * prompt_tokens
     else:
-        workload = make_workload(requests, vocab, "64,512", outputs, 0)
+        workload = make_workload(requests, vocab, inputs, outputs, 0)
         name, counted = f"engine {mode} {requests} requests", sum(n for _, n in workload)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in workload]
 

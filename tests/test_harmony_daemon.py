@@ -64,9 +64,26 @@ def test_a_chat_is_split_as_its_raw_text_reads_and_keeps_no_marker(kvd: Client, 
     assert "".join(c.reasoning or "" for c in chunks) == chat.reasoning
 
 
-def test_a_forced_call_comes_back_whole_and_streamed(oai: openai.OpenAI, model: str):
+def _steer(first: str) -> dict[int, float]:
+    """logit_bias that steers the random model into a message on channel `first` (the grammar lets it write an
+    analysis before its call or answer), an analysis ending at once."""
+    tokenizer = harmony_tokenizer()
+    bias = {i: 8.0 for i in tokenizer.encode(first, add_special_tokens=False)}
+    bias[tokenizer.convert_tokens_to_ids("<|end|>")] = 16.0
+    return bias
+
+
+@pytest.mark.parametrize("first", ["commentary", "analysis"])
+def test_a_forced_call_comes_back_whole_and_streamed(oai: openai.OpenAI, model: str, first: str):
+    bias = {str(i): b for i, b in _steer(first).items()}
     fields = dict(
-        model=model, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80
+        model=model,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        temperature=0,
+        max_tokens=80,
+        logit_bias=bias,
     )
     whole = oai.chat.completions.create(**fields).choices[0]
     assert whole.finish_reason == "tool_calls" and not whole.message.content
@@ -88,13 +105,13 @@ def test_a_forced_call_comes_back_whole_and_streamed(oai: openai.OpenAI, model: 
     assert after.usage.prompt_tokens > oai.chat.completions.create(**fields).usage.prompt_tokens
 
 
-def test_json_schema_holds_for_the_answer(oai: openai.OpenAI, model: str):
+@pytest.mark.parametrize("first", ["final", "analysis"])
+def test_json_schema_holds_for_the_final_message_after_any_analysis(kvd: Client, first: str):
+    """The random model is steered (logit_bias) into its final message at once, or into an analysis first."""
+    tokenizer = harmony_tokenizer()
+    bias = _steer(first)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-    reply = oai.chat.completions.create(
-        model=model,
-        messages=ASK,
-        temperature=0,
-        max_tokens=30,
-        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}},
-    ).choices[0]
-    assert isinstance(json.loads(reply.message.content)["ok"], bool)
+    reply = kvd.chat(ASK, temperature=0, max_tokens=80, logit_bias=bias, json_schema=schema)
+    raw = tokenizer.decode(reply.token_ids, skip_special_tokens=False)
+    assert raw.startswith(f"<|channel|>{first}<|message|>"), raw
+    assert isinstance(json.loads(reply.text)["ok"], bool), raw
