@@ -216,3 +216,15 @@ def test_a_json_answer_and_a_forced_call_may_follow_an_analysis():
     )
     call = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}'
     assert accepts(grammars.matcher(forced), analysis + call) and accepts(grammars.matcher(forced), call)
+
+
+def test_every_end_of_sequence_the_config_lists_stops_a_generation(tmp_path):
+    """gpt-oss lists <|return|> and <|call|> (Gemma <eos> and <end_of_turn>): a call ends its generation too."""
+    from conftest import save_tiny_checkpoint
+
+    from kvd import LLM
+
+    tokenizer = harmony_tokenizer()
+    ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    save_tiny_checkpoint("gpt_oss", tmp_path, tokenizer=tokenizer, eos_token_id=ends)
+    assert LLM(str(tmp_path), dtype="float32", kv_cache_memory="4M").engine.eos_token_ids == set(ends)

@@ -636,7 +636,9 @@ def _start_tensor_parallel(args: EngineArgs) -> TensorParallel | None:
 
 def _eos_token_ids(config: object, tokenizer: object) -> set[int]:
     ids: set[int] = set()
-    for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    # Every id the config lists (ModelConfig.eos_token_id is the first alone: Gemma's <end_of_turn> and gpt-oss's
+    # <|call|> come after it), and the tokenizer's.
+    for value in (getattr(config, "eos_token_ids", None), getattr(tokenizer, "eos_token_id", None)):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list | tuple):
