@@ -106,6 +106,8 @@ class LLMEngine:
         self.developer_role = "developer" in (chat_template or "")
         self.reasoning = detect_reasoning(self.tokenizer, chat_template)
         self.harmony = detect_harmony(self.tokenizer, chat_template)  # gpt-oss's channels
+        # Its other special tokens, taken out of a harmony chat's text (which keeps them all when decoded).
+        self.harmony_drops = tuple(t for t in self.tokenizer.all_special_tokens if t not in HARMONY_MARKERS)
         self.reads_effort = "reasoning_effort" in (chat_template or "")  # gpt-oss's template does
         max_model_len = self.config.cap_max_model_len(args.max_model_len)
         self.pool = plan_pool(args, loaded.model, self.kv_dtype, self.dtype, max_model_len, baseline)
@@ -217,8 +219,7 @@ class LLMEngine:
         """What splits a chat's output into its reasoning and its answer on this model (None: it does not reason);
         `calls`: the names of the chat's tools whose calls the answer's parser reads."""
         if self.harmony:
-            others = tuple(t for t in self.tokenizer.all_special_tokens if t not in HARMONY_MARKERS)
-            return HarmonyParser(calls, others)
+            return HarmonyParser(calls, self.harmony_drops)
         if self.reasoning is not None:
             return ReasoningParser(self.reasoning, self.reasoning.opened_by(prompt_ids))
         return None

@@ -139,7 +139,9 @@ class HarmonyParser:
                 if self._route == "call":
                     out.add("call", f"{CALL_OPEN}{name}{MESSAGE}")
                 continue
-            ends = [(i, m) for m in (*_MARKERS, *self.drop) if (i := self._held.find(m)) >= 0]
+            # Every marker and special token begins "<|": most steps' text has none to look for.
+            markers = (*_MARKERS, *self.drop) if "<|" in self._held else ()
+            ends = [(i, m) for m in markers if (i := self._held.find(m)) >= 0]
             if ends:
                 at, marker = min(ends)
                 out.add(self._route, self._held[:at])
