@@ -165,6 +165,39 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
             "linear_value_head_dim": 8,
         },
     ),
+    # Qwen3-Next: Qwen3.5's layers (input projections fused per key head in its checkpoints) with a shared expert
+    # beside 8 routed ones (2 a token, rescaled) on every layer.
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+    # Qwen3.5-MoE: Qwen3.5's layers, every MLP a mixture (8 experts, 3 a token, always rescaled) with a shared expert.
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
     # Mixtures of experts: 8 experts, 2 a token (the router's weights drawn wide, see save_tiny_checkpoint).
     # Qwen3-MoE: layer 0 dense (mlp_only_layers), the top 2 not renormalized, experts narrower than the dense MLP.
     "qwen3_moe": (
@@ -183,7 +216,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
         "Qwen2MoeConfig",
         {
             "num_experts": 8,
-            "num_experts_per_tok": 4,
+            "num_experts_per_tok": 3,
             "moe_intermediate_size": 32,
             "shared_expert_intermediate_size": 96,
             "norm_topk_prob": True,

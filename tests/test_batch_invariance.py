@@ -62,9 +62,11 @@ MODES = [
     # state checkpoints.
     ("float32", "int4", "qwen3_5", "auto"),
     ("bfloat16", "int8", "qwen3_5", "int8"),
+    ("float32", "int4", "qwen3_next", "auto"),  # and a mixture with a shared expert on every layer
+    ("bfloat16", "int8", "qwen3_5_moe", "int8"),
 ]
 # Models with recurrent state refuse drafts (a draft would fork the state): those paths are not theirs.
-RECURRENT = {"qwen3_5"}
+RECURRENT = {"qwen3_5", "qwen3_next", "qwen3_5_moe"}
 
 
 SPECULATIVE = {"speculative": "ngram", "speculative_tokens": 4, "speculative_max_seqs": 8, "max_num_seqs": 32}

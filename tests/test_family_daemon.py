@@ -13,7 +13,18 @@ from kvd import LLM, SamplingParams
 PROMPT = [(7 * i + 3) % 250 for i in range(30)]  # longer than the tiny Gemma 3's 8-token window
 
 
-FAMILIES = ["granite", "gemma3", "gemma4", "gemma4_moe", "olmo2", "phi3", "qwen3_moe", "gpt_oss", "qwen3_5"]
+FAMILIES = [
+    "granite",
+    "gemma3",
+    "gemma4",
+    "gemma4_moe",
+    "olmo2",
+    "phi3",
+    "qwen3_moe",
+    "gpt_oss",
+    "qwen3_5",
+    "qwen3_next",
+]
 # Each family's KV groups' windows: Gemma 3's and gpt-oss's sliding layer a group; Gemma 4's full layer and each of
 # its three sliding layers that keep K/V (the last two layers share earlier ones').
 WINDOWS = {"gemma3": [None, 8], "gpt_oss": [None, 8], "gemma4": [None, 8, 8, 8], "gemma4_moe": [None, 8]}
@@ -33,9 +44,9 @@ def test_the_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
             assert info["model"] == folder.name
             windows = [g["window"] for g in info["kv_groups"]]
             assert windows == WINDOWS.get(family, [None])
-            assert (info["experts"] is not None) == family.endswith(("moe", "oss"))
-            # Qwen3.5's linear-attention layers: state slots and checkpoints beside the pool.
-            assert (info["recurrent_state"] is not None) == (family == "qwen3_5")
+            assert (info["experts"] is not None) == family.endswith(("moe", "oss", "next"))
+            # Qwen3.5's and Qwen3-Next's linear-attention layers: state slots and checkpoints beside the pool.
+            assert (info["recurrent_state"] is not None) == family.startswith(("qwen3_5", "qwen3_next"))
             got = client.generate(PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True)
             assert got.token_ids == expected
             streamed = [

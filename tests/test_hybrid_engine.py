@@ -123,17 +123,20 @@ def test_configs_kvd_cannot_run_are_refused_naming_the_field(folder, overrides, 
         ModelConfig.from_hf_dict(config)
 
 
-def test_a_released_multimodal_checkpoint_serves_its_text_model(tmp_path, folder):
-    """Qwen3.5's released checkpoints are Qwen3_5ForConditionalGeneration: text_config, the text model under
-    model.language_model, a vision tower beside it. kvd serves the text model, with the tokens its text-only twin
-    (the same weights as Qwen3_5ForCausalLM) gives."""
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_a_released_multimodal_checkpoint_serves_its_text_model(tmp_path, tiny_checkpoint, family):
+    """Qwen3.5's and Qwen3.5-MoE's released checkpoints are ...ForConditionalGeneration: text_config, the text model
+    under model.language_model, a vision tower beside it. kvd serves the text model, with the tokens its text-only
+    twin (the same weights as ...ForCausalLM) gives."""
     import torch
     import transformers
 
+    folder = tiny_checkpoint(family)
     text = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64}
-    config = transformers.Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision)
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    prefix = "Qwen3_5" if family == "qwen3_5" else "Qwen3_5Moe"
+    config = getattr(transformers, f"{prefix}Config")(text_config=text.config.to_dict(), vision_config=vision)
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config)
     missing = model.model.language_model.load_state_dict(text.model.state_dict())
     assert not missing.missing_keys
     model.lm_head.load_state_dict(text.lm_head.state_dict())
@@ -162,3 +165,32 @@ def test_the_memory_profile_step_runs_with_state_slots(folder):
     )  # float32, one slot now
     assert scratch == pool + max(len(step.tables) for step in steps) * per_slot
     assert all(state.state.shape[0] == 1 for state in states)
+
+
+def test_experts_stacked_in_one_tensor_load_as_each_experts(tmp_path, tiny_checkpoint):
+    """A Qwen3.5-MoE checkpoint may hold each layer's experts stacked (transformers' fused layout: gate_up_proj
+    [experts, 2 x width, hidden], gate then up; down_proj [experts, hidden, width]): the same tokens as per expert."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_checkpoint("qwen3_5_moe")
+    (weights,) = folder.glob("*.safetensors")
+    tensors, stacks = {}, {}
+    for name, tensor in load_file(weights).items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if match is None:
+            tensors[name] = tensor
+        else:
+            stacks.setdefault(match[1], {}).setdefault(match[3], []).append((int(match[2]), tensor))
+    for prefix, parts in stacks.items():
+        gate, up, down = (torch.stack([t for _, t in sorted(parts[kind])]) for kind in ("gate", "up", "down"))
+        tensors[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        tensors[f"{prefix}.down_proj"] = down
+    for path in folder.iterdir():
+        if path != weights:
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    save_file(tensors, tmp_path / weights.name, metadata={"format": "pt"})
+    prompt = [(5 * i + 1) % 250 for i in range(20)]
+    assert _tokens(_llm(tmp_path), prompt) == _tokens(_llm(folder), prompt)

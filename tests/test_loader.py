@@ -285,7 +285,33 @@ TINY = {
             "tie_word_embeddings": True,
         },
     ),
+    # The same layers with a mixture of 4 experts (2 a token) and a shared expert: Qwen3.5-MoE's file (tiled value
+    # heads) and Qwen3-Next's (grouped, its betas and decay inputs fused per key head).
+    **{
+        family: (
+            config,
+            {
+                "head_dim": 16,
+                "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_key_heads": 2,
+                "linear_num_value_heads": 4,
+                "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 96,
+            },
+        )
+        for family, config in (
+            ("qwen3_5_moe", transformers.Qwen3_5MoeTextConfig),
+            ("qwen3_next", transformers.Qwen3NextConfig),
+        )
+    },
 }
+# The hybrid families' files, whose linear-attention tensors differ from the checkpoint's: tests/test_hybrid_gguf.py
+# compares their logits instead of their weights.
+HYBRID = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def tiny_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -351,7 +377,10 @@ def write_tiny_gguf(
         "mixtral": "llama",
         "gpt_oss": "gpt-oss",
         "qwen3_5": "qwen35",
+        "qwen3_5_moe": "qwen35moe",
+        "qwen3_next": "qwen3next",
     }.get(arch, arch)
+    hybrid = arch in ("qwen35", "qwen35moe", "qwen3next")
     model_arch = getattr(gguf.MODEL_ARCH, arch.upper().replace("-", "_"))
     names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, arch)
@@ -371,9 +400,9 @@ def write_tiny_gguf(
     if experts:  # as llama.cpp's converter writes a mixture of experts
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-        if arch in ("qwen3moe", "qwen2moe"):
+        if arch in ("qwen3moe", "qwen2moe", "qwen35moe", "qwen3next"):
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-        if arch == "qwen2moe":
+        if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gpt-oss":  # its window, experts' width and YaRN, as llama.cpp's converter writes them
         writer.add_sliding_window(config.sliding_window)
@@ -407,7 +436,7 @@ def write_tiny_gguf(
             writer.add_tensor(
                 f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32)
             )
-    if arch == "qwen35":  # as llama.cpp's converter writes Qwen3.5's Gated DeltaNet
+    if hybrid:  # as llama.cpp's converter writes Qwen3.5's (and Qwen3-Next's) Gated DeltaNet
         writer.add_ssm_conv_kernel(config.linear_conv_kernel_dim)
         writer.add_ssm_state_size(config.linear_key_head_dim)
         writer.add_ssm_group_count(config.linear_num_key_heads)
@@ -429,7 +458,10 @@ def write_tiny_gguf(
     writer.add_pad_token_id(config.eos_token_id)
     writer.add_unk_token_id(tokens.index("<|endoftext|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
-    for hf_name, tensor in _stack_experts(model.state_dict(), interleaved=arch == "gpt-oss").items():
+    state = model.state_dict()
+    if arch == "qwen3next":
+        state = _qwen3next_split_qkvz(config, state)
+    for hf_name, tensor in _stack_experts(state, interleaved=arch == "gpt-oss").items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, suffix = hf_name.rsplit(".", 1)
@@ -439,12 +471,14 @@ def write_tiny_gguf(
         if arch in PERMUTED_QK and base.endswith(("q_proj", "k_proj")):
             kv = config.num_key_value_heads if base.endswith("k_proj") else config.num_attention_heads
             data = llama_cpp_permute(data, config.num_attention_heads, kv)
-        if arch in ("gemma3", "qwen35") and base.endswith("norm") and not base.endswith("linear_attn.norm"):
+        if (arch == "gemma3" or hybrid) and base.endswith("norm") and not base.endswith("linear_attn.norm"):
             data = data + np.float32(
                 1.0
             )  # llama.cpp stores their norms' 1 + weight (not the DeltaNet's gated one)
-        if arch == "qwen35" and ".linear_attn." in hf_name:
-            base, suffix, data = _qwen35_linear_attention(config, hf_name, base, suffix, data)
+        if hybrid and ".linear_attn." in hf_name:  # Qwen3-Next's value heads stay grouped by key head
+            base, suffix, data = _qwen35_linear_attention(
+                config, hf_name, base, suffix, data, arch != "qwen3next"
+            )
         name = f"{names.get_name(base)}.{suffix}" if suffix else names.get_name(base)
         qtype = (tensor_types or {}).get(name)
         if qtype is None:
@@ -489,15 +523,20 @@ def _gemma4_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
 
 
-def _qwen35_linear_attention(config, hf_name: str, base: str, suffix: str, data: np.ndarray):
+def _qwen35_linear_attention(
+    config, hf_name: str, base: str, suffix: str, data: np.ndarray, tile: bool = True
+):
     """(base, suffix, data) of a Gated DeltaNet tensor as llama.cpp's converter writes it: value heads reordered from
-    grouped by key head to tiled (v rows of in_proj_qkv, z, a, b, A_log, dt_bias, the convolution's v channels,
-    out_proj's columns), ssm_a = -exp(A_log) without a suffix, dt_bias as ssm_dt.bias, the filters [C, kernel]."""
+    grouped by key head to tiled where `tile` (v rows of in_proj_qkv, z, a, b, A_log, dt_bias, the convolution's v
+    channels, out_proj's columns), ssm_a = -exp(A_log) without a suffix, dt_bias as ssm_dt.bias, the filters
+    [C, kernel]."""
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     per_key, value_dim = value_heads // key_heads, config.linear_value_head_dim
     key_rows = 2 * key_heads * config.linear_key_head_dim
 
     def tiled(x: np.ndarray, axis: int, head: int) -> np.ndarray:
+        if not tile:
+            return x
         x = np.moveaxis(x, axis, 0)
         shape = x.shape
         x = x.reshape(key_heads, per_key, head, *shape[1:]).swapaxes(0, 1).reshape(shape)
@@ -519,6 +558,24 @@ def _qwen35_linear_attention(config, hf_name: str, base: str, suffix: str, data:
     if ".out_proj" in hf_name:
         return base, suffix, tiled(data, 1, value_dim)
     return base, suffix, data
+
+
+def _qwen3next_split_qkvz(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with each in_proj_qkvz (per key head: its q, k, then its value heads' v and z rows) cut as
+    llama.cpp's converter cuts it: in_proj_qkv (every head's q, then k, then v) and in_proj_z."""
+    heads, key_dim = config.linear_num_key_heads, config.linear_key_head_dim
+    per_key = config.linear_num_value_heads // heads * config.linear_value_head_dim
+    out = {}
+    for name, tensor in state.items():
+        if not name.endswith("in_proj_qkvz.weight"):
+            out[name] = tensor
+            continue
+        grouped = tensor.reshape(heads, 2 * key_dim + 2 * per_key, -1)
+        sizes = [key_dim, key_dim, per_key, per_key]
+        q, k, v, z = (part.reshape(-1, tensor.shape[1]) for part in grouped.split(sizes, dim=1))
+        out[name.replace("in_proj_qkvz", "in_proj_qkv")] = torch.cat([q, k, v])
+        out[name.replace("in_proj_qkvz", "in_proj_z")] = z
+    return out
 
 
 def _stack_experts(state: dict[str, torch.Tensor], interleaved: bool = False) -> dict[str, torch.Tensor]:
@@ -565,8 +622,7 @@ def test_gguf_auto_dtype_is_what_the_cpu_flags_say(tmp_path):
     assert load_model(str(path), dtype="auto").dtype == (torch.bfloat16 if native_bf16 else torch.float32)
 
 
-# Qwen3.5's file holds its value heads reordered (tiled): tests/test_hybrid_gguf.py compares its logits instead.
-@pytest.mark.parametrize("arch", [arch for arch in TINY if arch != "qwen3_5"])
+@pytest.mark.parametrize("arch", [arch for arch in TINY if arch not in HYBRID])
 def test_gguf_tiny_model_equals_hf_weights(tmp_path, arch):
     hf_model = tiny_hf_model(arch)
     path = tmp_path / f"tiny-{arch}.gguf"

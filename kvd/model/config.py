@@ -105,6 +105,25 @@ class LinearAttention:
         """The channels the convolution runs over: q's, k's and v's."""
         return 2 * self.key_dim + self.value_dim
 
+    def fused_rows(self, parts: tuple[int, ...], part: int) -> list[int]:
+        """The rows of part `part` of a projection fused per key head (Qwen3-Next's: each key head's `parts` rows in
+        turn, e.g. its betas then its decay inputs), key head by key head."""
+        size, start = sum(parts), sum(parts[:part])
+        return [h * size + start + r for h in range(self.num_key_heads) for r in range(parts[part])]
+
+    @property
+    def qkvz_parts(self) -> tuple[int, ...]:
+        """A key head's rows of Qwen3-Next's fused q/k/v/z projection: its query, its key, then the values and the
+        output gates of the value heads that read it."""
+        per_key = self.num_value_heads // self.num_key_heads * self.value_head_dim
+        return (self.key_head_dim, self.key_head_dim, per_key, per_key)
+
+    @property
+    def ba_parts(self) -> tuple[int, ...]:
+        """A key head's rows of Qwen3-Next's fused beta/decay projection: one each per value head that reads it."""
+        per_key = self.num_value_heads // self.num_key_heads
+        return (per_key, per_key)
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -83,6 +83,20 @@ _LAYER_TENSORS = {
 # A mixture of experts' matrices, each layer's experts stacked in one tensor [experts, rows, k]: expert e's part is
 # Hugging Face's model.layers.N.mlp.experts.e.<projection>.
 EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GATED_DELTA = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log",
+}
+# The hybrid architectures (Gated DeltaNet beside gated full attention).
+HYBRID = ("qwen35", "qwen35moe", "qwen3next")
 # Where an architecture's Hugging Face names differ from the Llama names above (Gemma 3 norms every sublayer's
 # input and output, and calls the MLP's input norm by its place).
 _ARCH_LAYER_TENSORS = {
@@ -107,24 +121,19 @@ _ARCH_LAYER_TENSORS = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused, as Phi-3's checkpoints
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     # Qwen3.5's Gated DeltaNet layers (ssm_a holds -exp(A_log); see _linear_attention_tensor).
-    "qwen35": {
-        "post_attention_norm": "post_attention_layernorm",
-        "attn_qkv": "linear_attn.in_proj_qkv",
-        "attn_gate": "linear_attn.in_proj_z",
-        "ssm_beta": "linear_attn.in_proj_b",
-        "ssm_alpha": "linear_attn.in_proj_a",
-        "ssm_out": "linear_attn.out_proj",
-        "ssm_norm": "linear_attn.norm",
-        "ssm_conv1d": "linear_attn.conv1d",
-        "ssm_dt": "linear_attn.dt_bias",
-        "ssm_a": "linear_attn.A_log",
+    "qwen35": _GATED_DELTA,
+    "qwen35moe": _GATED_DELTA,
+    # Qwen3-Next's: its betas and decay inputs fused per key head, as its checkpoints hold them.
+    "qwen3next": {
+        **{k: v for k, v in _GATED_DELTA.items() if k not in ("ssm_beta", "ssm_alpha")},
+        "ssm_ba": "linear_attn.in_proj_ba",
     },
 }
 # Layer tensors whose Hugging Face name has no .weight (a parameter of the module itself).
 _BARE_TENSORS = {"self_attn.sinks", "linear_attn.dt_bias", "linear_attn.A_log", "layer_scalar"}
-# llama.cpp stores Gemma's and Qwen3.5's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight
+# llama.cpp stores Gemma's and Qwen3.5's / Qwen3-Next's (1 + weight) norm weights with the 1 added (Hugging Face's hold the weight
 # alone): as kvd's model holds them, so they load as they are (norms_hold_offset).
-_NORM_SHIFTED = ("gemma3", "qwen35")
+_NORM_SHIFTED = ("gemma3", *HYBRID)
 # The token that ends a turn, where a family's files do not mark it as a stop token.
 _TURN_ENDS = {"gemma3": "<end_of_turn>", "gemma4": "<turn|>"}
 # Hugging Face's name of a special token -> llama.cpp's (tokenizer.ggml.<name>_token_id).
@@ -397,8 +406,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         config |= _gemma4_config(file, config)
     if arch == "phi3":
         config |= _phi3_config(file, config)
-    if arch == "qwen35":
-        config |= _qwen35_config(file, config)
+    if arch in HYBRID:
+        config |= _linear_attention_config(file, config)
     if arch == "granite":  # llama.cpp's names for Granite's multipliers
         config |= {
             "embedding_multiplier": key("embedding_scale", 1.0),
@@ -434,9 +443,11 @@ def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "moe_intermediate_size": md.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"]),
         "norm_topk_prob": arch != "qwen2moe",
     }
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):  # a shared expert
         shared = md.get(f"{arch}.expert_shared_feed_forward_length", config["intermediate_size"])
-        out |= {"shared_expert_intermediate_size": shared, "qkv_bias": config["attention_bias"]}
+        out["shared_expert_intermediate_size"] = shared
+    if arch == "qwen2moe":
+        out["qkv_bias"] = config["attention_bias"]
     if arch == "llama":
         out["architectures"] = ["MixtralForCausalLM"]
     if arch in ("llama", "gpt-oss"):  # their experts' width is the config's intermediate_size
@@ -445,7 +456,7 @@ def _moe_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         window, layers = md[f"{arch}.attention.sliding_window"], config["num_hidden_layers"]
         out["sliding_window"] = window
         out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    elif arch not in ("llama", "qwen3moe", "qwen2moe"):
+    elif arch not in ("llama", "qwen3moe", "qwen2moe", "qwen35moe", "qwen3next"):
         raise UnsupportedModelError(f"GGUF architecture {arch!r} with experts is not supported")
     return out
 
@@ -525,23 +536,24 @@ def _gemma4_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _qwen35_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's Gated DeltaNet shape from llama.cpp's ssm keys, which layers are recurrent, and the rotated share
-    of each head. llama.cpp's converter reorders the value heads to tiled order (value head h reads key head
-    h % key heads), and kvd runs them in that order (value_heads_tiled)."""
-    md, layers = file.metadata, config["num_hidden_layers"]
+def _linear_attention_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid model's Gated DeltaNet shape from llama.cpp's ssm keys, which layers are recurrent, and the rotated
+    share of each head. For Qwen3.5 (and its MoE) llama.cpp's converter reorders the value heads to tiled order
+    (value head h reads key head h % key heads), and kvd runs them in that order (value_heads_tiled); Qwen3-Next's
+    stay grouped by key head."""
+    md, layers, arch = file.metadata, config["num_hidden_layers"], file.architecture
 
     def key(name: str) -> Any:
-        if f"qwen35.{name}" not in md:
-            raise GGUFError(f"{file.path}: qwen35 metadata lacks qwen35.{name}")
-        return md[f"qwen35.{name}"]
+        if f"{arch}.{name}" not in md:
+            raise GGUFError(f"{file.path}: {arch} metadata lacks {arch}.{name}")
+        return md[f"{arch}.{name}"]
 
     value_heads = key("ssm.time_step_rank")
-    recurrent = md.get("qwen35.attention.recurrent_layers")
+    recurrent = md.get(f"{arch}.attention.recurrent_layers")
     if recurrent is None:
-        interval = md.get("qwen35.full_attention_interval", 4)
+        interval = md.get(f"{arch}.full_attention_interval", 4)
         recurrent = [(i + 1) % interval != 0 for i in range(layers)]
-    rotated = md.get("qwen35.rope.dimension_count", config["head_dim"])
+    rotated = md.get(f"{arch}.rope.dimension_count", config["head_dim"])
     return {
         "linear_conv_kernel_dim": key("ssm.conv_kernel"),
         "linear_key_head_dim": key("ssm.state_size"),
@@ -551,7 +563,7 @@ def _qwen35_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
         "layer_types": ["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
         "partial_rotary_factor": rotated / config["head_dim"],
         "attention_bias": False,
-        "value_heads_tiled": True,
+        "value_heads_tiled": arch != "qwen3next",
     }
 
 

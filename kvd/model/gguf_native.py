@@ -63,6 +63,9 @@ def uses_native_types(file: GGUFFile) -> bool:
     )
 
 
+# Qwen3-Next's files hold the DeltaNet's betas and decay inputs in one matrix (ssm_ba), fused per key head: our
+# linear -> its part there (LinearAttention.fused_rows).
+_PER_KEY_HEAD = {"linear_attn.in_proj_b": 0, "linear_attn.in_proj_a": 1}
 # A mixture of experts' shared expert (Qwen2-MoE): our linear -> its GGUF matrices.
 _SHARED_EXPERT = {
     "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
@@ -97,7 +100,7 @@ class _Reader:
         self._biases: dict[str, torch.Tensor] = {}
 
     def part(
-        self, name: str, hf_name: str, kind: str | None = None, rows: slice | int | None = None
+        self, name: str, hf_name: str, kind: str | None = None, rows: slice | int | list[int] | None = None
     ) -> tuple[str, np.ndarray, GGMLQuantizationType]:
         """(name, rows, type) of this rank's slice of one matrix (`hf_name`: the tensor whose shard plan it
         follows; `rows`: its rows of a fused file tensor, or its index in a stacked one): its stored rows when its
@@ -151,7 +154,7 @@ class _Reader:
         hf_names: list[str],
         kinds: tuple[str | None, ...],
         biases: list[str],
-        rows: list[slice | int | None] | None = None,
+        rows: list[slice | int | list[int] | None] | None = None,
     ) -> GGUFLinear:
         """The linear of these matrices; their pages leave this process's memory once it holds them."""
         rows = rows or [None] * len(names)
@@ -210,7 +213,13 @@ def install(
             ]  # Gemma 4's q alone (K/V shared) or q and k (keys give values)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
             fused = fused_file_tensor(file.architecture, path) if len(kinds) > 1 else None
-            if fused is None:
+            if path in _PER_KEY_HEAD and file.architecture == "qwen3next":
+                shape = model.config.linear_attention
+                names, rows = (
+                    [f"blk.{i}.ssm_ba.weight"],
+                    [shape.fused_rows(shape.ba_parts, _PER_KEY_HEAD[path])],
+                )
+            elif fused is None:
                 names, rows = [f"blk.{i}.{kind}.weight" for kind in kinds], None
             else:  # one file tensor holds the whole model's parts, stacked by rows (each rank then cuts its own)
                 names = [f"blk.{i}.{fused}.weight"] * len(kinds)

@@ -32,6 +32,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model (the released checkpoints' architecture)
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",  # as Qwen3.5's
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 # A GGUF file's general.architecture -> the Hugging Face architecture. llama.cpp also writes Mistral as "llama", and
 # Mixtral as "llama" with experts (kvd.model.gguf_loader reads it so).
@@ -48,6 +51,8 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
 }
 
 

@@ -29,6 +29,11 @@ class Qwen2MoeForCausalLM(CausalLM):
     def checkpoint_tensors(
         config: ModelConfig, name: str, tensor: torch.Tensor
     ) -> list[tuple[str, torch.Tensor]]:
-        if name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:  # a GGUF file's [hidden]
-            return [(name, tensor.reshape(1, -1))]
-        return [(name, tensor)]
+        return [shared_expert_gate(name, tensor)]
+
+
+def shared_expert_gate(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A checkpoint tensor, the shared expert's gate as [1, hidden] where a GGUF file holds it as [hidden]."""
+    if name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
+        return name, tensor.reshape(1, -1)
+    return name, tensor
