@@ -218,6 +218,49 @@ class RecurrentStateMachine(BlockManagerMachine):
         super()._compute(seq, num_tokens)
         assert seq.restore_slot is None and seq.snapshot is None
 
+    @precondition(lambda self: any(s.num_computed_tokens == len(s) for s in self.running))
+    @rule(
+        i=st.integers(0, 1000),
+        token=st.integers(0, 3),
+        draft=st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        accepted=st.integers(0, 4),
+    )
+    def decode_with_draft(self, i, token, draft, accepted):
+        """A decode step verifying a draft as long as the free slots and blocks allow: each row's state goes to a
+        draft slot, the last to the sequence's own; after `accepted` draft tokens stood, the sequence's slot holds
+        the state of exactly its computed tokens and the other slots are free."""
+        decoding = [s for s in self.running if s.num_computed_tokens == len(s)]
+        seq = decoding[i % len(decoding)]
+        seq.append_token(token)
+        if not self.bm.can_append(seq):
+            self._stop(seq)
+            return
+        k = min(len(draft), self.bm.draft_room(seq, 1))
+        k = k if k and self.bm.can_append(seq, num_lookahead=k) else 0
+        lengths = [len(t) for t in seq.block_tables]
+        self.bm.may_append(seq, num_lookahead=k)
+        for old, table in zip(lengths, seq.block_tables, strict=True):
+            for block_id in table[old:]:
+                self.content.pop(block_id, None)
+        if k:
+            self.bm.take_draft_slots(seq, 1, k)
+        start, tokens = seq.num_computed_tokens, [*seq.token_ids, *draft[:k]]
+        snapshot = self.bm.plan_snapshot(seq, 1)
+        if snapshot is not None:
+            self.state[snapshot.slot] = (seq.cache_salt, tuple(tokens[: snapshot.tokens]))
+        for j, slot in enumerate(seq.draft_slots):
+            assert (start + 2 + j) % (2 * BS), "a draft row computes a checkpoint position's token"
+            self.state[slot] = (seq.cache_salt, tuple(tokens[: start + 1 + j]))
+        self.state[seq.state_slot] = (seq.cache_salt, tuple(tokens[: start + 1 + k]))
+        BlockManagerMachine._compute(self, seq, 1)
+        for t in draft[: min(accepted, k)]:
+            seq.append_token(t)
+            BlockManagerMachine._compute(self, seq, 1)
+        self.bm.trim_lookahead(seq)
+        self.bm.settle_draft_state(seq)
+        assert seq.draft_slots == []
+        assert self.state[seq.state_slot] == (seq.cache_salt, tuple(seq.token_ids[: seq.num_computed_tokens]))
+
     def teardown(self):
         super().teardown()
         assert self.bm.states.num_free_live == 3

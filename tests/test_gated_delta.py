@@ -63,8 +63,7 @@ def run(native: bool, x: dict, w: dict, state: LayerState, step: RecurrentStep) 
     if native:
         return cpu_native.gated_delta(
             x["qkv"], x["a"], x["b"], w["weight"], w["A_log"], w["dt_bias"], state.conv, state.state,
-            step.starts_t, (step.slots_t, step.sources_t, step.snapshot_rows_t, step.snapshot_slots_t),
-            SHAPE.num_key_heads,
+            step.starts_t, step.kernel_args, SHAPE.num_key_heads,
         )  # fmt: skip
     return _gated_delta_torch(
         x["qkv"], x["a"], x["b"], w["weight"], w["A_log"], w["dt_bias"], Layer(state), step
@@ -172,7 +171,7 @@ def test_a_snapshot_resumes_a_sequence_as_if_it_had_run_on(native):
     head = {k: v[:3].contiguous() for k, v in x.items()}
     rest = {k: v[3:].contiguous() for k, v in x.items()}
     run(native, head, w, state, fresh([3], [1]))
-    run(native, rest, w, state, RecurrentStep.build([9], [RecurrentRows(1, 1, 4, 5)]))
+    run(native, rest, w, state, RecurrentStep.build([9], [RecurrentRows(1, 1, ((4, 5),))]))
     tail = {k: v[8:].contiguous() for k, v in x.items()}
     resumed = run(native, tail, w, state, RecurrentStep.build([4], [RecurrentRows(2, 5)]))
     if native:
@@ -182,16 +181,43 @@ def test_a_snapshot_resumes_a_sequence_as_if_it_had_run_on(native):
         assert torch.allclose(resumed, whole[8:], rtol=1e-5)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_snapshots_after_several_rows_hold_each_rows_state(native):
+    """A draft's rows: snapshots after rows 0, 1 and 2 of a 4-row step (two at row 1) hold the window and state as
+    they were after those rows, the bits of steps that stop there."""
+    x, w = inputs(10, torch.float32, 8), weights()
+    state = empty_state(torch.float32)
+    head = {k: v[:6].contiguous() for k, v in x.items()}
+    run(native, head, w, state, fresh([6], [0]))
+    tail = {k: v[6:].contiguous() for k, v in x.items()}
+    snapshots = ((0, 2), (1, 3), (1, 5), (2, 4))
+    run(native, tail, w, state, RecurrentStep.build([4], [RecurrentRows(0, 0, snapshots)]))
+    for rows, slot in ((1, 2), (2, 3), (2, 5), (3, 4)):
+        alone = empty_state(torch.float32)
+        run(native, head, w, alone, fresh([6], [0]))
+        run(
+            native,
+            {k: v[:rows] for k, v in tail.items()},
+            w,
+            alone,
+            RecurrentStep.build([rows], [RecurrentRows(0, 0)]),
+        )
+        assert torch.equal(state.state[slot], alone.state[0]) and torch.equal(state.conv[slot], alone.conv[0])
+
+
 @pytest.mark.parametrize(
     "rows",
     [
         [RecurrentRows(0, -1), RecurrentRows(0, -1)],  # one slot written by two sequences
         [RecurrentRows(0, -1), RecurrentRows(NUM_SLOTS, -1)],  # out of range
         [RecurrentRows(-1, -1), RecurrentRows(2, -1)],
-        [RecurrentRows(0, -1, 0, 1), RecurrentRows(1, -1)],  # a snapshot into another's live slot
+        [RecurrentRows(0, -1, ((0, 1),)), RecurrentRows(1, -1)],  # a snapshot into another's live slot
         [RecurrentRows(0, 1), RecurrentRows(1, 1)],  # a source another sequence writes
-        [RecurrentRows(0, -1, 2, 4), RecurrentRows(1, -1)],  # a snapshot after a row it does not have
-        [RecurrentRows(0, -1, 0, 4), RecurrentRows(1, -1, 1, 4)],  # two snapshots into one slot
+        [RecurrentRows(0, -1, ((2, 4),)), RecurrentRows(1, -1)],  # a snapshot after a row it does not have
+        [RecurrentRows(0, -1, ((0, 4),)), RecurrentRows(1, -1, ((1, 4),))],  # two snapshots into one slot
+        [RecurrentRows(0, -1, ((0, 4), (1, 4))), RecurrentRows(1, -1)],  # one sequence's, into one slot
+        [RecurrentRows(0, -1, ((1, 4), (0, 5))), RecurrentRows(1, -1)],  # rows out of order
+        [RecurrentRows(0, 4), RecurrentRows(1, -1, ((0, 4),))],  # a source another sequence snapshots into
     ],
 )
 def test_bad_steps_are_refused_before_any_write(rows):

@@ -244,13 +244,12 @@ for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)), ("IQ4
 # Gated DeltaNet's convolution and recurrence (plain C on every build): two sequences, a snapshot, bf16 and float32.
 from kvd.distributed.step import RecurrentRows
 from kvd.model.layers.recurrent_state import RecurrentStep
-step = RecurrentStep.build([5, 9], [RecurrentRows(0, -1), RecurrentRows(1, -1, 4, 2)])
+step = RecurrentStep.build([5, 9], [RecurrentRows(0, -1), RecurrentRows(1, -1, ((4, 2),))])
 for dtype in (torch.float32, torch.bfloat16):
     qkv, a, b = torch.randn(14, 64).to(dtype), torch.randn(14, 4).to(dtype), torch.randn(14, 4).to(dtype)
     conv, state = torch.zeros(3, 3, 64, dtype=dtype), torch.zeros(3, 4, 8, 8)
-    steps = (step.slots_t, step.sources_t, step.snapshot_rows_t, step.snapshot_slots_t)
     core = cpu_native.gated_delta(
-        qkv, a, b, torch.randn(64, 4), torch.randn(4), torch.randn(4), conv, state, step.starts_t, steps, 2
+        qkv, a, b, torch.randn(64, 4), torch.randn(4), torch.randn(4), conv, state, step.starts_t, step.kernel_args, 2
     )
     out["gated delta", str(dtype)] = torch.cat([core.float().flatten(), state.flatten(), conv.float().flatten()])
 # GGUF's 5-bit blocks (the 4-bit kernels with fifth bits): random bytes, finite fp16 multipliers; 2 rows take eight

@@ -37,13 +37,14 @@ class Command(IntEnum):
 class RecurrentRows(NamedTuple):
     """A sequence's recurrent state in one step (kvd.model.layers.recurrent_state): its slot; where its state
     starts from (-1: zeros, a fresh sequence; its own slot: where the last step left it; another slot: a
-    checkpoint to resume from); and the row of its rows after which to copy the state into snapshot_slot (-1:
-    none)."""
+    checkpoint to resume from); the (row, slot) pairs, rows ascending, after which row of its rows to copy the
+    state into which slot (a checkpoint; the state after each draft row but the last); and how many draft rows
+    follow its chunk's rows as sequences of their own in the step's attention (kvd.engine.speculative)."""
 
     slot: int
     source: int
-    snapshot_row: int = -1
-    snapshot_slot: int = -1
+    snapshots: tuple[tuple[int, int], ...] = ()
+    drafts: int = 0
 
 
 @dataclass
@@ -64,13 +65,14 @@ class StepInputs:
 
     def encode(self, block_size: int) -> list[int]:
         """[S, groups after 0, whether recurrent rows follow, then per sequence: query, context; then per sequence
-        its RecurrentRows; then per group and sequence: blocks, its blocks...; then the token ids]."""
+        with recurrent rows: slot, source, drafts, snapshot count, its (row, slot) pairs; then per group and
+        sequence: blocks, its blocks...; then the token ids]."""
         rows = self.recurrent
         out = [len(self.query_lens), len(self.group_tables), int(rows is not None)]
         for q, c in zip(self.query_lens, self.context_lens, strict=True):
             out += [q, c]
         for r in rows or []:
-            out += [r.slot, r.source, r.snapshot_row, r.snapshot_slot]
+            out += [r.slot, r.source, r.drafts, len(r.snapshots), *(i for pair in r.snapshots for i in pair)]
         for tables in (self.block_tables, *self.group_tables):
             for c, table in zip(self.context_lens, tables, strict=True):
                 used = table[: -(-c // block_size)]  # only the blocks the context covers
@@ -84,8 +86,15 @@ class StepInputs:
         i = 3 + 2 * num_seqs
         rows = None
         if has_rows:
-            rows = [RecurrentRows(*ints[j : j + 4]) for j in range(i, i + 4 * num_seqs, 4)]
-            i += 4 * num_seqs
+            rows, covered = [], 0  # a sequence's draft rows are attention sequences of their own
+            while covered < num_seqs:
+                slot, source, drafts, num_snapshots = ints[i : i + 4]
+                pairs = ints[i + 4 : i + 4 + 2 * num_snapshots]
+                rows.append(
+                    RecurrentRows(slot, source, tuple(zip(pairs[::2], pairs[1::2], strict=True)), drafts)
+                )
+                covered += 1 + drafts
+                i += 4 + 2 * num_snapshots
         groups = []
         for _ in range(1 + num_other):
             tables = []

@@ -370,6 +370,35 @@ class BlockManager:
             if num_blocks > len(table):
                 table += self._take_free_blocks(num_blocks - len(table), g)
 
+    def draft_room(self, seq: Sequence, num_new_tokens: int) -> int:
+        """The most draft tokens a step of `num_new_tokens` may verify after them for the recurrent state: the state
+        before each draft token goes to a free live slot (the state after the last stays in the sequence's own),
+        and no draft row passes the next checkpoint position (the step's snapshot is planned for its own rows)."""
+        states = self.states
+        room = states.num_free_live
+        if states.num_checkpoints and self.enable_prefix_caching:
+            end = seq.num_computed_tokens + num_new_tokens
+            room = min(room, end - end % states.interval + states.interval - end - 1)
+        return room
+
+    def take_draft_slots(self, seq: Sequence, num_new_tokens: int, num_draft: int) -> None:
+        """Hold the slots of a draft of `num_draft` tokens after the step's `num_new_tokens` (draft_room)."""
+        seq.draft_slots = [self.states.take_live() for _ in range(num_draft)]
+        seq.draft_base = seq.num_computed_tokens + num_new_tokens
+
+    def settle_draft_state(self, seq: Sequence) -> None:
+        """After a draft was verified: the sequence's state is the one after its last accepted token, in its own
+        slot where it accepted the whole draft, else in the draft slot of that row, which becomes its own."""
+        accepted = seq.num_computed_tokens - seq.draft_base
+        slots = [seq.state_slot, *seq.draft_slots]
+        if accepted < len(seq.draft_slots):
+            seq.state_slot = slots.pop(accepted + 1)
+        else:
+            slots.pop(0)
+        for slot in slots:
+            self.states.give_live(slot)
+        seq.draft_slots = []
+
     def trim_lookahead(self, seq: Sequence) -> None:
         """Free the blocks past the sequence's tokens (`may_append`'s lookahead, its drafts rejected). Never
         registered: only blocks of computed tokens are."""
@@ -420,6 +449,9 @@ class BlockManager:
         if seq.state_slot is not None:
             self.states.give_live(seq.state_slot)
             seq.state_slot = None
+        for slot in seq.draft_slots:  # its draft was verified, but it finished in the step
+            self.states.give_live(slot)
+        seq.draft_slots = []
         if seq.restore_slot is not None:
             self.states.unpin(seq.restore_slot)
             seq.restore_slot = None
@@ -736,7 +768,7 @@ class BlockManager:
                     f"block {block.block_id} holds checkpoint {block.checkpoint} but is not registered",
                 )
         problems = self.states.check(
-            [s.state_slot for s in seqs],
+            [slot for s in seqs for slot in (s.state_slot, *s.draft_slots)],
             [s.snapshot.slot for s in seqs if s.snapshot is not None],
             [s.restore_slot for s in seqs if s.restore_slot is not None],
         )

@@ -594,11 +594,6 @@ def _state_slots(pool: PoolPlan, args: EngineArgs) -> StateSlots | None:
 def _check_speculative(args: EngineArgs, model: CausalLM) -> None:
     """Drafts leave every output the same bits only where a row's logits do not depend on the rows beside it."""
     backend = model.attention_backend
-    if args.speculative != "none" and model.config.has_recurrent_state:
-        raise EngineArgsError(
-            "speculative decoding is not supported for models with linear-attention layers (their recurrent "
-            "state would need a copy per draft): use --speculative none"
-        )
     if args.speculative != "none" and not (
         isinstance(backend, NativeAttentionBackend) and backend.batch_invariant
     ):

@@ -124,7 +124,7 @@ class ModelRunner:
             rows = [(seq.token_ids[start : start + chunk.num_new_tokens], start + chunk.num_new_tokens)]
             rows += [([token], start + chunk.num_new_tokens + 1 + i) for i, token in enumerate(chunk.draft)]
             if inputs.recurrent is not None:
-                inputs.recurrent.append(_recurrent_rows(seq, start))
+                inputs.recurrent.append(_recurrent_rows(seq, start, chunk))
             for ids, context_len in rows:
                 inputs.input_ids.extend(ids)
                 inputs.query_lens.append(len(ids))
@@ -182,12 +182,13 @@ class ModelRunner:
         )
 
 
-def _recurrent_rows(seq: Sequence, start: int) -> RecurrentRows:
+def _recurrent_rows(seq: Sequence, start: int, chunk: ScheduledChunk) -> RecurrentRows:
     """Where the sequence's state starts this step (zeros, a checkpoint after a prefix hit, or its own slot) and
-    the snapshot the block manager planned (kvd.engine.state_slots). One row group a sequence: drafts, which
-    would fork the state, are refused for these models."""
+    its snapshots: the checkpoint the block manager planned (kvd.engine.state_slots), and with a draft, the state
+    after the chunk's last row and after each draft row but the last, into the draft's slots, so that the state
+    after the accepted tokens stands however many are accepted (BlockManager.settle_draft_state)."""
     source = -1 if start == 0 else seq.restore_slot if seq.restore_slot is not None else seq.state_slot
-    snapshot = seq.snapshot
-    if snapshot is None:
-        return RecurrentRows(seq.state_slot, source)
-    return RecurrentRows(seq.state_slot, source, snapshot.tokens - start - 1, snapshot.slot)
+    snapshots = [] if seq.snapshot is None else [(seq.snapshot.tokens - start - 1, seq.snapshot.slot)]
+    last = chunk.num_new_tokens - 1
+    snapshots += [(last + i, slot) for i, slot in enumerate(seq.draft_slots)]
+    return RecurrentRows(seq.state_slot, source, tuple(sorted(snapshots)), len(chunk.draft))

@@ -103,16 +103,21 @@ class Scheduler:
         if self.drafter is None or len(decodes) > self.max_drafting_seqs:
             return
         rows = self.max_num_seqs - len(self.running)
+        states = self.block_manager.states is not None
         for chunk in decodes:
             seq, most = chunk.seq, min(rows, budget)
+            if states:  # recurrent state: a slot for each draft row's state
+                most = min(most, self.block_manager.draft_room(seq, chunk.num_new_tokens))
             if most < 1:
-                return
+                continue
             draft = self.drafter(seq, most)
             n = self._fit(
                 lambda m, s=seq: self.block_manager.can_append(s, num_lookahead=m), len(draft), True
             )
             if n:
                 self.block_manager.may_append(seq, num_lookahead=n)
+                if states:
+                    self.block_manager.take_draft_slots(seq, chunk.num_new_tokens, n)
                 chunk.draft = draft[:n]
                 budget -= n
                 rows -= n
@@ -218,8 +223,11 @@ class Scheduler:
         seq.append_token(token)
 
     def settle_draft(self, seq: Sequence) -> None:
-        """After a running sequence's draft was verified: free the blocks of what it rejected."""
+        """After a running sequence's draft was verified: free the blocks of what it rejected, and with recurrent
+        state keep the state after what it accepted."""
         self.block_manager.trim_lookahead(seq)
+        if self.block_manager.states is not None:
+            self.block_manager.settle_draft_state(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence (finished or aborted) from its queue and free its blocks at once."""

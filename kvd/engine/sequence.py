@@ -46,10 +46,13 @@ class Sequence:
         self.block_tables: list[list[int]] = [[]]
         self.num_released: list[int] = [0]  # per group: the leading RELEASED entries of its table
         # Its recurrent state's slot while allocated, in a model with linear-attention layers (else None); the
-        # checkpoint its next step resumes from after a prefix hit; the snapshot that step takes (block manager).
+        # checkpoint its next step resumes from after a prefix hit; the snapshot that step takes; the slots its
+        # step's draft rows leave their states in, the first once draft_base tokens are computed (block manager).
         self.state_slot: int | None = None
         self.restore_slot: int | None = None
         self.snapshot: Snapshot | None = None
+        self.draft_slots: list[int] = []
+        self.draft_base = 0
         self.num_cached_tokens = 0
         self.num_computed_tokens = 0
         self.seq_id = next(_seq_ids)

@@ -223,15 +223,17 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
 // with tiled h % Hk),
 // token after token: q and k L2-normalized (q also by 1 / sqrt(dk)), the state [dk, dv] of
 // state [num_slots, Hv, dk, dv] (float32) decayed by exp(-exp(A_log[h]) softplus(a + dt_bias[h])), updated by
-// k (sigmoid(b) (v - S^T k))^T, and out [T, Hv dv] (dtype) = S^T q. snap_rows[s] >= 0: after that row of the
-// sequence's, its window and state are copied into slot snap_slots[s] too. KVD_BAD_INDEX, before any write, for a
-// slot out of range, a slot written twice (live or snapshot), a source another sequence writes, a snapshot row
-// outside its rows, starts that go back, or K out of range.
+// k (sigmoid(b) (v - S^T k))^T, and out [T, Hv dv] (dtype) = S^T q. Snapshots: sequence s's are
+// snap_starts[s] .. snap_starts[s + 1] (snap_starts[0] = 0): after row snap_rows[i] of the sequence's (ascending),
+// its window and state are copied into slot snap_slots[i] too (a checkpoint at a block boundary, or the state after
+// each row of a speculative draft). KVD_BAD_INDEX, before any write, for a slot out of range, a slot written twice
+// (live or snapshot), a source another sequence writes, snapshot rows outside their rows or out of order, starts
+// that go back, or K out of range.
 int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* conv_weight, const float* A_log,
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
-                    const int64_t* slots, const int64_t* sources, const int64_t* snap_rows,
-                    const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
-                    int tiled, int bf16, void* out, int nthreads);
+                    const int64_t* slots, const int64_t* sources, const int64_t* snap_starts,
+                    const int64_t* snap_rows, const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk,
+                    int64_t dv, int64_t K, int tiled, int bf16, void* out, int nthreads);
 // cffi: end
 
 #endif

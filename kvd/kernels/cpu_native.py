@@ -649,7 +649,8 @@ def gated_delta(
 ) -> torch.Tensor:
     """A Gated DeltaNet layer's convolution and recurrence (kvd_gated_delta): out [T, value_heads x value_head_dim]
     in qkv's dtype; the sequences' windows in conv_state and states in state updated in place. step: per sequence
-    its slot, source, snapshot row and snapshot slot (int64 [S] each); tiled: value head h reads key head
+    its slot and source (int64 [S] each), its snapshots' starts (int64 [S + 1]), then every snapshot's row and slot
+    (int64 [N] each; RecurrentStep.kernel_args); tiled: value head h reads key head
     h % key_heads (else h // (value heads per key head))."""
     bf16 = _is_bf16(qkv)
     rows, channels = qkv.shape
@@ -671,19 +672,25 @@ def gated_delta(
     ):
         _check_tensor(t, name, torch.float32, shape)
     _check_tensor(starts, "starts", torch.int64, (seqs + 1,))
-    for name, t in zip(("slots", "sources", "snapshot rows", "snapshot slots"), step, strict=True):
-        _check_tensor(t, name, torch.int64, (seqs,))
+    slots, sources, snap_starts, snap_rows, snap_slots = step
+    for name, t, shape in (
+        ("slots", slots, (seqs,)),
+        ("sources", sources, (seqs,)),
+        ("snapshot starts", snap_starts, (seqs + 1,)),
+        ("snapshot rows", snap_rows, (int(snap_starts[-1]),)),
+        ("snapshot slots", snap_slots, (int(snap_starts[-1]),)),
+    ):
+        _check_tensor(t, name, torch.int64, shape)
     if int(starts[-1]) != rows or channels != 2 * key_heads * key_dim + heads * value_dim:
         raise NativeKernelError(
             f"gated delta: {rows} rows of {channels} channels do not match the step's {int(starts[-1])} rows or "
             f"{key_heads} key heads and {heads} value heads of {key_dim} x {value_dim}"
         )
     out = torch.empty(rows, heads * value_dim, dtype=qkv.dtype)
-    slots, sources, snap_rows, snap_slots = (_ptr(t) for t in step)
     status = library().kvd_gated_delta(
         _ptr(qkv), _ptr(a), _ptr(b), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias), _ptr(conv_state), _ptr(state),
-        num_slots, _ptr(starts), slots, sources, snap_rows, snap_slots, seqs, key_heads, heads, key_dim, value_dim,
-        kernel, int(tiled), bf16, _ptr(out), _threads(),
+        num_slots, _ptr(starts), *(_ptr(t) for t in step), seqs, key_heads, heads, key_dim, value_dim, kernel,
+        int(tiled), bf16, _ptr(out), _threads(),
     )  # fmt: skip
     _check(status, "gated delta")
     return out

@@ -16,13 +16,15 @@ static inline float softplusf(float x) { return x > 20.f ? x : log1pf(expf(x)); 
 // Channels c0 .. c0 + width - 1 (width <= CONV_BLOCK) of a sequence's rows first .. first + rows - 1, row after
 // row: out = silu(sum_j w[j] x[t - K + 1 + j]) rounded to the dtype (as a convolution in the dtype and its SiLU
 // round), the inputs before the first row read from `from` (zeros when NULL), and `window` then holding the last
-// K - 1 inputs; after row first + snap_row, `snap` holds the window as it was then. Each channel's sum in order of
-// j, whatever the block: blocks of channels read whole rows of qkv.
+// K - 1 inputs; after row first + snap_rows[i] (ascending, i < nsnaps), the window as it was then is copied into
+// slot snap_slots[i] of `base` (slots of window_bytes). Each channel's sum in order of j, whatever the block:
+// blocks of channels read whole rows of qkv.
 enum { CONV_BLOCK = 64 };
 
 static void conv_block(const void* qkv, int64_t C, int64_t c0, int64_t width, const float* weight, int64_t K,
-                       const void* from, void* window, int64_t first, int64_t rows, int64_t snap_row, void* snap,
-                       float* mixed, int bf16) {
+                       const void* from, void* window, int64_t first, int64_t rows, const int64_t* snap_rows,
+                       const int64_t* snap_slots, int64_t nsnaps, char* base, int64_t window_bytes, float* mixed,
+                       int bf16) {
     float past[16][CONV_BLOCK];  // a ring of the last K - 1 inputs, the oldest at row `oldest` (K <= 17)
     float w[17][CONV_BLOCK];     // the block's filters, tap by tap
     float acc[CONV_BLOCK];
@@ -31,7 +33,7 @@ static void conv_block(const void* qkv, int64_t C, int64_t c0, int64_t width, co
         for (int64_t j = 0; j < K; j++) w[j][c] = weight[(c0 + c) * K + j];
     for (int64_t j = 0; j < taps; j++)
         for (int64_t c = 0; c < width; c++) past[j][c] = from ? load_f(from, j * C + c0 + c, bf16) : 0.f;
-    int64_t oldest = 0;
+    int64_t oldest = 0, next = 0;
     for (int64_t t = 0; t < rows; t++) {
         const int64_t row = (first + t) * C + c0;
         for (int64_t c = 0; c < width; c++) acc[c] = 0.f;
@@ -47,9 +49,11 @@ static void conv_block(const void* qkv, int64_t C, int64_t c0, int64_t width, co
             for (int64_t c = 0; c < width; c++) past[oldest][c] = load_f(qkv, row + c, bf16);
             oldest = (oldest + 1) % taps;
         }
-        if (t == snap_row)
+        for (; next < nsnaps && snap_rows[next] == t; next++) {
+            void* snap = base + snap_slots[next] * window_bytes;
             for (int64_t j = 0; j < taps; j++)
                 for (int64_t c = 0; c < width; c++) store_f(snap, j * C + c0 + c, past[(oldest + j) % taps][c], bf16);
+        }
     }
     for (int64_t j = 0; j < taps; j++)
         for (int64_t c = 0; c < width; c++) store_f(window, j * C + c0 + c, past[(oldest + j) % taps][c], bf16);
@@ -106,15 +110,17 @@ typedef struct {
 
 // Value head h of a sequence through its rows: the state S [dk, dv] decays by e^g, meets k's prediction of v
 // (S^T k), takes beta of the difference along k, and answers q (S^T q), row after row of S; after row
-// first + snap_row, snap holds S as it was then.
-static void delta_head(const head_inputs* in, float* S, int64_t first, int64_t rows, int64_t snap_row, float* snap,
-                       void* out, float* scratch) {
+// first + snap_rows[i] (ascending, i < nsnaps), S as it was then is copied to snaps + snap_slots[i] * snap_stride.
+static void delta_head(const head_inputs* in, float* S, int64_t first, int64_t rows, const int64_t* snap_rows,
+                       const int64_t* snap_slots, int64_t nsnaps, float* snaps, int64_t snap_stride, void* out,
+                       float* scratch) {
     const int64_t dk = in->dk, dv = in->dv;
     float* q = scratch;
     float* k = q + dk;
     float* mem = k + dk;  // the head's output row
     float* delta = mem + dv;  // 2 dv: the untiled pass's scratch
     const float scale = 1.f / sqrtf((float)dk);
+    int64_t next = 0;
     for (int64_t t = first; t < first + rows; t++) {
         const float* row = in->mixed + t * in->C;
         const float* qs = row + in->kh * dk;
@@ -138,8 +144,8 @@ static void delta_head(const head_inputs* in, float* S, int64_t first, int64_t r
         }
         for (int64_t j = 0; j < dv; j++)
             store_f(out, t * in->Hv * dv + in->h * dv + j, mem[j], in->bf16);
-        if (t - first == snap_row)
-            memcpy(snap, S, (size_t)(dk * dv) * sizeof(float));
+        for (; next < nsnaps && snap_rows[next] == t - first; next++)
+            memcpy(snaps + snap_slots[next] * snap_stride, S, (size_t)(dk * dv) * sizeof(float));
     }
 }
 
@@ -152,34 +158,41 @@ static int among(int64_t x, const int64_t* slots, int64_t n, int64_t skip) {
 }
 
 // Every slot in range; live and snapshot slots all distinct; a source that is not the sequence's own slot no
-// slot the step writes; starts that never go back; snapshot rows within their sequence's rows.
+// slot the step writes; starts and snapshot starts that never go back; each sequence's snapshot rows ascending
+// within its rows.
 static int check_step(int64_t num_slots, const int64_t* starts, const int64_t* slots, const int64_t* sources,
-                      const int64_t* snap_rows, const int64_t* snap_slots, int64_t S) {
+                      const int64_t* snap_starts, const int64_t* snap_rows, const int64_t* snap_slots, int64_t S) {
+    if (snap_starts[0] != 0)
+        return 0;
+    const int64_t N = snap_starts[S];
     for (int64_t s = 0; s < S; s++) {
         const int64_t rows = starts[s + 1] - starts[s];
-        const int snaps = snap_rows[s] >= 0;
         if (rows < 0 || slots[s] < 0 || slots[s] >= num_slots || sources[s] < -1 || sources[s] >= num_slots)
             return 0;
-        if (snap_rows[s] >= rows || (snaps && (snap_slots[s] < 0 || snap_slots[s] >= num_slots)))
+        if (snap_starts[s + 1] < snap_starts[s] || snap_starts[s + 1] > N)
             return 0;
-        if (among(slots[s], slots, S, s) || among(slots[s], snap_slots, S, -1))
-            return 0;
-        if (snaps && (among(snap_slots[s], snap_slots, S, s) || among(snap_slots[s], slots, S, -1)))
+        for (int64_t i = snap_starts[s]; i < snap_starts[s + 1]; i++)
+            if (snap_rows[i] < 0 || snap_rows[i] >= rows || (i > snap_starts[s] && snap_rows[i] < snap_rows[i - 1]))
+                return 0;
+        if (among(slots[s], slots, S, s) || among(slots[s], snap_slots, N, -1))
             return 0;
         if (sources[s] >= 0 && sources[s] != slots[s] &&
-            (among(sources[s], slots, S, -1) || among(sources[s], snap_slots, S, -1)))
+            (among(sources[s], slots, S, -1) || among(sources[s], snap_slots, N, -1)))
             return 0;
     }
+    for (int64_t i = 0; i < N; i++)
+        if (snap_slots[i] < 0 || snap_slots[i] >= num_slots || among(snap_slots[i], snap_slots, N, i))
+            return 0;
     return 1;
 }
 
 int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* conv_weight, const float* A_log,
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
-                    const int64_t* slots, const int64_t* sources, const int64_t* snap_rows,
-                    const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk, int64_t dv, int64_t K,
-                    int tiled, int bf16, void* out, int nthreads) {
+                    const int64_t* slots, const int64_t* sources, const int64_t* snap_starts,
+                    const int64_t* snap_rows, const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk,
+                    int64_t dv, int64_t K, int tiled, int bf16, void* out, int nthreads) {
     if (K < 1 || K > 17 || Hk < 1 || Hv % Hk || starts[0] != 0 ||
-        !check_step(num_slots, starts, slots, sources, snap_rows, snap_slots, S))
+        !check_step(num_slots, starts, slots, sources, snap_starts, snap_rows, snap_slots, S))
         return KVD_BAD_INDEX;
     const int64_t T = starts[S], key_dim = Hk * dk, C = 2 * key_dim + Hv * dv, elem = bf16 ? 2 : 4;
     const int64_t window_bytes = (K - 1) * C * elem, state_size = dk * dv;
@@ -192,13 +205,12 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
         const int64_t blocks = (C + CONV_BLOCK - 1) / CONV_BLOCK;
 #pragma omp for schedule(static)
         for (int64_t sb = 0; sb < S * blocks; sb++) {
-            const int64_t s = sb / blocks, c0 = sb % blocks * CONV_BLOCK;
+            const int64_t s = sb / blocks, c0 = sb % blocks * CONV_BLOCK, first_snap = snap_starts[s];
             char* base = (char*)conv_state;
             const void* from = sources[s] < 0 ? NULL : base + sources[s] * window_bytes;
-            void* snap = snap_rows[s] < 0 ? NULL : base + snap_slots[s] * window_bytes;
             conv_block(qkv, C, c0, C - c0 < CONV_BLOCK ? C - c0 : CONV_BLOCK, conv_weight, K, from,
-                       base + slots[s] * window_bytes, starts[s], starts[s + 1] - starts[s], snap_rows[s], snap, mixed,
-                       bf16);
+                       base + slots[s] * window_bytes, starts[s], starts[s + 1] - starts[s], snap_rows + first_snap,
+                       snap_slots + first_snap, snap_starts[s + 1] - first_snap, base, window_bytes, mixed, bf16);
         }
         float* scratch = malloc((size_t)(2 * dk + 3 * dv) * sizeof(float));
         if (!scratch) {
@@ -209,7 +221,7 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
         for (int64_t sh = 0; sh < S * Hv; sh++) {
             if (!scratch)
                 continue;
-            const int64_t s = sh / Hv, h = sh % Hv;
+            const int64_t s = sh / Hv, h = sh % Hv, first_snap = snap_starts[s];
             float* own = state + (slots[s] * Hv + h) * state_size;
             if (sources[s] < 0)
                 memset(own, 0, (size_t)state_size * sizeof(float));
@@ -217,8 +229,9 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
                 memcpy(own, state + (sources[s] * Hv + h) * state_size, (size_t)state_size * sizeof(float));
             const int64_t kh = tiled ? h % Hk : h / (Hv / Hk);
             const head_inputs in = {mixed, a, b, C, key_dim, kh, h, Hv, dk, dv, expf(A_log[h]), dt_bias[h], bf16};
-            float* snap = snap_rows[s] < 0 ? NULL : state + (snap_slots[s] * Hv + h) * state_size;
-            delta_head(&in, own, starts[s], starts[s + 1] - starts[s], snap_rows[s], snap, out, scratch);
+            delta_head(&in, own, starts[s], starts[s + 1] - starts[s], snap_rows + first_snap,
+                       snap_slots + first_snap, snap_starts[s + 1] - first_snap, state + h * state_size,
+                       Hv * state_size, out, scratch);
         }
         free(scratch);
     }

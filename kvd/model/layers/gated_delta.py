@@ -81,9 +81,8 @@ class GatedDeltaNet(nn.Module):
         if cpu_native.supports(qkv) and self.state.state.is_cpu:
             core = cpu_native.gated_delta(
                 qkv.contiguous(), a.contiguous(), b.contiguous(), weight.contiguous(), self.A_log.float(),
-                self.dt_bias.float(), self.state.conv, self.state.state, step.starts_t,
-                (step.slots_t, step.sources_t, step.snapshot_rows_t, step.snapshot_slots_t), shape.num_key_heads,
-                shape.tiled_value_heads,
+                self.dt_bias.float(), self.state.conv, self.state.state, step.starts_t, step.kernel_args,
+                shape.num_key_heads, shape.tiled_value_heads,
             )  # fmt: skip
         else:
             core = _gated_delta_torch(qkv, a, b, weight, self.A_log.float(), self.dt_bias.float(), self, step)
@@ -117,9 +116,8 @@ def _gated_delta_torch(
         for j in range(1, kernel):
             acc = acc + window[j : j + rows].float() * weight[:, j]
         state.conv[slot] = window[rows:]
-        snap = rows_of.snapshot_row
-        if snap >= 0:
-            state.conv[rows_of.snapshot_slot] = window[snap + 1 : snap + kernel]
+        for snap, snap_slot in rows_of.snapshots:
+            state.conv[snap_slot] = window[snap + 1 : snap + kernel]
         mixed = F.silu(acc.to(dtype)).float()
         q, k, v = mixed.split([shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
         q, k = (_per_value_head(t.reshape(rows, shape.num_key_heads, -1), group, shape) for t in (q, k))
@@ -133,8 +131,9 @@ def _gated_delta_torch(
             delta = (v[t] - memory) * beta[first + t, :, None]
             s = s + kt[:, :, None] * delta[:, None, :]
             out[first + t] = (s * qt[:, :, None]).sum(-2).reshape(-1).to(dtype)
-            if t == snap:
-                state.state[rows_of.snapshot_slot] = s
+            for snap, snap_slot in rows_of.snapshots:
+                if snap == t:
+                    state.state[snap_slot] = s
         state.state[slot] = s
     return out
 

@@ -27,29 +27,58 @@ class LayerState:
 
 @dataclass
 class RecurrentStep:
-    """A step's rows as the linear-attention layers read them: sequence s owns rows starts[s]:starts[s + 1] and
-    state slot rows[s].slot, its state starting from rows[s].source (kvd.distributed.step.RecurrentRows); the
-    tensors are the same on the host for the native kernel (int64)."""
+    """A step's rows as the linear-attention layers read them: sequence s owns rows starts[s]:starts[s + 1] (its
+    chunk's and its draft's: one recurrence) and state slot rows[s].slot, its state starting from rows[s].source,
+    copied after its rows' snapshot rows into their slots (kvd.distributed.step.RecurrentRows); the tensors are the
+    same on the host for the native kernel (int64)."""
 
     starts: list[int]
     rows: list[RecurrentRows]
     starts_t: torch.Tensor  # [S + 1]
-    slots_t: torch.Tensor  # [S], and the next three likewise: RecurrentRows' fields
-    sources_t: torch.Tensor
+    slots_t: torch.Tensor  # [S]
+    sources_t: torch.Tensor  # [S]
+    snapshot_starts_t: (
+        torch.Tensor
+    )  # [S + 1]: sequence s's snapshots are snapshot_starts_t[s]:[s + 1] of the next two
     snapshot_rows_t: torch.Tensor
     snapshot_slots_t: torch.Tensor
 
     @classmethod
     def build(cls, query_lens: list[int], rows: list[RecurrentRows]) -> RecurrentStep:
-        if len(rows) != len(query_lens):
+        """From the attention's sequences (a sequence's draft rows follow its chunk as sequences of their own)."""
+        if sum(1 + r.drafts for r in rows) != len(query_lens):
             raise ValueError(f"got the recurrent rows of {len(rows)} sequences for {len(query_lens)}")
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        columns = [torch.tensor(c, dtype=torch.int64) for c in zip(*rows, strict=True)] if rows else []
-        empty = torch.zeros(0, dtype=torch.int64)
-        slots, sources, snapshot_rows, snapshot_slots = columns or [empty] * 4
-        return cls(starts, list(rows), torch.tensor(starts), slots, sources, snapshot_rows, snapshot_slots)
+        starts, snapshot_starts, i = [0], [0], 0
+        for r in rows:
+            starts.append(starts[-1] + sum(query_lens[i : i + 1 + r.drafts]))
+            snapshot_starts.append(snapshot_starts[-1] + len(r.snapshots))
+            i += 1 + r.drafts
+        pairs = [pair for r in rows for pair in r.snapshots]
+
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return cls(
+            starts,
+            list(rows),
+            column(starts),
+            column([r.slot for r in rows]),
+            column([r.source for r in rows]),
+            column(snapshot_starts),
+            column([row for row, _ in pairs]),
+            column([slot for _, slot in pairs]),
+        )
+
+    @property
+    def kernel_args(self) -> tuple[torch.Tensor, ...]:
+        """What kvd_gated_delta reads of the step after the starts (cpu_native.gated_delta's `step`)."""
+        return (
+            self.slots_t,
+            self.sources_t,
+            self.snapshot_starts_t,
+            self.snapshot_rows_t,
+            self.snapshot_slots_t,
+        )
 
 
 def linear_layers(config: ModelConfig) -> list[int]:
