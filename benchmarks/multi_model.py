@@ -1,7 +1,9 @@
 """Several models in one daemon: the time to first token of a request for a model not loaded (its load
 included) against one loaded; one model's decode speed with two more loaded beside it against alone; a stream's
-longest gap between tokens while another model loads, against its median gap. With $LLAMA_CPP_BIN, llama-server's
-start to ready on the same file, in the same rounds (what a process per model pays to bring one up).
+longest gap between tokens while another model loads, against its median gap and against the longest gap of the
+same stream with no load beside it (the machine's own jitter), alternating, and that load's time. With
+$LLAMA_CPP_BIN, llama-server's start to ready on the same file, in the same rounds (what a process per model pays
+to bring one up).
 
     python -m benchmarks.multi_model [--model FILE.gguf] [--rounds 3] [--json]
 
@@ -74,25 +76,30 @@ def decode_tok_s(client: Client, model: str, tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def gaps_while_loading(endpoint: str, tokens: int) -> tuple[float, float]:
-    """(longest gap, median gap) in seconds between a stream's tokens on a while b loads."""
+def stream_gaps(endpoint: str, tokens: int, load: bool) -> tuple[float, float, float]:
+    """(longest gap, median gap) in seconds between a stream's tokens on a, with b loading from its 8th token
+    where `load`, and the seconds that load took (0 without one)."""
     with Client(endpoint, timeout=300) as client:
         client.unload("b")
         arrivals: list[float] = []
-        loader = threading.Thread(target=_load, args=(endpoint, "b"))
+        took: list[float] = []
+        loader = threading.Thread(target=_load, args=(endpoint, "b", took))
         with client.stream("The sea", model="a", max_tokens=tokens, temperature=0, ignore_eos=True) as stream:
             for chunk in stream:
                 arrivals += [time.perf_counter()] * len(chunk.token_ids)
-                if len(arrivals) == 8:
+                if load and len(arrivals) == 8:
                     loader.start()
-        loader.join()
+        if load:
+            loader.join()
     gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > a]  # a chunk's tokens arrive together
-    return max(gaps), statistics.median(gaps)
+    return max(gaps), statistics.median(gaps), sum(took)
 
 
-def _load(endpoint: str, model: str) -> None:
+def _load(endpoint: str, model: str, took: list[float]) -> None:
     with Client(endpoint, timeout=300) as client:
+        started = time.perf_counter()
         client.load(model)
+        took.append(time.perf_counter() - started)
 
 
 def llama_server_ready_s(binary: Path, model: str) -> float:
@@ -140,12 +147,18 @@ def main(argv: list[str] | None = None) -> dict:
                     client.load("b")
                     client.load("c")
                     figures["beside"].append(decode_tok_s(client, "a", args.tokens))
-            longest, median = gaps_while_loading(endpoint, args.tokens * 2)
+            for _ in range(args.rounds):  # alternating: the same stream with a load beside it and without
+                for load, key in ((True, "gap_loading"), (False, "gap_alone")):
+                    longest, median, took = stream_gaps(endpoint, args.tokens * 2, load)
+                    figures.setdefault(key, []).append(longest)
+                    figures.setdefault("gap_median", []).append(median)
+                    if load:
+                        figures.setdefault("load_streaming", []).append(took)
         finally:
             proc.terminate()
             proc.wait()
     result = {k: statistics.median(v) for k, v in figures.items() if v}
-    result |= {"gap_longest_s": longest, "gap_median_s": median, "cpu": cpu_name()}
+    result["cpu"] = cpu_name()
     print(f"model {model} (CPU: {result['cpu']})")
     print(f"first token, model loaded:        {1000 * result['warm']:8.1f} ms")
     print(f"first token, model not loaded:    {1000 * result['cold']:8.1f} ms (its load included)")
@@ -156,10 +169,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"decode with 2 more loaded:        {result['beside']:8.1f} tok/s ({result['beside'] / result['alone']:.2f}x)"
     )
+    loading, alone, median = result["gap_loading"], result["gap_alone"], result["gap_median"]
     print(
-        f"stream gap while b loads:         {1000 * longest:8.1f} ms longest, {1000 * median:.1f} ms median "
-        f"({longest / median:.1f}x)"
+        f"stream gap while b loads:         {1000 * loading:8.1f} ms longest, {1000 * median:.1f} ms median "
+        f"({loading / median:.1f}x)"
     )
+    print(f"stream gap, no load beside:       {1000 * alone:8.1f} ms longest ({alone / median:.1f}x)")
+    print(f"ratio (longest gap, load / none): {loading / alone:8.2f}")
+    print(f"b's load beside the stream:       {1000 * result['load_streaming']:8.1f} ms")
     if args.json:
         print(json.dumps(result))
     return result

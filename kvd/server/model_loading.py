@@ -6,17 +6,21 @@ hold), and an idle model unloads after its keep-alive."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from kvd.engine.engine_args import EngineArgs
 from kvd.engine.errors import MemoryBudgetError
 from kvd.engine.llm_engine import LLMEngine, release_memory
 from kvd.server import events
 from kvd.server.models import OnLoad, ServedModel
+from kvd.server.prompts import longest_token_bytes
 from kvd.server.protocol import INTERNAL, OVERLOADED, SHUTTING_DOWN, ProtocolError
 from kvd.server.state import ServerState
 from kvd.server.worker import Worker
@@ -24,6 +28,7 @@ from kvd.server.worker import Worker
 logger = logging.getLogger("kvd.server")
 
 LOAD_NICE = 10  # the loader thread's niceness: below the loop's, above nothing else's
+LOAD_SWITCH_S = 0.0005  # the interpreter's switch interval while a model loads (_beside_the_loop)
 # The model, its engine (None: it failed), the seconds it took, why not.
 LoadResult = tuple[ServedModel, LLMEngine | None, float, Exception | None]
 
@@ -106,6 +111,9 @@ class ModelLoading:
                     model, ProtocolError(INTERNAL, f"model {model.name} failed to load; see the log", "model")
                 )
                 continue
+            # The new engine joins what the daemon holds for good (serve.py freezes the first models so): out of
+            # the full collections, which would walk it on the loop's turns (50-150 ms stalls of every stream).
+            gc.freeze()
             self.state.events.publish_model(events.MODEL_LOADED, model.name, seconds=seconds)
             logger.info("model %s loaded in %.2f s", model.name, seconds)
             waiting, model.waiting = model.waiting, []
@@ -131,7 +139,9 @@ class ModelLoading:
 
     def unload(self, model: ServedModel) -> None:
         model.detach()
+        gc.unfreeze()  # the engine's cycles were frozen with it: collected now, the survivors frozen again
         release_memory()
+        gc.freeze()
         self.state.events.publish_model(events.MODEL_UNLOADED, model.name)
         logger.info("model %s unloaded", model.name)
 
@@ -149,7 +159,9 @@ class ModelLoading:
         started = time.monotonic()
         memory = None if self.engine_args.memory is None else model.granted
         try:
-            engine = LLMEngine(model.spec.engine_args(self.engine_args, memory=memory))
+            with _beside_the_loop():
+                engine = LLMEngine(model.spec.engine_args(self.engine_args, memory=memory))
+                longest_token_bytes(engine.tokenizer)  # here, not on the loop (ServedModel.attach reads it)
         except MemoryBudgetError as e:  # what it needs is known now (on_loaded makes room, or says so)
             logger.warning("model %s does not fit what the memory budget has left: %s", model.name, e)
             return model, None, time.monotonic() - started, e
@@ -207,3 +219,24 @@ class ModelLoading:
         waiting, model.waiting = model.waiting, []
         for then in waiting:
             then(error)
+
+
+@contextlib.contextmanager
+def _beside_the_loop() -> Iterator[None]:
+    """While a load builds an engine beside the serving loop: the interpreter's lock handed over every
+    LOAD_SWITCH_S, and no full collection.
+
+    The loop's turn drops and retakes the lock at every native call and torch op; with a loader running Python
+    beside it, each retake waits up to the switch interval (5 ms by default), and a turn of dozens of them held
+    a stream's token by 80-200 ms. The objects a load makes would also trigger full collections, each a walk of
+    the whole heap on whichever thread allocates next (the loop's, mostly): on_loaded freezes the engine instead.
+    The young generations are still collected meanwhile."""
+    interval = sys.getswitchinterval()
+    young, middle, full = gc.get_threshold()
+    sys.setswitchinterval(LOAD_SWITCH_S)
+    gc.set_threshold(young, middle, 1 << 30)
+    try:
+        yield
+    finally:
+        gc.set_threshold(young, middle, full)
+        sys.setswitchinterval(interval)

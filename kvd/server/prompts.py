@@ -4,6 +4,7 @@ large schema must not silence the loop that answers every other client (both rel
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,6 +65,23 @@ def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int)
     """A prompt longer than this many UTF-8 bytes has more than `max_prompt_tokens` tokens, so it can be
     refused without tokenizing it. Known for byte-level BPE without a normalizer, where every token stands for
     at most its own length in bytes; None (no bound) for other tokenizers."""
+    longest = longest_token_bytes(tokenizer)
+    return None if longest is None else max_prompt_tokens * longest
+
+
+# Per tokenizer: reading its vocabulary holds the interpreter's lock ~40 ms (50k tokens), so a model loaded on demand
+# reads it on the loading thread, not the serving loop's (kvd.server.model_loading).
+_LONGEST: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, int | None] = weakref.WeakKeyDictionary()
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The most UTF-8 bytes one token stands for (max_prompt_bytes), once per tokenizer."""
+    if tokenizer not in _LONGEST:
+        _LONGEST[tokenizer] = _longest_token_bytes(tokenizer)
+    return _LONGEST[tokenizer]
+
+
+def _longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is None
@@ -74,7 +92,7 @@ def max_prompt_bytes(tokenizer: PreTrainedTokenizerBase, max_prompt_tokens: int)
     # A byte-level token's characters map one to one onto bytes; added tokens match their literal text.
     longest = max(len(t) for t in backend.get_vocab(with_added_tokens=False))
     longest_added = max((len(t.encode()) for t in tokenizer.get_added_vocab()), default=0)
-    return max_prompt_tokens * max(longest, longest_added)
+    return max(longest, longest_added)
 
 
 def prompt_bytes(message: PromptMessage) -> tuple[int, str]:
