@@ -45,6 +45,17 @@ def phi3_longrope(trained: int, rotated: float, head_dim: int = 16) -> dict:
 
 _PHI3_TOKENS = {"eos_token_id": 1, "bos_token_id": 2}  # inside the tiny vocabulary, as pad is
 
+# The hybrid families' shape (kvd.model.layers.gated_delta), and their mixtures' experts.
+_HYBRID = {
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+}
+_HYBRID_EXPERTS = {"num_experts": 8, "moe_intermediate_size": 32}
+
 # family name -> (transformers config class name, extra config kwargs). Each exercises one config switch.
 TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),  # GQA, untied embeddings
@@ -154,49 +165,17 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     # Qwen3.5: three Gated DeltaNet layers (value heads two to a key head, a convolution of 4) and a full-attention
     # layer with a gated output and a quarter of each head rotated.
-    "qwen3_5": (
-        "Qwen3_5TextConfig",
-        {
-            "num_hidden_layers": 4,
-            "head_dim": 32,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 8,
-        },
-    ),
+    "qwen3_5": ("Qwen3_5TextConfig", _HYBRID),
     # Qwen3-Next: Qwen3.5's layers (input projections fused per key head in its checkpoints) with a shared expert
     # beside 8 routed ones (2 a token, rescaled) on every layer.
     "qwen3_next": (
         "Qwen3NextConfig",
-        {
-            "num_hidden_layers": 4,
-            "head_dim": 32,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 8,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
-        },
+        _HYBRID | {"num_experts_per_tok": 2, "shared_expert_intermediate_size": 48, **_HYBRID_EXPERTS},
     ),
     # Qwen3.5-MoE: Qwen3.5's layers, every MLP a mixture (8 experts, 3 a token, always rescaled) with a shared expert.
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
-        {
-            "num_hidden_layers": 4,
-            "head_dim": 32,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 8,
-            "num_experts": 8,
-            "num_experts_per_tok": 3,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 64,
-        },
+        _HYBRID | {"num_experts_per_tok": 3, "shared_expert_intermediate_size": 64, **_HYBRID_EXPERTS},
     ),
     # Mixtures of experts: 8 experts, 2 a token (the router's weights drawn wide, see save_tiny_checkpoint).
     # Qwen3-MoE: layer 0 dense (mlp_only_layers), the top 2 not renormalized, experts narrower than the dense MLP.

@@ -222,6 +222,20 @@ SHAPE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 256,
 }
+_HYBRID = {
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+}
+_HYBRID_EXPERTS = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 96,
+}
 TINY = {
     "llama": (
         transformers.LlamaConfig,
@@ -273,41 +287,11 @@ TINY = {
         },
     ),
     # A Gated DeltaNet layer (two value heads a key head: llama.cpp tiles them) before a gated full-attention one.
-    "qwen3_5": (
-        transformers.Qwen3_5TextConfig,
-        {
-            "head_dim": 16,
-            "layer_types": ["linear_attention", "full_attention"],
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-            "tie_word_embeddings": True,
-        },
-    ),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, _HYBRID | {"tie_word_embeddings": True}),
     # The same layers with a mixture of 4 experts (2 a token) and a shared expert: Qwen3.5-MoE's file (tiled value
     # heads) and Qwen3-Next's (grouped, its betas and decay inputs fused per key head).
-    **{
-        family: (
-            config,
-            {
-                "head_dim": 16,
-                "layer_types": ["linear_attention", "full_attention"],
-                "linear_num_key_heads": 2,
-                "linear_num_value_heads": 4,
-                "linear_key_head_dim": 8,
-                "linear_value_head_dim": 8,
-                "num_experts": 4,
-                "num_experts_per_tok": 2,
-                "moe_intermediate_size": 64,
-                "shared_expert_intermediate_size": 96,
-            },
-        )
-        for family, config in (
-            ("qwen3_5_moe", transformers.Qwen3_5MoeTextConfig),
-            ("qwen3_next", transformers.Qwen3NextConfig),
-        )
-    },
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, _HYBRID | _HYBRID_EXPERTS),
+    "qwen3_next": (transformers.Qwen3NextConfig, _HYBRID | _HYBRID_EXPERTS),
 }
 # The hybrid families' files, whose linear-attention tensors differ from the checkpoint's: tests/test_hybrid_gguf.py
 # compares their logits instead of their weights.
