@@ -195,15 +195,17 @@ def test_the_memory_profile_step_runs_with_state_slots(folder):
     assert all(state.state.shape[0] == 1 for state in states)
 
 
-def test_experts_stacked_in_one_tensor_load_as_each_experts(tmp_path, tiny_checkpoint):
-    """A Qwen3.5-MoE checkpoint may hold each layer's experts stacked (transformers' fused layout: gate_up_proj
-    [experts, 2 x width, hidden], gate then up; down_proj [experts, hidden, width]): the same tokens as per expert."""
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_experts_stacked_in_one_tensor_load_as_each_experts(tmp_path, tiny_checkpoint, family):
+    """A Qwen3.5-MoE or Qwen3-Next checkpoint may hold each layer's experts stacked (transformers' fused layout:
+    gate_up_proj [experts, 2 x width, hidden], gate then up; down_proj [experts, hidden, width]): the same tokens as
+    per expert."""
     import re
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    folder = tiny_checkpoint("qwen3_5_moe")
+    folder = tiny_checkpoint(family)
     (weights,) = folder.glob("*.safetensors")
     tensors, stacks = {}, {}
     for name, tensor in load_file(weights).items():
@@ -222,3 +224,21 @@ def test_experts_stacked_in_one_tensor_load_as_each_experts(tmp_path, tiny_check
     save_file(tensors, tmp_path / weights.name, metadata={"format": "pt"})
     prompt = [(5 * i + 1) % 250 for i in range(20)]
     assert _tokens(_llm(tmp_path), prompt) == _tokens(_llm(folder), prompt)
+
+
+def test_the_moe_variants_configs_as_released(tiny_checkpoint):
+    """Qwen3.5-MoE's config has no dense width (every layer a mixture: the experts' stands in) and no
+    norm_topk_prob (it always rescales); Qwen3-Next rescales unless its config says not to (transformers' default)."""
+    config = json.loads((tiny_checkpoint("qwen3_5_moe") / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("intermediate_size", "norm_topk_prob")}
+    read = ModelConfig.from_hf_dict(config)
+    assert read.intermediate_size == read.moe.intermediate_size == 32 and read.moe.normalize_top_k
+    config = json.loads((tiny_checkpoint("qwen3_next") / "config.json").read_text())
+    assert ModelConfig.from_hf_dict(
+        {k: v for k, v in config.items() if k != "norm_topk_prob"}
+    ).moe.normalize_top_k
+    assert not ModelConfig.from_hf_dict(config | {"norm_topk_prob": False}).moe.normalize_top_k
+    with pytest.raises(UnsupportedModelError, match="intermediate_size"):  # a dense layer needs a width
+        ModelConfig.from_hf_dict(
+            {k: v for k, v in config.items() if k != "intermediate_size"} | {"mlp_only_layers": [0]}
+        )

@@ -16,16 +16,34 @@ from kvd.model.loader import load_model
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="needs the native kernels built")
 
 PROMPT = [(11 * i + 5) % 250 for i in range(21)]
-FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+# Each family's file, and Qwen3-Next's as the first converter wrote it (q/k/v/z fused per key head: ssm_in); the
+# Qwen3.5 files with a multi-token-prediction layer after the model's, which kvd skips.
+FAMILIES = {
+    "qwen3_5": {"mtp_layers": 1},
+    "qwen3_5_moe": {"mtp_layers": 1},
+    "qwen3_next": {},
+    "qwen3_next (ssm_in)": {"fused_qkvz": True},
+}
 # The matrices stored as Q8_0 (those a file of the family has): the DeltaNet's, the gated q projection, the MLP's or
 # the experts' and the shared expert's.
-Q8_KINDS = ("attn_qkv", "attn_gate", "ssm_out", "ssm_ba", "ssm_beta", "ssm_alpha", "attn_q", "ffn_up")
+Q8_KINDS = (
+    "attn_qkv",
+    "attn_gate",
+    "ssm_in",
+    "ssm_out",
+    "ssm_ba",
+    "ssm_beta",
+    "ssm_alpha",
+    "attn_q",
+    "ffn_up",
+)
 Q8_KINDS += ("ffn_up_exps", "ffn_down_shexp")
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def hf_and_file(request, tmp_path_factory):
-    family = request.param
+    variant = FAMILIES[request.param]
+    family = request.param.split()[0]
     model = tiny_hf_model(family, hidden_size=256, intermediate_size=256)
     with torch.no_grad():  # unit-variance layers, so that rounding does not blow up through the layers
         for name, param in model.named_parameters():
@@ -34,11 +52,10 @@ def hf_and_file(request, tmp_path_factory):
             elif "norm" in name:
                 param.mul_(0.1)
     path = tmp_path_factory.mktemp("gguf") / f"tiny-{family}.gguf"
-    write_tiny_gguf(model, path)
+    write_tiny_gguf(model, path, **variant)
     quantized = path.with_name(f"tiny-{family}-q8.gguf")
-    write_tiny_gguf(
-        model, quantized, tensor_types={f"blk.{i}.{t}.weight": Q.Q8_0 for i in range(2) for t in Q8_KINDS}
-    )
+    types = {f"blk.{i}.{t}.weight": Q.Q8_0 for i in range(2) for t in Q8_KINDS}
+    write_tiny_gguf(model, quantized, tensor_types=types, **variant)
     return family, model.eval(), path, quantized
 
 

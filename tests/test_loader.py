@@ -345,9 +345,13 @@ def write_tiny_gguf(
     path: Path,
     extra_tensors: dict[str, np.ndarray] | None = None,
     tensor_types: dict[str, Q] | None = None,
+    fused_qkvz: bool = False,
+    mtp_layers: int = 0,
 ) -> None:
     """Convert as llama.cpp does: its tensor names (gguf-py's own map), metadata keys, and for llama the
-    q/k row permutation. `tensor_types`: GGUF tensor name -> the type to store it in (else float32)."""
+    q/k row permutation. `tensor_types`: GGUF tensor name -> the type to store it in (else float32). Hybrid models:
+    `fused_qkvz`, Qwen3-Next's q/k/v/z left fused per key head (ssm_in, as the first converter wrote them);
+    `mtp_layers`, that many multi-token-prediction layers after the model's (nextn, as the converter adds them)."""
     config = model.config
     config.allow_global_per_layer_attribute_access = (
         True  # Gemma 4's: its sliding layers' head_dim, read as such
@@ -370,9 +374,12 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(path, arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + mtp_layers)
+    if mtp_layers:
+        writer.add_uint32(f"{arch}.nextn_predict_layers", mtp_layers)
     if arch != "gemma4":  # its widths and head sizes per kind of layer: _gemma4_metadata
-        writer.add_feed_forward_length(config.intermediate_size)
+        if arch != "qwen35moe":  # its config has no dense width, so llama.cpp's converter writes none
+            writer.add_feed_forward_length(config.intermediate_size)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_head_count(config.num_attention_heads)
@@ -426,9 +433,7 @@ def write_tiny_gguf(
         writer.add_ssm_group_count(config.linear_num_key_heads)
         writer.add_ssm_time_step_rank(config.linear_num_value_heads)
         writer.add_ssm_inner_size(config.linear_value_head_dim * config.linear_num_value_heads)
-        recurrent = [
-            t == "linear_attention" for t in config.layer_types
-        ]  # newer gguf-py: add_recurrent_layers
+        recurrent = [t == "linear_attention" for t in config.layer_types] + [False] * mtp_layers
         writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters["partial_rotary_factor"]))
         writer.add_rope_dimension_sections([11, 11, 10, 0])
@@ -443,7 +448,7 @@ def write_tiny_gguf(
     writer.add_unk_token_id(tokens.index("<|endoftext|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
     state = model.state_dict()
-    if arch == "qwen3next":
+    if arch == "qwen3next" and not fused_qkvz:
         state = _qwen3next_split_qkvz(config, state)
     for hf_name, tensor in _stack_experts(state, interleaved=arch == "gpt-oss").items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -472,6 +477,14 @@ def write_tiny_gguf(
             writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
     for name, data in (extra_tensors or {}).items():
         writer.add_tensor(name, data)
+    for layer in range(
+        config.num_hidden_layers, config.num_hidden_layers + mtp_layers
+    ):  # a few of their tensors
+        writer.add_tensor(
+            f"blk.{layer}.nextn.eh_proj.weight",
+            np.ones((config.hidden_size, 2 * config.hidden_size), np.float32),
+        )
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(config.hidden_size, np.float32))
     write_gguf(writer)
 
 

@@ -60,6 +60,16 @@ class MoE:
 _ROUTER_DEFAULTS = {"scoring_func": "softmax", "topk_method": "greedy"}
 
 
+def _dense_width(d: dict[str, Any], layout: Layout) -> int:
+    """The dense MLP's width: a model whose every layer is a mixture may not give one (Qwen3.5-MoE), and then
+    none is built of it (its experts' width stands in)."""
+    if d.get("intermediate_size"):
+        return int(d["intermediate_size"])
+    if layout.moe is not None and not layout.moe.dense_layers:
+        return layout.moe.intermediate_size
+    raise UnsupportedModelError("config.json lacks intermediate_size")
+
+
 def read_moe(hf_config: dict[str, Any], intermediate_key: str, **variant: Any) -> MoE:
     """The MoE of a config.json: its expert count (num_experts or num_local_experts), top k, the experts' width
     (`intermediate_key`), and the family's router and expert `variant` (MoE's other fields)."""
@@ -330,7 +340,7 @@ class ModelConfig:
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden_size,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=_dense_width(d, layout),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),

@@ -123,10 +123,12 @@ _ARCH_LAYER_TENSORS = {
     # Qwen3.5's Gated DeltaNet layers (ssm_a holds -exp(A_log); see _linear_attention_tensor).
     "qwen35": _GATED_DELTA,
     "qwen35moe": _GATED_DELTA,
-    # Qwen3-Next's: its betas and decay inputs fused per key head, as its checkpoints hold them.
+    # Qwen3-Next's: its betas and decay inputs fused per key head, as its checkpoints hold them; the first
+    # converter's files hold q/k/v/z so too (ssm_in).
     "qwen3next": {
         **{k: v for k, v in _GATED_DELTA.items() if k not in ("ssm_beta", "ssm_alpha")},
         "ssm_ba": "linear_attn.in_proj_ba",
+        "ssm_in": "linear_attn.in_proj_qkvz",
     },
 }
 # Layer tensors whose Hugging Face name has no .weight (a parameter of the module itself).
@@ -386,7 +388,8 @@ def hf_config_from_gguf(file: GGUFFile) -> dict[str, Any]:
         "vocab_size": key("vocab_size") or len(md["tokenizer.ggml.tokens"]),
         "hidden_size": hidden_size,
         "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        # A file may hold multi-token-prediction layers after the model's (nextn): kvd skips them.
+        "num_hidden_layers": key("block_count") - key("nextn_predict_layers", 0),
         "num_attention_heads": num_heads,
         "num_key_value_heads": key("attention.head_count_kv", num_heads),
         "head_dim": key("attention.key_length") or hidden_size // num_heads,
@@ -690,6 +693,8 @@ def iter_gguf_weights(
     for name in file.tensors:
         if name in _CONFIG_TENSORS or name in skip:
             continue  # folded into hf_config["rope_scaling"], or installed in its own type
+        if name.startswith("blk.") and int(name.split(".")[1]) >= hf_config["num_hidden_layers"]:
+            continue  # a multi-token-prediction layer's (hf_config_from_gguf)
         experts = expert_tensor_names(name, hf_config.get("num_experts") or 0)
         if experts is not None:
             tensor = file.dequantize(name)

@@ -63,9 +63,15 @@ def uses_native_types(file: GGUFFile) -> bool:
     )
 
 
-# Qwen3-Next's files hold the DeltaNet's betas and decay inputs in one matrix (ssm_ba), fused per key head: our
-# linear -> its part there (LinearAttention.fused_rows).
-_PER_KEY_HEAD = {"linear_attn.in_proj_b": 0, "linear_attn.in_proj_a": 1}
+# Qwen3-Next's files hold the DeltaNet's betas and decay inputs in one matrix fused per key head (ssm_ba), and the
+# first converter's its q/k/v/z too (ssm_in): our linear -> that matrix, the LinearAttention property naming a key
+# head's parts, and its parts there (LinearAttention.fused_rows), where the file has the matrix.
+_PER_KEY_HEAD = {
+    "linear_attn.in_proj_b": ("ssm_ba", "ba_parts", (0,)),
+    "linear_attn.in_proj_a": ("ssm_ba", "ba_parts", (1,)),
+    "linear_attn.in_proj_qkv": ("ssm_in", "qkvz_parts", (0, 1, 2)),
+    "linear_attn.in_proj_z": ("ssm_in", "qkvz_parts", (3,)),
+}
 # A mixture of experts' shared expert (Qwen2-MoE): our linear -> its GGUF matrices.
 _SHARED_EXPERT = {
     "mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
@@ -213,12 +219,12 @@ def install(
             ]  # Gemma 4's q alone (K/V shared) or q and k (keys give values)
             hf_names = [f"model.layers.{i}.{_HF_NAMES[kind]}.weight" for kind in kinds]
             fused = fused_file_tensor(file.architecture, path) if len(kinds) > 1 else None
-            if path in _PER_KEY_HEAD and file.architecture == "qwen3next":
+            per_key_head = _PER_KEY_HEAD.get(path)
+            if per_key_head is not None and f"blk.{i}.{per_key_head[0]}.weight" in file.tensors:
+                kind, parts, indices = per_key_head
                 shape = model.config.linear_attention
-                names, rows = (
-                    [f"blk.{i}.ssm_ba.weight"],
-                    [shape.fused_rows(shape.ba_parts, _PER_KEY_HEAD[path])],
-                )
+                rows = [[r for p in indices for r in shape.fused_rows(getattr(shape, parts), p)]]
+                names = [f"blk.{i}.{kind}.weight"]
             elif fused is None:
                 names, rows = [f"blk.{i}.{kind}.weight" for kind in kinds], None
             else:  # one file tensor holds the whole model's parts, stacked by rows (each rank then cuts its own)

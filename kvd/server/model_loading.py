@@ -141,7 +141,8 @@ class ModelLoading:
         model.detach()
         gc.unfreeze()  # the engine's cycles were frozen with it: collected now, the survivors frozen again
         release_memory()
-        gc.freeze()
+        if self._running is None:  # else on_loaded freezes them (not a load's engine that may yet fail)
+            gc.freeze()
         self.state.events.publish_model(events.MODEL_UNLOADED, model.name)
         logger.info("model %s unloaded", model.name)
 
@@ -161,7 +162,13 @@ class ModelLoading:
         try:
             with _beside_the_loop():
                 engine = LLMEngine(model.spec.engine_args(self.engine_args, memory=memory))
-                longest_token_bytes(engine.tokenizer)  # here, not on the loop (ServedModel.attach reads it)
+                try:
+                    longest_token_bytes(
+                        engine.tokenizer
+                    )  # here, not on the loop (ServedModel.attach reads it)
+                except Exception:
+                    engine.close()
+                    raise
         except MemoryBudgetError as e:  # what it needs is known now (on_loaded makes room, or says so)
             logger.warning("model %s does not fit what the memory budget has left: %s", model.name, e)
             return model, None, time.monotonic() - started, e

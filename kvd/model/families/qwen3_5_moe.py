@@ -20,7 +20,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         config: ModelConfig, name: str, tensor: torch.Tensor
     ) -> list[tuple[str, torch.Tensor]]:
         named = Qwen3_5ForCausalLM.checkpoint_tensors(config, name, tensor)
-        return [shared_expert_gate(*piece) for name, tensor in named for piece in _per_expert(name, tensor)]
+        return [shared_expert_gate(*piece) for name, tensor in named for piece in per_expert(name, tensor)]
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
@@ -32,7 +32,7 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         return dataclasses.replace(Qwen3_5ForCausalLM.read_layout(hf_config), moe=moe)
 
 
-def _per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint's experts stacked in one tensor (transformers' fused layout: gate_up_proj [E, 2 width, hidden],
     down_proj [E, hidden, width]) as each expert's projections; any other tensor as it is."""
     base, dot, kind = name.rpartition(".experts.")

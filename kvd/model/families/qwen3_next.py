@@ -15,6 +15,7 @@ from kvd.model.config import Layout, ModelConfig
 from kvd.model.decoder import WeightLoadError
 from kvd.model.families.qwen2_moe import shared_expert_gate
 from kvd.model.families.qwen3_5 import Qwen3_5ForCausalLM
+from kvd.model.families.qwen3_5_moe import per_expert
 from kvd.model.families.qwen3_moe import qwen_moe
 
 
@@ -39,11 +40,16 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                 for part, target in enumerate(targets):
                     cut.setdefault(target, []).append(tensor[shape.fused_rows(parts, part)])
                 return [(f"{base}{target}.weight", torch.cat(pieces)) for target, pieces in cut.items()]
-        return [shared_expert_gate(*p) for p in Qwen3_5ForCausalLM.checkpoint_tensors(config, name, tensor)]
+        named = Qwen3_5ForCausalLM.checkpoint_tensors(config, name, tensor)
+        return [shared_expert_gate(*piece) for name, tensor in named for piece in per_expert(name, tensor)]
 
     @staticmethod
     def read_layout(hf_config: dict[str, Any]) -> Layout:
         moe = qwen_moe(
-            hf_config, shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0)
+            hf_config,
+            normalize_top_k=bool(
+                hf_config.get("norm_topk_prob", True)
+            ),  # transformers' default for Qwen3-Next
+            shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0),
         )
         return dataclasses.replace(Qwen3_5ForCausalLM.read_layout(hf_config), moe=moe)
