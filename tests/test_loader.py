@@ -38,6 +38,7 @@ from kvd.model.gguf_loader import (
     unpermute_qk,
 )
 from kvd.model.hub import ModelNotFoundError, default_model_path, resolve_model_path
+from kvd.model.layers.gguf_linear import GGUFEmbedding
 from kvd.model.loader import DeviceUnavailableError, load_model, resolve_dtype
 
 REPO = Path(__file__).resolve().parents[1]
@@ -700,6 +701,7 @@ def test_a_gemma4_file_runs_in_its_types(tmp_path):
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     types = {f"blk.{i}.{kind}.weight": Q.Q8_0 for i in range(4) for kind in kinds if i < 3 or kind[5] != "k"}
     types.pop("blk.3.attn_v.weight")
+    types["per_layer_token_embd.weight"] = Q.Q8_0  # looked up in its type, not dequantized whole
     write_tiny_gguf(tiny_hf_model("gemma4"), path, tensor_types=types)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = []
@@ -708,6 +710,8 @@ def test_a_gemma4_file_runs_in_its_types(tmp_path):
         if quantization == "gguf":
             layers = llm.engine.runner.model.model.layers
             assert [len(layers[i].self_attn.qkv_proj.out_sizes) for i in range(4)] == [3, 3, 3, 1]
+            per_layer = llm.engine.runner.model.model.embed_tokens_per_layer
+            assert isinstance(per_layer, GGUFEmbedding) and per_layer.table.specs[0].bits == 8
         tokens.append(llm.generate([list(range(5, 40))], greedy, use_tqdm=False)[0].token_ids)
     assert tokens[0] == tokens[1]
 

@@ -239,6 +239,12 @@ def install(
     embed = model.model.embed_tokens
     table = reader.linear(hidden, ["token_embd.weight"], ["model.embed_tokens.weight"], (None,), [])
     model.model.embed_tokens = GGUFEmbedding(table, dtype, embed.shard, embed.vocab_start)
+    per_layer = getattr(model.model, "embed_tokens_per_layer", None)
+    if per_layer is not None and _PER_LAYER_TABLE in file.tensors:  # Gemma 4's (E2B: 262,144 x 35 x 256)
+        width, hf_name = per_layer.weight.shape[1], "model.embed_tokens_per_layer.weight"
+        rows = reader.linear(width, [_PER_LAYER_TABLE], [hf_name], (None,), [])
+        model.model.embed_tokens_per_layer = GGUFEmbedding(rows, dtype)
+        taken.add(_PER_LAYER_TABLE)
     # Tied: the one table serves both.
     untied = "output.weight" in file.tensors
     output = reader.linear(hidden, ["output.weight"], ["lm_head.weight"], (None,), []) if untied else table
@@ -248,6 +254,8 @@ def install(
     return taken
 
 
+# Gemma 4's per-layer token embeddings: looked up as the token embedding is, rows dequantized as they are read.
+_PER_LAYER_TABLE = "per_layer_token_embd.weight"
 # An expert's fused linear -> the stacked expert tensors it takes its part of, in order.
 _EXPERT_LINEARS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 
