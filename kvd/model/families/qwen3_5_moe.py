@@ -26,7 +26,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     def read_layout(hf_config: dict[str, Any]) -> Layout:
         moe = qwen_moe(
             hf_config,
-            normalize_top_k=True,  # the router always rescales; the config has no norm_topk_prob
+            # Qwen3.5-MoE's config has no norm_topk_prob (its router always rescales); Qwen3-Next's default is to
+            normalize_top_k=bool(hf_config.get("norm_topk_prob", True)),
             shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0),
         )
         return dataclasses.replace(Qwen3_5ForCausalLM.read_layout(hf_config), moe=moe)

@@ -1,25 +1,19 @@
-"""Qwen3-Next: Qwen3.5's hybrid decoder (Gated DeltaNet and gated full attention, kvd.model.families.qwen3_5) with
-Qwen2-MoE's mixture of experts (a shared expert under a sigmoid gate) in place of the MLP. Its checkpoints fuse the
-DeltaNet's input projections per key head (LinearAttention.qkvz_parts, ba_parts); they are cut into Qwen3.5's
-in_proj_qkv / in_proj_z / in_proj_b / in_proj_a as they load (the value heads in the same order). llama.cpp's files
-hold q/k/v and z apart already, the betas and decay inputs still fused (ssm_ba)."""
+"""Qwen3-Next: Qwen3.5-MoE's decoder (kvd.model.families.qwen3_5_moe: Qwen3.5's Gated DeltaNet and gated full
+attention with Qwen2-MoE's mixture of experts), some layers possibly dense (mlp_only_layers, decoder_sparse_step).
+Its checkpoints fuse the DeltaNet's input projections per key head (LinearAttention.qkvz_parts, ba_parts); they are
+cut into Qwen3.5's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a as they load (the value heads in the same
+order). llama.cpp's files hold q/k/v and z apart already, the betas and decay inputs still fused (ssm_ba)."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 
-from kvd.model.config import Layout, ModelConfig
+from kvd.model.config import ModelConfig
 from kvd.model.decoder import WeightLoadError
-from kvd.model.families.qwen2_moe import shared_expert_gate
-from kvd.model.families.qwen3_5 import Qwen3_5ForCausalLM
-from kvd.model.families.qwen3_5_moe import per_expert
-from kvd.model.families.qwen3_moe import qwen_moe
+from kvd.model.families.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 
-class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
     @staticmethod
     def checkpoint_tensors(
         config: ModelConfig, name: str, tensor: torch.Tensor
@@ -40,16 +34,4 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                 for part, target in enumerate(targets):
                     cut.setdefault(target, []).append(tensor[shape.fused_rows(parts, part)])
                 return [(f"{base}{target}.weight", torch.cat(pieces)) for target, pieces in cut.items()]
-        named = Qwen3_5ForCausalLM.checkpoint_tensors(config, name, tensor)
-        return [shared_expert_gate(*piece) for name, tensor in named for piece in per_expert(name, tensor)]
-
-    @staticmethod
-    def read_layout(hf_config: dict[str, Any]) -> Layout:
-        moe = qwen_moe(
-            hf_config,
-            normalize_top_k=bool(
-                hf_config.get("norm_topk_prob", True)
-            ),  # transformers' default for Qwen3-Next
-            shared_expert_size=int(hf_config.get("shared_expert_intermediate_size") or 0),
-        )
-        return dataclasses.replace(Qwen3_5ForCausalLM.read_layout(hf_config), moe=moe)
+        return Qwen3_5MoeForCausalLM.checkpoint_tensors(config, name, tensor)
