@@ -38,7 +38,8 @@ class RecurrentRows(NamedTuple):
     """A sequence's recurrent state in one step (kvd.model.layers.recurrent_state): its slot; where its state
     starts from (-1: zeros, a fresh sequence; its own slot: where the last step left it; another slot: a
     checkpoint to resume from); the (row, slot) pairs, rows ascending, after which row of its rows to copy the
-    state into which slot (a checkpoint; the state after each draft row but the last); and how many draft rows
+    state into which slot (a checkpoint; with a draft, the state after the chunk's last row and after each draft
+    row but the last); and how many draft rows
     follow its chunk's rows as sequences of their own in the step's attention (kvd.engine.speculative)."""
 
     slot: int

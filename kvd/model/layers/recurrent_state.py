@@ -37,9 +37,8 @@ class RecurrentStep:
     starts_t: torch.Tensor  # [S + 1]
     slots_t: torch.Tensor  # [S]
     sources_t: torch.Tensor  # [S]
-    snapshot_starts_t: (
-        torch.Tensor
-    )  # [S + 1]: sequence s's snapshots are snapshot_starts_t[s]:[s + 1] of the next two
+    # [S + 1]: sequence s's snapshots are snapshot_starts_t[s]:[s + 1] of the next two
+    snapshot_starts_t: torch.Tensor
     snapshot_rows_t: torch.Tensor
     snapshot_slots_t: torch.Tensor
 
