@@ -39,8 +39,8 @@ class RecurrentRows(NamedTuple):
     starts from (-1: zeros, a fresh sequence; its own slot: where the last step left it; another slot: a
     checkpoint to resume from); the (row, slot) pairs, rows ascending, after which row of its rows to copy the
     state into which slot (a checkpoint; with a draft, the state after the chunk's last row and after each draft
-    row but the last); and how many draft rows
-    follow its chunk's rows as sequences of their own in the step's attention (kvd.engine.speculative)."""
+    row but the last); and how many draft rows follow its chunk's rows as sequences of their own in the step's
+    attention (kvd.engine.speculative)."""
 
     slot: int
     source: int
