@@ -395,19 +395,19 @@ def test_dequantize_refuses_rows_past_the_weight():
 
 def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
     """Null weights: the call can only succeed without touching them, so refusing is the check's doing."""
-    shape = cpu_native.ModelShape(16, 2, 1, 8, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0)
+    shape = cpu_native.ModelShape(16, 2, 1, 8, 8, 32, 4, 16, 64, 1e-6, 0.35, 0, 0, 0)
     empty = cpu_native.LinearWeight(0, 0, 0, 0, 0, 0, 0, 32, 0, 0)
     cos_sin = torch.zeros(64, 16)
     layer = cpu_native.LayerWeights(
-        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0, 0, 0
+        0, 0, 0, 0, 0, 0, cos_sin.data_ptr(), (empty,), empty, (empty,), empty, 0, 0, 0, 0, 0, 0, 0
     )
     hidden, residual = torch.zeros(2, 16), torch.zeros(2, 16)
     tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([17, 3], dtype=torch.int32)
 
-    def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens, groups=1):
+    def run(layers, positions=(3, 16), slots=(16, 34), tables=tables, lens=lens, groups=1, recurrent=None):
         group = (torch.tensor(slots), tables)
         cpu_native.decode_layers(
-            shape, layers, hidden, residual, torch.tensor(positions), [group] * groups, lens
+            shape, layers, hidden, residual, torch.tensor(positions), [group] * groups, lens, recurrent
         )
 
     run(())  # valid indices, no layer: nothing to do
@@ -423,6 +423,22 @@ def test_the_layer_loop_checks_its_indices_before_any_layer_runs():
         run((layer._replace(kv_group=1),))  # a KV group the call did not give
     with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
         run((layer._replace(kv_group=1),), groups=2, slots=(16, 99))  # every group's indices are checked
+    # A Gated DeltaNet layer (4 state slots) after an attention layer: its step is checked before either runs.
+    _, delta = cpu_native.recurrent_struct(
+        cpu_native.RecurrentWeights(
+            *([(empty,)] * 4), empty, 0, 0, 0, 0, 0, 0, num_slots=4, key_heads=1, value_heads=1, key_dim=8,
+            value_dim=8, conv_kernel=4, tiled=0,
+        )
+    )  # fmt: skip
+    layers = (layer, layer._replace(recurrent=delta))
+
+    def step(starts=(0, 1, 2), slots=(0, 1), sources=(0, 1)):
+        none = torch.zeros(0, dtype=torch.int64)
+        return (*map(torch.tensor, (starts, slots, sources)), torch.zeros(3, dtype=torch.int64), none, none)
+
+    for bad in (None, step(slots=(0, 4)), step(slots=(1, 1)), step(sources=(1, 0)), step(starts=(0, 1, 3))):
+        with pytest.raises(cpu_native.NativeKernelError, match="out of range"):
+            run(layers, recurrent=bad)
 
 
 def test_the_struct_views_are_read_from_the_header():

@@ -238,9 +238,10 @@ for name, halves in (("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)), ("IQ4
     for at in halves:
         raw[:, :, at : at + 2] = (torch.rand(21, 2, 1) * 0.01 + 1e-4).half().view(torch.uint8)
     raw = raw.reshape(21, -1).contiguous()
-    for dtype in (torch.float32, torch.bfloat16):
+    weight = cpu_native.super_weight(cpu_native.SUPER_TYPES[name], raw, 512)
+    for dtype in (torch.float32, torch.bfloat16):  # one row (decoded in registers on AVX2), and 70
         x = (torch.randn(70, 512) * 2).to(dtype)
-        out[name, str(dtype)] = cpu_native.linear(x, cpu_native.super_weight(cpu_native.SUPER_TYPES[name], raw, 512))
+        out[name, str(dtype)] = torch.cat([cpu_native.linear(x[:1], weight), cpu_native.linear(x, weight)])
 # Gated DeltaNet's convolution and recurrence (plain C on every build): two sequences, a snapshot, bf16 and float32.
 from kvd.distributed.step import RecurrentRows
 from kvd.model.layers.recurrent_state import RecurrentStep

@@ -60,6 +60,27 @@ def test_native_loop_gives_the_python_loops_logits(tiny_checkpoint, family, dtyp
         assert [s.top_logprobs for s in a.logprobs] == [s.top_logprobs for s in b.logprobs]
 
 
+# Gated DeltaNet layers beside gated full attention (Qwen3.5); with experts and a gated shared expert (Qwen3-Next,
+# Qwen3.5-MoE)
+@pytest.mark.parametrize(
+    ("family", "dtype", "quantization"),
+    [
+        ("qwen3_5", "float32", "int4"),
+        ("qwen3_5", "bfloat16", "none"),
+        ("qwen3_next", "bfloat16", "int8"),
+        ("qwen3_5_moe", "float32", "none"),
+    ],
+)
+def test_hybrid_models_decode_in_the_native_loop(tiny_checkpoint, family, dtype, quantization):
+    fused, model = _run(tiny_checkpoint(family), True, quantization, dtype=dtype)
+    loop, _ = _run(tiny_checkpoint(family), False, quantization, dtype=dtype)
+    assert isinstance(model._native_decoder, NativeDecoder)
+    assert any(layer.recurrent for layer in model._native_decoder.layers)
+    for a, b in zip(fused, loop, strict=True):
+        assert a.token_ids == b.token_ids
+        assert [s.logprob for s in a.logprobs] == [s.logprob for s in b.logprobs]
+
+
 def test_batches_of_one_and_of_many(tiny_checkpoint):
     """One sequence at a time and all at once: decode batches of 1 and of 3 agree with each other. (The prompts
     total fewer than DEQUANTIZE_MIN_ROWS tokens: without batch invariance, a larger prefill step multiplies float

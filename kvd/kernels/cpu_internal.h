@@ -285,6 +285,11 @@ KVD_HIDDEN int parts_linear(const kvd_weight* parts, const void* x, int bf16, in
 KVD_HIDDEN int64_t widest_part(const kvd_weight* parts);
 KVD_HIDDEN void gated_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I, int bf16,
                           int gelu, int nthreads);
+// cpu_recurrent.c's, for the layer loop: whether a step's S rows pass kvd_gated_delta's checks for layer R, and a
+// Gated DeltaNet layer's output [S, hidden] from its normed input x [S, hidden] (scratch as parts_linear's).
+KVD_HIDDEN int recurrent_step_ok(const kvd_recurrent* R, const kvd_recurrent_step* step, int64_t S);
+KVD_HIDDEN int recurrent_sublayer(const kvd_recurrent* R, const kvd_recurrent_step* step, const void* x, int64_t S,
+                                  float eps, int bf16, void* out, char* scratch, int nthreads);
 KVD_HIDDEN int64_t checked_max_context(const int32_t* tables, int64_t table_width, const int32_t* lens, int64_t S,
                                       int64_t num_blocks, int64_t block_size);
 

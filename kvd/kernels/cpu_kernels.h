@@ -90,6 +90,39 @@ typedef struct {
 // top_k outside 1..num_experts, else the first failing kernel's status.
 int kvd_moe_forward(const kvd_moe* moe, const void* x, int bf16, int64_t M, void* out, int nthreads);
 
+// A Gated DeltaNet layer (kvd_layer.recurrent) as kvd_gated_delta runs it: its input projections' parts (qkv
+// [C, hidden], z [Hv dv, hidden], b and a [Hv, hidden]; stacked parts as a fused projection's), the convolution's
+// filters [C, K] and the decay's A_log and dt_bias [Hv] in float32, its slots' windows and states (conv_state,
+// state, num_slots of each), the output norm's scale [dv] (model dtype; kvd_gated_rms_norm with z) and out
+// [hidden, Hv dv].
+typedef struct {
+    kvd_weight qkv[KVD_MAX_PARTS];
+    kvd_weight z[KVD_MAX_PARTS];
+    kvd_weight b[KVD_MAX_PARTS];
+    kvd_weight a[KVD_MAX_PARTS];
+    kvd_weight out;
+    const float* conv_weight;
+    const float* A_log;
+    const float* dt_bias;
+    const void* norm;
+    void* conv_state;
+    float* state;
+    int64_t num_slots, key_heads, value_heads, key_dim, value_dim, conv_kernel;
+    int32_t tiled;
+} kvd_recurrent;
+
+// A step's rows as the Gated DeltaNet layers read them (kvd_gated_delta's starts .. snap_slots and its S, here
+// `sequences`; starts[sequences] is the step's row count): in a decode step sequence s owns row s.
+typedef struct {
+    int64_t sequences;
+    const int64_t* starts;
+    const int64_t* slots;
+    const int64_t* sources;
+    const int64_t* snap_starts;
+    const int64_t* snap_rows;
+    const int64_t* snap_slots;
+} kvd_recurrent_step;
+
 // One decoder layer's weights and its KV pool [2, num_blocks, block_size, kv_heads, head_dim]; the norm weights,
 // rotary table and pool in the model's dtype (kvd_shape.bf16).
 typedef struct {
@@ -110,6 +143,7 @@ typedef struct {
     int32_t gelu;        // the MLP's gate: 0 SiLU (kvd_silu_mul), 1 tanh-approximated GELU (kvd_gelu_tanh_mul)
     int32_t kv_group;    // the KV group whose block tables this layer's pool is read through (kvd_kv_group)
     const kvd_moe* moe;  // NULL, or the mixture of experts that replaces gate_up and down
+    const kvd_recurrent* recurrent;  // NULL, or the Gated DeltaNet that replaces the attention (no KV pool)
 } kvd_layer;
 
 // A KV group's step tables (kvd_decode_layers): the slot of each new token's K/V [S] and the block tables
@@ -121,11 +155,12 @@ typedef struct {
 } kvd_kv_group;
 
 // bf16: 1 when the activations, norm weights, rotary table and KV pool are bfloat16, 0 for float32; kv8: 1 when
-// the pool holds 8-bit rows instead (kvd_paged_attention).
+// the pool holds 8-bit rows instead (kvd_paged_attention); output_gate: 1 when each query head's projection is
+// followed by as many gate values, whose sigmoid scales that head's attention output (kvd_sigmoid_mul).
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate, num_blocks, block_size, num_positions;
     float eps, scale;
-    int32_t bf16, kv8;
+    int32_t bf16, kv8, output_gate;
 } kvd_shape;
 
 // The instruction sets this build's SIMD paths use: "avx2+fma", with "+avx512" or "+avx512-bf16" (bf16 linears by
@@ -201,6 +236,15 @@ void kvd_silu_mul(const void* gate, const void* up, int64_t stride, void* out, i
 void kvd_gelu_tanh_mul(const void* gate, const void* up, int64_t stride, void* out, int64_t T, int64_t I,
                        int bf16, int nthreads);
 
+// out [T, n] = x x sigmoid(gate), x and gate [T, n] contiguous (float32, or bf16: the sigmoid rounded, then the
+// product rounded, as torch computes x * sigmoid(gate)).
+void kvd_sigmoid_mul(const void* x, const void* gate, void* out, int64_t T, int64_t n, int bf16, int nthreads);
+
+// out [T, H, D] = RMSNorm(x) x weight (as kvd_rms_norm, each head alone) times silu(gate) in float32, rounded once
+// to the dtype (the Gated DeltaNet's output norm); x, gate, out [T, H, D] contiguous, out may be x.
+void kvd_gated_rms_norm(const void* x, const void* gate, void* out, int64_t T, int64_t H, int64_t D,
+                        const void* weight, float eps, int bf16, int nthreads);
+
 // out[r] = the index of the largest value of row r of x [rows, n] (float32, n >= 1): the first of equal ones, and
 // the first NaN where the row holds one, as torch.argmax answers (greedy sampling over the logits).
 void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthreads);
@@ -208,10 +252,11 @@ void kvd_argmax(const float* x, int64_t rows, int64_t n, int64_t* out, int nthre
 // Every decoder layer for S sequences of one new token each, in the model's dtype: hidden [S, hidden] (the
 // embeddings in, the last layer's MLP output out) and residual [S, hidden] (zeros in, the stream before that
 // output out). positions [S]; each KV group's slots and block tables (kvd_kv_group, num_groups of them, layer l
-// reading groups[layers[l].kv_group]) and the context lengths [S] as for the attention above.
+// reading groups[layers[l].kv_group]) and the context lengths [S] as for the attention above; recurrent: the
+// step's rows for the Gated DeltaNet layers (NULL when there are none).
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
                       void* residual, int64_t S, const int64_t* positions, const kvd_kv_group* groups,
-                      int64_t num_groups, const int32_t* lens, int nthreads);
+                      int64_t num_groups, const int32_t* lens, const kvd_recurrent_step* recurrent, int nthreads);
 
 // A Gated DeltaNet layer (linear attention; Qwen3.5) over S sequences' rows of one step: sequence s owns rows
 // starts[s] .. starts[s + 1] (starts[0] = 0) and state slot slots[s]; its state starts from slot sources[s] (-1:

@@ -181,6 +181,60 @@ void kvd_gelu_tanh_mul(const void* gate, const void* up, int64_t stride, void* o
     gated_mul(gate, up, stride, out, T, I, bf16, 1, nthreads);
 }
 
+// ---- gates: sigmoid(gate) x x, RMSNorm x silu(gate) -----------------------------------------------------------
+
+// sigmoid(g) with e = e^-|g| <= 1 (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
+static inline float sigmoid(float g) {
+    const float e = expf(-fabsf(g));
+    return (g >= 0.f ? 1.f : e) / (1.f + e);
+}
+
+#if KVD_AVX2
+static inline __m256 sigmoid8(__m256 g) {
+    const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
+    const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+}
+#endif
+
+void kvd_sigmoid_mul(const void* x, const void* gate, void* out, int64_t T, int64_t n, int bf16, int nthreads) {
+    const int elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * n >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const char* xr = (const char*)x + t * n * elem;
+        const char* g = (const char*)gate + t * n * elem;
+        char* o = (char*)out + t * n * elem;
+        int64_t i = 0;
+#if KVD_AVX2
+        for (; i + 8 <= n; i += 8) {
+            const __m256 s = round8(sigmoid8(load8(g + i * elem, bf16)), bf16);
+            store8(o + i * elem, _mm256_mul_ps(load8(xr + i * elem, bf16), s), bf16);
+        }
+#endif
+        for (; i < n; i++) {
+            const float s = sigmoid(load_f(g, i, bf16));
+            store_f(o, i, load_f(xr, i, bf16) * (bf16 ? bf16_to_f32(f32_to_bf16(s)) : s), bf16);
+        }
+    }
+}
+
+void kvd_gated_rms_norm(const void* x, const void* gate, void* out, int64_t T, int64_t H, int64_t D,
+                        const void* weight, float eps, int bf16, int nthreads) {
+    const int elem = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * H * D >= 65536)
+    for (int64_t r = 0; r < T * H; r++) {
+        const char* g = (const char*)gate + r * D * elem;
+        char* o = (char*)out + r * D * elem;
+        norm_row((const char*)x + r * D * elem, o, D, weight, eps, bf16);
+        int64_t i = 0;
+#if KVD_AVX2
+        for (; i + 8 <= D; i += 8)
+            store8(o + i * elem, _mm256_mul_ps(load8(o + i * elem, bf16), silu8(load8(g + i * elem, bf16))), bf16);
+#endif
+        for (; i < D; i++) store_f(o, i, load_f(o, i, bf16) * silu(load_f(g, i, bf16)), bf16);
+    }
+}
+
 // ---- rotary embedding ---------------------------------------------------------------------------------------
 
 #if KVD_AVX2
@@ -255,10 +309,52 @@ int64_t widest_part(const kvd_weight* parts) {
     return n;
 }
 
+// Layer L's attention sublayer: hidden [S, hidden] = its output for the normed x (qkv, q, gate, att: scratch as
+// kvd_decode_layers lays it out).
+static int attention_sublayer(const kvd_shape* m, const kvd_layer* L, const kvd_kv_group* G, const char* x, int64_t S,
+                              const int64_t* positions, const int32_t* lens, char* qkv, char* qh, char* gate,
+                              char* att, char* scratch, void* hidden, int nthreads) {
+    const int bf16 = m->bf16;
+    const size_t elem = bf16 ? 2 : 4;
+    const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
+    const int64_t q_width = (m->output_gate ? 2 : 1) * q_size, qkv_size = q_width + 2 * kv_size;
+    const int64_t num_slots = m->num_blocks * m->block_size;
+    if (parts_linear(L->qkv, x, bf16, S, qkv, scratch, nthreads) != KVD_OK) return KVD_OUT_OF_MEMORY;
+    char *q = qkv, *k = qkv + q_width * elem, *v = k + kv_size * elem;
+    int64_t q_stride = qkv_size;
+    if (m->output_gate)  // each head's query, then its gate: the queries and the gates apart
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t h = 0; h < m->heads; h++) {
+                const char* head = qkv + (s * qkv_size + 2 * h * D) * elem;
+                memcpy(qh + (s * q_size + h * D) * elem, head, D * elem);
+                memcpy(gate + (s * q_size + h * D) * elem, head + D * elem, D * elem);
+            }
+    if (m->output_gate) q = qh, q_stride = q_size;
+    if (L->q_norm) {
+        kvd_rms_norm(q, q_stride, q, q_stride, S, m->heads, D, L->q_norm, m->eps, bf16);
+        kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
+    }
+    if (m->output_gate) {
+        kvd_rotary(q, q_stride, bf16, S, m->heads, D, m->rotary_dim, L->cos_sin, m->num_positions, positions, nthreads);
+        kvd_rotary(k, qkv_size, bf16, S, m->kv_heads, D, m->rotary_dim, L->cos_sin, m->num_positions, positions,
+                   nthreads);
+    } else {  // the k heads follow the q heads in a qkv row: one pass rotates both
+        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, m->rotary_dim, L->cos_sin, m->num_positions,
+                   positions, nthreads);
+    }
+    kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, G->slots, S);
+    if (kvd_paged_attention(q, q_stride, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size, m->kv_heads, D,
+                            S, m->heads, G->tables, G->table_width, lens, L->window, L->sinks, m->scale,
+                            nthreads) != KVD_OK)
+        return KVD_OUT_OF_MEMORY;
+    if (m->output_gate) kvd_sigmoid_mul(att, gate, att, S, q_size, bf16, nthreads);
+    return kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads);
+}
+
 // The indices are checked once, before layer 0 writes anything; after that only memory can run out.
 int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_layers, void* hidden,
                       void* residual, int64_t S, const int64_t* positions, const kvd_kv_group* groups,
-                      int64_t num_groups, const int32_t* lens, int nthreads) {
+                      int64_t num_groups, const int32_t* lens, const kvd_recurrent_step* recurrent, int nthreads) {
     const int64_t num_slots = m->num_blocks * m->block_size;
     if (!indices_in_range(positions, S, 0, m->num_positions)) return KVD_BAD_INDEX;
     for (int64_t g = 0; g < num_groups; g++)
@@ -266,42 +362,40 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
             !indices_in_range(groups[g].slots, S, -1, num_slots))
             return KVD_BAD_INDEX;
     for (int64_t l = 0; l < num_layers; l++)
-        if (layers[l].kv_group < 0 || layers[l].kv_group >= num_groups) return KVD_BAD_INDEX;
+        if (layers[l].kv_group < 0 || layers[l].kv_group >= num_groups ||
+            (layers[l].recurrent && !recurrent_step_ok(layers[l].recurrent, recurrent, S)))
+            return KVD_BAD_INDEX;
     const int bf16 = m->bf16;
     const size_t elem = bf16 ? 2 : 4;
-    const int64_t D = m->head_dim, q_size = m->heads * D, kv_size = m->kv_heads * D;
-    const int64_t qkv_size = q_size + 2 * kv_size, I = m->intermediate;
+    const int64_t q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
+    const int64_t qkv_size = (m->output_gate ? 2 : 1) * q_size + 2 * kv_size, I = m->intermediate;
     char* x = malloc(elem * (size_t)(S * m->hidden));
     char* qkv = malloc(elem * (size_t)(S * qkv_size));
+    char* qh = malloc(elem * (size_t)(S * q_size));  // with output_gate: the queries, then the gates
+    char* gate = malloc(elem * (size_t)(S * q_size));
     char* att = malloc(elem * (size_t)(S * q_size));
     char* gate_up = malloc(elem * (size_t)(S * 2 * I));
     char* act = malloc(elem * (size_t)(S * I));
     int64_t widest = 0;
-    for (int64_t l = 0; l < num_layers; l++)
-        for (int j = 0; j < 2; j++) {
-            const int64_t n = widest_part(j ? layers[l].gate_up : layers[l].qkv);
+    for (int64_t l = 0; l < num_layers; l++) {
+        const kvd_recurrent* R = layers[l].recurrent;
+        const kvd_weight* projections[6] = {layers[l].qkv, layers[l].gate_up, R ? R->qkv : NULL, R ? R->z : NULL,
+                                            R ? R->b : NULL, R ? R->a : NULL};
+        for (int j = 0; j < 6; j++) {
+            const int64_t n = projections[j] ? widest_part(projections[j]) : 0;
             widest = n > widest ? n : widest;
         }
+    }
     char* scratch = malloc(elem * (size_t)(S * (widest ? widest : 1)));  // not NULL when no layer needs it
-    int failed = !x || !qkv || !att || !gate_up || !act || !scratch;
+    int failed = !x || !qkv || !qh || !gate || !att || !gate_up || !act || !scratch;
     for (int64_t l = 0; l < num_layers && !failed; l++) {
         const kvd_layer* L = layers + l;
-        const kvd_kv_group* G = groups + L->kv_group;
         kvd_add_rms_norm(hidden, residual, L->input_norm, x, S, m->hidden, m->eps, bf16, nthreads);
-        failed |= parts_linear(L->qkv, x, bf16, S, qkv, scratch, nthreads) != KVD_OK;
-        char *q = qkv, *k = qkv + q_size * elem, *v = k + kv_size * elem;
-        if (L->q_norm) {
-            kvd_rms_norm(q, qkv_size, q, qkv_size, S, m->heads, D, L->q_norm, m->eps, bf16);
-            kvd_rms_norm(k, qkv_size, k, qkv_size, S, m->kv_heads, D, L->k_norm, m->eps, bf16);
-        }
-        // The k heads follow the q heads in a qkv row: one pass rotates both.
-        kvd_rotary(q, qkv_size, bf16, S, m->heads + m->kv_heads, D, m->rotary_dim, L->cos_sin, m->num_positions,
-                   positions, nthreads);
-        kvd_store_kv(k, qkv_size, v, qkv_size, L->kv_cache, bf16, m->kv8, num_slots, m->kv_heads, D, G->slots, S);
-        failed |= kvd_paged_attention(q, qkv_size, att, L->kv_cache, bf16, m->kv8, m->num_blocks, m->block_size,
-                                      m->kv_heads, D, S, m->heads, G->tables, G->table_width, lens, L->window,
-                                      L->sinks, m->scale, nthreads) != KVD_OK;
-        failed |= kvd_linear(&L->o, att, bf16, S, hidden, bf16, nthreads) != KVD_OK;
+        if (L->recurrent)
+            failed |= recurrent_sublayer(L->recurrent, recurrent, x, S, m->eps, bf16, hidden, scratch, nthreads) != KVD_OK;
+        else
+            failed |= attention_sublayer(m, L, groups + L->kv_group, x, S, positions, lens, qkv, qh, gate, att, scratch,
+                                         hidden, nthreads) != KVD_OK;
         if (L->attn_output_norm)
             kvd_rms_norm(hidden, m->hidden, hidden, m->hidden, S, 1, m->hidden, L->attn_output_norm, m->eps, bf16);
         kvd_add_rms_norm(hidden, residual, L->post_attention_norm, x, S, m->hidden, m->eps, bf16, nthreads);
@@ -317,6 +411,8 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     }
     free(x);
     free(qkv);
+    free(qh);
+    free(gate);
     free(att);
     free(gate_up);
     free(act);

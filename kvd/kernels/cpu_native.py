@@ -54,6 +54,7 @@ def _fields(struct: str) -> list[str]:
 LinearWeight = namedtuple("LinearWeight", _fields("kvd_weight"))
 LayerWeights = namedtuple("LayerWeights", _fields("kvd_layer"))
 ModelShape = namedtuple("ModelShape", _fields("kvd_shape"))
+RecurrentWeights = namedtuple("RecurrentWeights", _fields("kvd_recurrent"))
 
 
 def _fill(target: object, value: tuple) -> None:
@@ -592,6 +593,42 @@ def _gated_mul(name: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) for x and gate of one shape (a gated attention's output)."""
+    bf16 = _same_dtype("sigmoid_mul", x, gate)
+    if x.shape != gate.shape:
+        raise NativeKernelError(f"sigmoid_mul: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ")
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1] if x.dim() else 1
+    library().kvd_sigmoid_mul(_ptr(x), _ptr(gate), _ptr(out), x.numel() // max(n, 1), n, bf16, _threads())
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """norm(x) * weight * silu(gate) over x's last dimension (each head alone), x and gate of one shape."""
+    bf16 = _same_dtype("gated_rms_norm", x, gate, weight)
+    if x.shape != gate.shape or x.shape[-1] != weight.numel():
+        raise NativeKernelError(
+            f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight {tuple(weight.shape)} differ"
+        )
+    x, gate = x.contiguous(), gate.contiguous()
+    out = torch.empty_like(x)
+    D = x.shape[-1]
+    library().kvd_gated_rms_norm(
+        _ptr(x), _ptr(gate), _ptr(out), x.numel() // D, 1, D, _ptr(weight.contiguous()), eps, bf16, _threads()
+    )
+    return out
+
+
+def recurrent_struct(weights: RecurrentWeights) -> tuple[object, int]:
+    """kvd_recurrent for a Gated DeltaNet layer, and its address for kvd_layer.recurrent: the caller keeps the
+    struct (and what it points at) alive."""
+    struct = ffi.new("kvd_recurrent *")
+    _fill(struct[0], weights)
+    return struct, int(ffi.cast("uintptr_t", struct))
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of x [rows, n] (float32), int64 [rows], as x.argmax(dim=-1) gives it, NaN and ties
     included (torch's CPU kernel took 1.8 ms for 64 rows of a 49152-token vocabulary)."""
@@ -611,10 +648,13 @@ def decode_layers(
     positions: torch.Tensor,
     groups: list[tuple[torch.Tensor, torch.Tensor]],
     context_lens: torch.Tensor,
+    recurrent: tuple[torch.Tensor, ...] | None = None,
 ) -> None:
     """Every decoder layer of a decode step, in place on hidden and residual [S, hidden_size] (the model's
     dtype: shape.bf16); each layer's rotary table [shape.num_positions, 2 head_dim] in it too. groups: per KV
-    group (LayerWeights.kv_group), the slots [S] of the new tokens' K/V and the block tables [S, width]."""
+    group (LayerWeights.kv_group), the slots [S] of the new tokens' K/V and the block tables [S, width].
+    recurrent: for Gated DeltaNet layers, the step's starts (the rows of each sequence: a prompt's chunk too)
+    then gated_delta's `step` tensors."""
     seqs = hidden.shape[0]
     dtype = torch.bfloat16 if shape.bf16 else torch.float32
     for name, t in (("hidden", hidden), ("residual", residual)):
@@ -626,9 +666,23 @@ def decode_layers(
         _check_tensor(slots, "slots", torch.int64, (seqs,))
         _check_tensor(tables, "block_tables", torch.int32, (seqs, tables.shape[-1]))
         entry.slots, entry.tables, entry.table_width = _ptr(slots), _ptr(tables), tables.shape[1]
+    step = ffi.NULL
+    if recurrent is not None:
+        starts, snap_starts = recurrent[0], recurrent[3]
+        sequences = starts.shape[0] - 1
+        _check_tensor(starts, "starts", torch.int64, (sequences + 1,))
+        _check_tensor(snap_starts, "snapshot starts", torch.int64, (sequences + 1,))
+        for name, t, size in zip(
+            ("slots", "sources", "snapshot rows", "snapshot slots"),
+            recurrent[1:3] + recurrent[4:],
+            (sequences, sequences, int(snap_starts[-1]), int(snap_starts[-1])),
+            strict=True,
+        ):
+            _check_tensor(t, name, torch.int64, (size,))
+        step = ffi.new("kvd_recurrent_step *", [sequences, *(_ptr(t) for t in recurrent)])
     status = library().kvd_decode_layers(
         _struct("kvd_shape", shape), _layer_array(layers), len(layers), _ptr(hidden), _ptr(residual), seqs,
-        _ptr(positions), kv_groups, len(groups), _ptr(context_lens), _threads(),
+        _ptr(positions), kv_groups, len(groups), _ptr(context_lens), step, _threads(),
     )  # fmt: skip
     _check(status, "decode layers")
 

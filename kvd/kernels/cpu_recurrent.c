@@ -186,13 +186,20 @@ static int check_step(int64_t num_slots, const int64_t* starts, const int64_t* s
     return 1;
 }
 
+// kvd_gated_delta's checks of its shape and step.
+static int step_ok(int64_t num_slots, const int64_t* starts, const int64_t* slots, const int64_t* sources,
+                   const int64_t* snap_starts, const int64_t* snap_rows, const int64_t* snap_slots, int64_t S,
+                   int64_t Hk, int64_t Hv, int64_t K) {
+    return K >= 1 && K <= 17 && Hk >= 1 && Hv % Hk == 0 && starts[0] == 0 &&
+           check_step(num_slots, starts, slots, sources, snap_starts, snap_rows, snap_slots, S);
+}
+
 int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* conv_weight, const float* A_log,
                     const float* dt_bias, void* conv_state, float* state, int64_t num_slots, const int64_t* starts,
                     const int64_t* slots, const int64_t* sources, const int64_t* snap_starts,
                     const int64_t* snap_rows, const int64_t* snap_slots, int64_t S, int64_t Hk, int64_t Hv, int64_t dk,
                     int64_t dv, int64_t K, int tiled, int bf16, void* out, int nthreads) {
-    if (K < 1 || K > 17 || Hk < 1 || Hv % Hk || starts[0] != 0 ||
-        !check_step(num_slots, starts, slots, sources, snap_starts, snap_rows, snap_slots, S))
+    if (!step_ok(num_slots, starts, slots, sources, snap_starts, snap_rows, snap_slots, S, Hk, Hv, K))
         return KVD_BAD_INDEX;
     const int64_t T = starts[S], key_dim = Hk * dk, C = 2 * key_dim + Hv * dv, elem = bf16 ? 2 : 4;
     const int64_t window_bytes = (K - 1) * C * elem, state_size = dk * dv;
@@ -237,4 +244,44 @@ int kvd_gated_delta(const void* qkv, const void* a, const void* b, const float* 
     }
     free(mixed);
     return failed ? KVD_OUT_OF_MEMORY : KVD_OK;
+}
+
+// ---- the layer in the decode loop ---------------------------------------------------------------------------------
+
+int recurrent_step_ok(const kvd_recurrent* R, const kvd_recurrent_step* step, int64_t S) {
+    return step && step->sequences >= 0 &&
+           step_ok(R->num_slots, step->starts, step->slots, step->sources, step->snap_starts, step->snap_rows,
+                   step->snap_slots, step->sequences, R->key_heads, R->value_heads, R->conv_kernel) &&
+           step->starts[step->sequences] == S;
+}
+
+int recurrent_sublayer(const kvd_recurrent* R, const kvd_recurrent_step* step, const void* x, int64_t S, float eps,
+                       int bf16, void* out, char* scratch, int nthreads) {
+    const size_t elem = bf16 ? 2 : 4;
+    const int64_t Hv = R->value_heads, dv = R->value_dim, C = 2 * R->key_heads * R->key_dim + Hv * dv;
+    char* qkv = malloc(elem * (size_t)(S * C));
+    char* z = malloc(elem * (size_t)(S * Hv * dv));
+    char* core = malloc(elem * (size_t)(S * Hv * dv));
+    char* b = malloc(elem * (size_t)(S * Hv));
+    char* a = malloc(elem * (size_t)(S * Hv));
+    int status = qkv && z && core && b && a ? KVD_OK : KVD_OUT_OF_MEMORY;
+    if (status == KVD_OK) status = parts_linear(R->qkv, x, bf16, S, qkv, scratch, nthreads);
+    if (status == KVD_OK) status = parts_linear(R->z, x, bf16, S, z, scratch, nthreads);
+    if (status == KVD_OK) status = parts_linear(R->b, x, bf16, S, b, scratch, nthreads);
+    if (status == KVD_OK) status = parts_linear(R->a, x, bf16, S, a, scratch, nthreads);
+    if (status == KVD_OK)
+        status = kvd_gated_delta(qkv, a, b, R->conv_weight, R->A_log, R->dt_bias, R->conv_state, R->state,
+                                 R->num_slots, step->starts, step->slots, step->sources, step->snap_starts,
+                                 step->snap_rows, step->snap_slots, step->sequences, R->key_heads, Hv, R->key_dim, dv,
+                                 R->conv_kernel, R->tiled, bf16, core, nthreads);
+    if (status == KVD_OK) {
+        kvd_gated_rms_norm(core, z, core, S, Hv, dv, R->norm, eps, bf16, nthreads);
+        status = kvd_linear(&R->out, core, bf16, S, out, bf16, nthreads);
+    }
+    free(qkv);
+    free(z);
+    free(core);
+    free(b);
+    free(a);
+    return status;
 }

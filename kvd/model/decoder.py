@@ -13,6 +13,7 @@ from torch import nn
 
 from kvd.distributed.comm import all_reduce, gather_vocab
 from kvd.distributed.shard import WHOLE, Shard, ShardPlan
+from kvd.kernels import cpu_native
 from kvd.model.config import LINEAR, SLIDING, Layout, ModelConfig
 from kvd.model.layers.activation import gated_activation
 from kvd.model.layers.attention import AttentionBackend, AttentionMetadata, AttentionMetadataError
@@ -106,8 +107,8 @@ class SelfAttention(nn.Module):
         # them to float32 scores.
         sinks = None if self.sinks is None else self.sinks.float()
         out = self.backend.forward(q, k, v, self.kv_cache, attn, self.scale, sinks).reshape(tokens, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
+        if gate is not None:  # the native layer loop's sigmoid where the kernels run
+            out = cpu_native.sigmoid_mul(out, gate) if cpu_native.supports(out) else out * torch.sigmoid(gate)
         return all_reduce(self.o_proj(out), self.shard)
 
 
@@ -378,6 +379,7 @@ class CausalLM(nn.Module):
             raise ValueError(f"got {len(states)} recurrent states for {len(layers)} linear-attention layers")
         for layer, state in zip(layers, states, strict=True):
             layer.state = state
+        self._native_decoder = None  # the native loop points at the states: bound anew
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], offset_norms: bool = True

@@ -15,22 +15,39 @@ import torch
 from kvd.kernels import cpu_native
 from kvd.model.layers.attention import AttentionMetadata
 from kvd.model.layers.attention.native_attention import NativeAttentionBackend, NativeDecodePlan
+from kvd.model.layers.gated_delta import GatedDeltaNet
 from kvd.model.layers.linear import NATIVE_MAX_ROWS, Linear
 from kvd.model.layers.moe import SparseMoE
 from kvd.model.layers.native_weights import native_linear, native_parts
 
 
+def _mixer_linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A layer's attention linears, or its Gated DeltaNet's."""
+    if layer.self_attn is not None:
+        return layer.self_attn.qkv_proj, layer.self_attn.o_proj
+    g = layer.linear_attn
+    return g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a, g.out_proj
+
+
 def _linears(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
-    """Every layer's attention and dense MLP linears (a mixture of experts answers for its own: SparseMoE.native)."""
+    """Every layer's attention (or Gated DeltaNet) and dense MLP linears (a mixture of experts answers for its own:
+    SparseMoE.native)."""
     return [
         m
         for layer in layers
         for m in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
+            *_mixer_linears(layer),
             *(() if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up_proj, layer.mlp.down_proj)),
         )
     ]
+
+
+def _attention(layers: torch.nn.ModuleList) -> list[torch.nn.Module]:
+    return [layer.self_attn for layer in layers if layer.self_attn is not None]
+
+
+def _deltas(layers: torch.nn.ModuleList) -> list[GatedDeltaNet]:
+    return [layer.linear_attn for layer in layers if layer.linear_attn is not None]
 
 
 _NO_WEIGHT = cpu_native.LinearWeight(qs=0, d=0, mn=0, qh=0, bias=0, n=0, k=0, bits=0, tiles=0, ggml=0)
@@ -49,7 +66,7 @@ class NativeDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         config, layers = model.config, model.model.layers
-        cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
+        cache, dtype = _attention(layers)[0].kv_cache, model.rotary.cos_sin_cache.dtype
         self.shape = cpu_native.ModelShape(
             hidden=config.hidden_size,
             heads=config.num_attention_heads,
@@ -64,38 +81,50 @@ class NativeDecoder:
             scale=config.attention_scale,
             bf16=int(dtype == torch.bfloat16),
             kv8=int(cache.dtype == torch.int8),
+            output_gate=int(config.attention_output_gate),
         )
         self._moes = [
             m.native() for m in _mixtures(layers)
         ]  # their structs, which the loop reads, kept alive
         # The sinks as the loop reads them: float32 (a bf16 model holds them in bf16, as transformers does).
         self._sinks = [
-            None if layer.self_attn.sinks is None else layer.self_attn.sinks.float() for layer in layers
+            None if attn is None or attn.sinks is None else attn.sinks.float()
+            for attn in (layer.self_attn for layer in layers)
+        ]
+        # The Gated DeltaNet layers' structs and the float32 copies they point at, kept alive here.
+        self._deltas = [
+            None if layer.linear_attn is None else _DeltaStruct(layer.linear_attn) for layer in layers
         ]
         self.layers = tuple(
             cpu_native.LayerWeights(
                 input_norm=_norm(layer.input_layernorm),
                 post_attention_norm=_norm(layer.post_attention_layernorm),
-                q_norm=_norm(layer.self_attn.q_norm),
-                k_norm=_norm(layer.self_attn.k_norm),
+                q_norm=_norm(attn and attn.q_norm),
+                k_norm=_norm(attn and attn.k_norm),
                 attn_output_norm=_norm(layer.attn_output_norm),
                 mlp_output_norm=_norm(layer.mlp_output_norm),
                 cos_sin=rotary.cos_sin_cache.data_ptr(),
-                qkv=native_parts(layer.self_attn.qkv_proj),
-                o=layer.self_attn.o_proj.native_weight(),
+                qkv=native_parts(attn.qkv_proj) if attn else (_NO_WEIGHT,),
+                o=attn.o_proj.native_weight() if attn else _NO_WEIGHT,
                 gate_up=(_NO_WEIGHT,) if moe else native_parts(layer.mlp.gate_up_proj),
                 down=_NO_WEIGHT if moe else layer.mlp.down_proj.native_weight(),
-                kv_cache=layer.self_attn.kv_cache.data_ptr(),
-                window=layer.self_attn.window or 0,
+                kv_cache=attn.kv_cache.data_ptr() if attn else 0,
+                window=(attn and attn.window) or 0,
                 sinks=cpu_native.address(sinks),
                 gelu=int(config.hidden_act == "gelu_pytorch_tanh"),
                 kv_group=group,
                 moe=layer.mlp.native().address if moe else 0,
+                recurrent=delta.address if delta else 0,
             )
-            for layer, rotary, group, sinks in zip(
-                layers, model.layer_rotaries(), model.kv_groups.layer_group, self._sinks, strict=True
+            for layer, rotary, group, sinks, delta in zip(
+                layers,
+                model.layer_rotaries(),
+                model.kv_groups.layer_group,
+                self._sinks,
+                self._deltas,
+                strict=True,
             )
-            for moe in (isinstance(layer.mlp, SparseMoE),)
+            for moe, attn in ((isinstance(layer.mlp, SparseMoE), layer.self_attn),)
         )
         self.key = self._key(model)
         # Float32 linears leave large steps to torch's matmul, unless batch invariance keeps them native.
@@ -106,13 +135,15 @@ class NativeDecoder:
     def _key(model: torch.nn.Module) -> tuple[int, ...]:
         """The first layer's projection and where its weight and pool lie: a model whose modules were replaced
         or whose buffers moved is bound anew."""
-        attn = model.model.layers[0].self_attn
-        native = hasattr(attn.qkv_proj, "native_weight")
+        layers = model.model.layers
+        attn = _attention(layers)[0]
+        # A Gated DeltaNet's first projection, like the attention's: replaced or moved, the loop is bound anew.
+        firsts = [attn.qkv_proj, *(g.in_proj_qkv for g in _deltas(layers)[:1])]
         # A mixture of experts rebuilt (its weights replaced or moved) has a new native struct: bound anew.
-        moes = tuple(getattr(m.native(), "address", 0) for m in _mixtures(model.model.layers))
+        moes = tuple(getattr(m.native(), "address", 0) for m in _mixtures(layers))
         return (
-            id(attn.qkv_proj),
-            native_parts(attn.qkv_proj)[0].qs if native else 0,
+            *(id(m) for m in firsts),
+            *(native_parts(m)[0].qs if hasattr(m, "native_weight") else 0 for m in firsts),
             attn.kv_cache.data_ptr(),
             *moes,
         )
@@ -124,35 +155,37 @@ class NativeDecoder:
         if not isinstance(model.attention_backend, NativeAttentionBackend) or not cpu_native.available():
             return False
         config = model.config
-        if (
-            config.has_recurrent_state
-            or config.attention_output_gate
-            or config.per_layer_input_size
-            or config.kv_source
-            or config.value_norm
-        ):
-            return (
-                False  # the loop has no linear-attention layer, gated output, per-layer input nor shared K/V
-            )
-        cache, dtype = layers[0].self_attn.kv_cache, model.rotary.cos_sin_cache.dtype
+        if config.per_layer_input_size or config.kv_source or config.value_norm:
+            return False  # the loop has no per-layer input, shared K/V nor value norm
+        cache, dtype = _attention(layers)[0].kv_cache, model.rotary.cos_sin_cache.dtype
         if (
             cache is None
             or dtype not in (torch.float32, torch.bfloat16)
             or cache.dtype not in (dtype, torch.int8)
         ):
             return False
-        caches = [layer.self_attn.kv_cache for layer in layers]
+        caches = [attn.kv_cache for attn in _attention(layers)]
         norms = [
             n
             for layer in layers
             for n in (
                 layer.input_layernorm,
                 layer.post_attention_layernorm,
-                layer.self_attn.q_norm,
+                layer.self_attn and layer.self_attn.q_norm,
                 layer.attn_output_norm,
             )
             if n is not None
         ]
+        states = [g.state for g in _deltas(layers)]
+        if any(
+            s is None
+            or s.state.device.type != "cpu"
+            or s.state.dtype != torch.float32
+            or s.conv.dtype != dtype
+            or not (s.state.is_contiguous() and s.conv.is_contiguous())
+            for s in states
+        ) or any(g.out_norm.scale.dtype != dtype for g in _deltas(layers)):
+            return False
         tables = [rotary.cos_sin_cache for rotary in model.layer_rotaries()]
         return (
             model.config.residual_multiplier == 1.0  # the C loop adds sublayer outputs as they are
@@ -188,6 +221,7 @@ class NativeDecoder:
     ) -> None:
         """Run every layer in place on hidden and residual [S, hidden_size] (contiguous, the model's dtype)."""
         groups = [(a.slot_mapping, a.decode.block_tables) for a in (attn, *attn.other_groups)]
+        step = attn.recurrent
         cpu_native.decode_layers(
             self.shape,
             self.layers,
@@ -196,4 +230,40 @@ class NativeDecoder:
             positions.contiguous(),
             groups,
             attn.decode.context_lens,
+            None if step is None else (step.starts_t, *step.kernel_args),
+        )
+
+
+class _DeltaStruct:
+    """A Gated DeltaNet layer as the native loop reads it (kvd_recurrent), with the float32 filters and decay
+    parameters its Python forward makes each step, made once here."""
+
+    def __init__(self, g: GatedDeltaNet) -> None:
+        shape, state = g.shape, g.state
+        self.floats = (
+            g.conv1d.weight.view(shape.conv_dim, shape.conv_kernel).float().contiguous(),
+            g.A_log.float().contiguous(),
+            g.dt_bias.float().contiguous(),
+        )
+        self.struct, self.address = cpu_native.recurrent_struct(
+            cpu_native.RecurrentWeights(
+                qkv=native_parts(g.in_proj_qkv),
+                z=native_parts(g.in_proj_z),
+                b=native_parts(g.in_proj_b),
+                a=native_parts(g.in_proj_a),
+                out=g.out_proj.native_weight(),
+                conv_weight=self.floats[0].data_ptr(),
+                A_log=self.floats[1].data_ptr(),
+                dt_bias=self.floats[2].data_ptr(),
+                norm=g.out_norm.scale.data_ptr(),
+                conv_state=state.conv.data_ptr(),
+                state=state.state.data_ptr(),
+                num_slots=state.state.shape[0],
+                key_heads=shape.num_key_heads,
+                value_heads=shape.num_value_heads,
+                key_dim=shape.key_head_dim,
+                value_dim=shape.value_head_dim,
+                conv_kernel=shape.conv_kernel,
+                tiled=int(shape.tiled_value_heads),
+            )
         )

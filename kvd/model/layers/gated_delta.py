@@ -34,12 +34,12 @@ class GatedRMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.empty(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if cpu_native.supports(x) and x.dtype == self.scale.dtype:
-            normed = cpu_native.rms_norm(x, self.scale, self.eps)  # each head in one fixed order
-        else:
-            h = x.float()
-            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-            normed = self.scale * h.to(x.dtype)
+        if cpu_native.supports(x) and x.dtype == self.scale.dtype == gate.dtype:
+            # each head in one fixed order, and the native layer loop's SiLU
+            return cpu_native.gated_rms_norm(x, gate, self.scale, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.scale * h.to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
