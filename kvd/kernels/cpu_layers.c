@@ -193,7 +193,8 @@ static inline float sigmoid(float g) {
 static inline __m256 sigmoid8(__m256 g) {
     const __m256 e = exp_nonpositive(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));
     const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
-    return _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    const __m256 s = _mm256_div_ps(num, _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    return _mm256_blendv_ps(s, g, _mm256_cmp_ps(g, g, _CMP_UNORD_Q));  // a NaN gate stays NaN (exp's clamp hides it)
 }
 #endif
 
@@ -371,8 +372,9 @@ int kvd_decode_layers(const kvd_shape* m, const kvd_layer* layers, int64_t num_l
     const int64_t qkv_size = (m->output_gate ? 2 : 1) * q_size + 2 * kv_size, I = m->intermediate;
     char* x = malloc(elem * (size_t)(S * m->hidden));
     char* qkv = malloc(elem * (size_t)(S * qkv_size));
-    char* qh = malloc(elem * (size_t)(S * q_size));  // with output_gate: the queries, then the gates
-    char* gate = malloc(elem * (size_t)(S * q_size));
+    const int64_t gated = m->output_gate ? S * q_size : 1;  // with output_gate: the queries, then the gates
+    char* qh = malloc(elem * (size_t)gated);
+    char* gate = malloc(elem * (size_t)gated);
     char* att = malloc(elem * (size_t)(S * q_size));
     char* gate_up = malloc(elem * (size_t)(S * 2 * I));
     char* act = malloc(elem * (size_t)(S * I));

@@ -612,11 +612,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         raise NativeKernelError(
             f"gated_rms_norm: x {tuple(x.shape)}, gate {tuple(gate.shape)} and weight {tuple(weight.shape)} differ"
         )
-    x, gate = x.contiguous(), gate.contiguous()
+    x, gate, weight = x.contiguous(), gate.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     D = x.shape[-1]
     library().kvd_gated_rms_norm(
-        _ptr(x), _ptr(gate), _ptr(out), x.numel() // D, 1, D, _ptr(weight.contiguous()), eps, bf16, _threads()
+        _ptr(x), _ptr(gate), _ptr(out), x.numel() // D, 1, D, _ptr(weight), eps, bf16, _threads()
     )
     return out
 

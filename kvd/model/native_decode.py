@@ -4,6 +4,8 @@ Between kernels, a Python layer loop costs more than the kernels of a small mode
 a dozen calls, and the weights streamed through the caches evict the interpreter's own data between them. When
 every piece of the model has a native kernel, a step whose tokens all decode (one new token per sequence) runs
 the layer loop in C instead: the same kernels in the same order as the Python loop, so the results are equal.
+A layer may be attention (gated or not) or a Gated DeltaNet (Qwen3.5's linear attention: kvd_layer.recurrent,
+with the step's recurrent rows).
 Quantized linears take any batch; float32 ones up to linear.NATIVE_MAX_ROWS (beyond, torch's matmul is faster)
 unless batch invariance keeps them native; bfloat16 ones only with batch invariance (else torch multiplies them).
 """
@@ -141,11 +143,13 @@ class NativeDecoder:
         firsts = [attn.qkv_proj, *(g.in_proj_qkv for g in _deltas(layers)[:1])]
         # A mixture of experts rebuilt (its weights replaced or moved) has a new native struct: bound anew.
         moes = tuple(getattr(m.native(), "address", 0) for m in _mixtures(layers))
+        states = tuple(g.state.state.data_ptr() for g in _deltas(layers) if g.state is not None)
         return (
             *(id(m) for m in firsts),
             *(native_parts(m)[0].qs if hasattr(m, "native_weight") else 0 for m in firsts),
             attn.kv_cache.data_ptr(),
             *moes,
+            *states,
         )
 
     @staticmethod
@@ -176,15 +180,7 @@ class NativeDecoder:
             )
             if n is not None
         ]
-        states = [g.state for g in _deltas(layers)]
-        if any(
-            s is None
-            or s.state.device.type != "cpu"
-            or s.state.dtype != torch.float32
-            or s.conv.dtype != dtype
-            or not (s.state.is_contiguous() and s.conv.is_contiguous())
-            for s in states
-        ) or any(g.out_norm.scale.dtype != dtype for g in _deltas(layers)):
+        if not all(_delta_native(g, dtype) for g in _deltas(layers)):
             return False
         tables = [rotary.cos_sin_cache for rotary in model.layer_rotaries()]
         return (
@@ -232,6 +228,23 @@ class NativeDecoder:
             attn.decode.context_lens,
             None if step is None else (step.starts_t, *step.kernel_args),
         )
+
+
+def _delta_native(g: GatedDeltaNet, dtype: torch.dtype) -> bool:
+    """Whether the loop can run this Gated DeltaNet: its slots bound on the CPU in the shapes kvd_gated_delta
+    writes (the loop reads only their addresses), its norm in the model's dtype."""
+    shape, s = g.shape, g.state
+    return (
+        s is not None
+        and s.state.device.type == "cpu"
+        and s.state.dtype == torch.float32
+        and s.conv.dtype == dtype
+        and s.state.is_contiguous()
+        and s.conv.is_contiguous()
+        and s.conv.shape == (s.state.shape[0], shape.conv_kernel - 1, shape.conv_dim)
+        and s.state.shape[1:] == (shape.num_value_heads, shape.key_head_dim, shape.value_head_dim)
+        and g.out_norm.scale.dtype == dtype
+    )
 
 
 class _DeltaStruct:
