@@ -576,6 +576,25 @@ static inline __m256i reduce8(const __m256i* v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// A super-block's float steps for the 8 outputs (row_outputs' two fmas each, the same bits).
+static inline __m256 float_steps8(__m256 acc, __m256i sumi, __m256i summ, __m256 da8, __m256 db8, float dx) {
+    const __m256 d = _mm256_set1_ps(dx);
+    const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(da8, d), acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), summ)), _mm256_mul_ps(db8, d),
+                           part);
+}
+
+// Outputs n0 .. n0 + 7 of activation rows m0 .. m1 - 1 from their accumulators, the bias added.
+static inline void store_outputs8(const kvd_weight* w, int64_t n0, int64_t m0, int64_t m1, const __m256* acc, void* y,
+                                  int y_bf16) {
+    for (int64_t m = m0; m < m1; m++) {
+        _Alignas(32) float out[ROWS8];
+        _mm256_store_ps(out, acc[m - m0]);
+        for (int r = 0; r < ROWS8; r++)
+            store_f(y, m * w->n + n0 + r, out[r] + (w->bias ? w->bias[n0 + r] : 0.f), y_bf16);
+    }
+}
+
 // The 8 rows' sumi (as super_dot's) against activation codes a; `signed_codes` a constant at each call.
 static inline __attribute__((always_inline)) __m256i sums8(int signed_codes, const prepared_block* p, const int8_t* a) {
     __m256i tot[ROWS8];
@@ -618,18 +637,10 @@ static void rows8_outputs(const kvd_weight* w, int64_t n0, int64_t m0, int64_t m
             __m256i mins[ROWS8];
             for (int r = 0; r < ROWS8; r++) mins[r] = _mm256_madd_epi16(_mm256_load_si256((const __m256i*)p[r].u.min), bs);
             const __m256i summ = reduce8(mins);
-            const __m256 d = _mm256_set1_ps(dx[m * nb + s]);
-            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(da8, d), acc[m - m0]);
-            acc[m - m0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), summ)),
-                                          _mm256_mul_ps(db8, d), part);
+            acc[m - m0] = float_steps8(acc[m - m0], sumi, summ, da8, db8, dx[m * nb + s]);
         }
     }
-    for (int64_t m = m0; m < m1; m++) {
-        _Alignas(32) float out[ROWS8];
-        _mm256_store_ps(out, acc[m - m0]);
-        for (int r = 0; r < ROWS8; r++)
-            store_f(y, m * w->n + n0 + r, out[r] + (w->bias ? w->bias[n0 + r] : 0.f), y_bf16);
-    }
+    store_outputs8(w, n0, m0, m1, acc, y, y_bf16);
 }
 
 // ---- AVX2, few activation rows: Q4_K, Q5_K and Q6_K decoded straight into registers ----------------------------
@@ -733,18 +744,10 @@ static inline __attribute__((always_inline)) void rows8_direct(int32_t type, con
                 mm[r] = _mm256_madd_epi16(mins[r], bs);
             }
             const __m256i sumi = reduce8(tot), summ = reduce8(mm);
-            const __m256 d = _mm256_set1_ps(dx[m * nb + s]);
-            const __m256 part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_mul_ps(da8, d), acc[m - m0]);
-            acc[m - m0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_setzero_si256(), summ)),
-                                          _mm256_mul_ps(db8, d), part);
+            acc[m - m0] = float_steps8(acc[m - m0], sumi, summ, da8, db8, dx[m * nb + s]);
         }
     }
-    for (int64_t m = m0; m < m1; m++) {
-        _Alignas(32) float out[ROWS8];
-        _mm256_store_ps(out, acc[m - m0]);
-        for (int r = 0; r < ROWS8; r++)
-            store_f(y, m * w->n + n0 + r, out[r] + (w->bias ? w->bias[n0 + r] : 0.f), y_bf16);
-    }
+    store_outputs8(w, n0, m0, m1, acc, y, y_bf16);
 }
 
 // The 8 rows' outputs by the fastest path for their type and row count.
