@@ -132,8 +132,8 @@ static inline __m256i dot_u8_i8(__m256i acc, __m256i w, __m256i a) {
 // and, for 4- and 5-bit weights, acc = fma(mn[n,b], sx[m,b], acc); y = acc + bias. isum, the block's sum of code x
 // activation products, is an exact integer however it is computed (integer SIMD, VNNI, AMX tiles), and the float
 // steps are the same in every path: each output is the same whatever the row count, the path taken or the CPU
-// (batch invariance). Small batches run weight rows eight at a time, one float lane each (with AVX-512 VNNI, up to
-// ROW_TILE activation rows a pass over a group's blocks, each unpacked once); from VNNI_MIN_ROWS on a CPU with
+// (batch invariance). Small batches run weight rows eight at a time, one float lane each (up to ROW_TILE
+// activation rows a pass over a group's blocks, each pair unpacked once); from VNNI_MIN_ROWS on a CPU with
 // AVX-512 VNNI, VNNI outer products; 8-bit weights from AMX_MIN_ROWS rows on a CPU with AMX, tiles of 16
 // weight rows x 16 activation rows.
 
@@ -225,18 +225,17 @@ static inline __attribute__((always_inline)) __m256i block_lanes(int bits, const
     return dot_u8_i8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
 
-// One row's pair of 4-bit blocks (32 bytes at p) against a_lo (codes 0-15 of both activation blocks) and a_hi
-// (codes 16-31): lanes 0-3 sum the first block, lanes 4-7 the second. No lane crossing, unlike unpack_q4. 5-bit
-// blocks: q0, q1 the pair's fifth bits.
-static inline __attribute__((always_inline)) __m256i pair_lanes(int bits, const uint8_t* p, uint32_t q0, uint32_t q1,
-                                                               __m256i a_lo, __m256i a_hi) {
+// One row's pair of 4-bit blocks (32 bytes at p) as *lo (codes 0-15 of both blocks) and *hi (codes 16-31), to meet
+// the activations' a_lo and a_hi (dot2_u8_i8: lanes 0-3 sum the first block, lanes 4-7 the second). No lane
+// crossing, unlike unpack_q4. 5-bit blocks: q0, q1 the pair's fifth bits.
+static inline __attribute__((always_inline)) void pair_codes(int bits, const uint8_t* p, uint32_t q0, uint32_t q1,
+                                                            __m256i* lo, __m256i* hi) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)p), low = _mm256_set1_epi8(0x0f);
-    __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+    *lo = _mm256_and_si256(w, low), *hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
     if (bits == 5) {
-        lo = _mm256_or_si256(lo, fifth_bytes((q0 & 0xffff) | q1 << 16));
-        hi = _mm256_or_si256(hi, fifth_bytes(q0 >> 16 | (q1 & 0xffff0000u)));
+        *lo = _mm256_or_si256(*lo, fifth_bytes((q0 & 0xffff) | q1 << 16));
+        *hi = _mm256_or_si256(*hi, fifth_bytes(q0 >> 16 | (q1 & 0xffff0000u)));
     }
-    return dot2_u8_i8(lo, a_lo, hi, a_hi);
 }
 
 // Lane j of *first = the sum of v[j]'s lanes 0-3, of *second = the sum of its lanes 4-7 (exact integers).
@@ -267,7 +266,7 @@ static inline __attribute__((always_inline)) __m256 block_step(int bits, __m256 
     return bits != 8 ? _mm256_fmadd_ps(load_f16x8(mn + b * KVD_GROUP_ROWS), _mm256_set1_ps(x->sx[i]), acc) : acc;
 }
 
-// Activation rows a group's pass takes at once (AVX-512 VNNI: each weight block is unpacked once for all of them).
+// Activation rows a group's pass takes at once (each pair of 4- or 5-bit weight blocks is unpacked once for all).
 #define ROW_TILE 4
 
 #if KVD_VNNI512 && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -372,14 +371,19 @@ static inline __attribute__((always_inline)) void group_tile(int bits, int R, co
 #if PAIRS512
         pair_sums512(bits, R, p, qh, b, a0, a1, first, second);
 #else
+        // Each row's pair unpacked once for the R activation rows.
+        __m256i a_lo[ROW_TILE], a_hi[ROW_TILE], tile[ROW_TILE][KVD_GROUP_ROWS];
         for (int i = 0; i < R; i++) {
-            const __m256i a_lo = _mm256_permute2x128_si256(a0[i], a1[i], 0x20);
-            const __m256i a_hi = _mm256_permute2x128_si256(a0[i], a1[i], 0x31);
-            for (int j = 0; j < KVD_GROUP_ROWS; j++)
-                lanes[j] = pair_lanes(bits, p + j * KVD_QBLOCK, qh ? qh[b * KVD_GROUP_ROWS + j] : 0,
-                                      qh ? qh[(b + 1) * KVD_GROUP_ROWS + j] : 0, a_lo, a_hi);
-            hsum8x8_halves(lanes, first + i, second + i);
+            a_lo[i] = _mm256_permute2x128_si256(a0[i], a1[i], 0x20);
+            a_hi[i] = _mm256_permute2x128_si256(a0[i], a1[i], 0x31);
         }
+        for (int j = 0; j < KVD_GROUP_ROWS; j++) {
+            __m256i lo, hi;
+            pair_codes(bits, p + j * KVD_QBLOCK, qh ? qh[b * KVD_GROUP_ROWS + j] : 0,
+                       qh ? qh[(b + 1) * KVD_GROUP_ROWS + j] : 0, &lo, &hi);
+            for (int i = 0; i < R; i++) tile[i][j] = dot2_u8_i8(lo, a_lo[i], hi, a_hi[i]);
+        }
+        for (int i = 0; i < R; i++) hsum8x8_halves(tile[i], first + i, second + i);
 #endif
         for (int i = 0; i < R; i++) {
             acc[i] = block_step(bits, acc[i], first[i], d, mn, b, x, (m0 + i) * nb + b);
@@ -404,16 +408,14 @@ static inline __attribute__((always_inline)) void group_tile(int bits, int R, co
     }
 }
 
-// Outputs n0 .. n0 + rows - 1 (one group) for every activation row, ROW_TILE rows a pass where the weights'
-// unpacking is shared (AVX-512 VNNI), one otherwise.
+// Outputs n0 .. n0 + rows - 1 (one group) for every activation row, ROW_TILE rows a pass: each pair of 4- or
+// 5-bit blocks unpacked once for them.
 static inline __attribute__((always_inline)) void group_rows(int bits, const kvd_weight* w, int64_t n0, int64_t rows,
                                                             const quantized_rows* x, void* y, int y_bf16) {
     int64_t m = 0;
-#if PAIRS512
     for (; m + ROW_TILE <= x->M; m += ROW_TILE) group_tile(bits, ROW_TILE, w, n0, rows, x, m, y, y_bf16);
     if (x->M - m == 3) group_tile(bits, 3, w, n0, rows, x, m, y, y_bf16), m += 3;
     if (x->M - m == 2) group_tile(bits, 2, w, n0, rows, x, m, y, y_bf16), m += 2;
-#endif
     for (; m < x->M; m++) group_tile(bits, 1, w, n0, rows, x, m, y, y_bf16);
 }
 #endif
